@@ -1,0 +1,26 @@
+# Sourced by scripts/demo.sh and scripts/test.sh: create (once) and refresh the virtual environment
+# with the three live Keras 3 backends, then export what every run needs. Idempotent: a stamp file
+# holding the hash of the requirements skips pip when nothing changed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+VENV="$ROOT/.venv"
+# torch is pinned to the CPU build here (a loose requirement pulls several GB of CUDA wheels); the
+# package itself only asks for torch>=2.1 in its extra.
+REQS=("torch==2.13.0" "keras==3.15.*" "tensorflow-cpu==2.21.*" "jax[cpu]>=0.4.30" -e "$ROOT[dev]")
+stamp="$VENV/.distkeras-reqs"
+want="$(printf '%s\n' "${REQS[@]}" | cat - "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  "$VENV/bin/python" -m pip install --quiet "${REQS[@]}"
+  echo "$want" > "$stamp"
+fi
+# Keras reads its default backend from $KERAS_HOME/keras.json; keep ours apart from the user's (and
+# from keras-mxnet's, which rewrites it to "mxnet").
+export KERAS_HOME="$VENV/keras-home"
+mkdir -p "$KERAS_HOME"
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,69 @@
+"""Run the test suites, each in its own process (Keras fixes its backend at import), and add them up.
+
+Suites: the pure core (no framework needed), then tests/backends once per live Keras backend with
+KERAS_BACKEND set. Prints one closing line, "tests: N passed, N failed, N skipped", and exits non-zero
+if any suite failed or errored. Extra arguments go to every pytest run (e.g. -k, -x).
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SUITES = [
+    ("core", {}, ["tests/core"]),
+    ("tensorflow", {"KERAS_BACKEND": "tensorflow"}, ["tests/backends"]),
+    ("jax", {"KERAS_BACKEND": "jax"}, ["tests/backends"]),
+    ("torch", {"KERAS_BACKEND": "torch"}, ["tests/backends"]),
+]
+
+
+def count(junit_path):
+    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    if not os.path.exists(junit_path):
+        return totals
+    for suite in ET.parse(junit_path).getroot().iter("testsuite"):
+        tests = int(suite.get("tests", 0))
+        failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        skipped = int(suite.get("skipped", 0))
+        totals["failed"] += failed
+        totals["skipped"] += skipped
+        totals["passed"] += tests - failed - skipped
+    return totals
+
+
+def main(argv):
+    only = os.environ.get("DISTKERAS_SUITES", "").split(",") if os.environ.get("DISTKERAS_SUITES") else None
+    totals = {"passed": 0, "failed": 0, "skipped": 0}
+    failed_suites = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, env, paths in SUITES:
+            if only and name not in only:
+                continue
+            junit = os.path.join(tmp, name + ".xml")
+            print("\n==== suite: {} ====".format(name), flush=True)
+            started = time.time()
+            code = subprocess.call(
+                [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--junitxml", junit, *paths, *argv],
+                cwd=ROOT,
+                env={**os.environ, **env},
+            )
+            got = count(junit)
+            print("==== suite {}: {passed} passed, {failed} failed, {skipped} skipped in {:.0f}s (exit {})".format(
+                name, time.time() - started, code, **got), flush=True)
+            for key in totals:
+                totals[key] += got[key]
+            if code not in (0, 5) or got["failed"]:
+                failed_suites.append(name)
+    if failed_suites:
+        print("failed suites: " + ", ".join(failed_suites))
+    print("tests: {passed} passed, {failed} failed, {skipped} skipped".format(**totals))
+    return 1 if failed_suites or totals["passed"] == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

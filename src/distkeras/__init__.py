@@ -1,0 +1,52 @@
+"""distkeras: train a Keras model on many devices and many machines with one unchanged call.
+
+    model = distkeras.distribute(model, devices=4)
+
+Importing distkeras imports no deep-learning framework; the active backend's adapter is loaded the
+first time it is needed. Part of the Python 3.6-compatible core.
+"""
+
+from .api import describe, distribute, global_batch_size, use_cpu_devices
+from .cluster import Cluster
+from .devices import Device
+from .errors import (
+    BackendError,
+    BackendUnavailableError,
+    ClusterError,
+    DeviceSpecError,
+    DistKerasError,
+    LaunchError,
+    ModelError,
+    OptionError,
+    ShardError,
+    TooLateError,
+)
+from .sharding import shard, shard_bounds
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError",
+    "BackendUnavailableError",
+    "Cluster",
+    "ClusterError",
+    "Device",
+    "DeviceSpecError",
+    "DistKerasError",
+    "LaunchError",
+    "ModelError",
+    "OptionError",
+    "ShardError",
+    "TooLateError",
+    "describe",
+    "distribute",
+    "global_batch_size",
+    "shard",
+    "shard_bounds",
+    "use_cpu_devices",
+]
+
+from . import api as _api  # noqa: E402
+
+_api.install_log_handler()
+_api.apply_env_cpu_devices()

@@ -1,0 +1,235 @@
+"""The public calls: resolve the backend, parse the devices, read the cluster, delegate to the adapter.
+
+Glue only; every decision with a rule in it lives in a module of its own. Part of the Python
+3.6-compatible core.
+"""
+
+import logging
+import os
+import sys
+import weakref
+from typing import Dict, List, Optional
+
+from . import backends, cluster as cluster_lib, devices as devices_lib, sharding
+from .errors import DeviceSpecError, ModelError, TooLateError
+
+logger = logging.getLogger("distkeras")
+
+#: The environment variable that splits the host CPU into N devices (read at ``import distkeras``).
+CPU_DEVICES_ENV = "DISTKERAS_CPU_DEVICES"
+
+_described = weakref.WeakKeyDictionary()  # type: weakref.WeakKeyDictionary
+
+
+class _RankZero(logging.Filter):
+    """Only rank 0 speaks; other ranks log warnings and errors only."""
+
+    def filter(self, record):
+        if record.levelno >= logging.WARNING:
+            return True
+        try:
+            return cluster_lib.from_env().rank == 0
+        except Exception:  # a malformed environment is reported by distribute(), not by a log line
+            return True
+
+
+def install_log_handler():
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("distkeras: %(message)s"))
+    handler.addFilter(_RankZero())
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _check_count(count, what):
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise DeviceSpecError("Expected a positive int for {}. Received: {!r}".format(what, count))
+
+
+def use_cpu_devices(count):
+    # type: (int) -> None
+    """Split the host CPU into ``count`` devices, so data-parallel code runs on a machine without GPUs.
+
+    TensorFlow gets ``count`` logical CPU devices, JAX ``count`` host-platform devices, PyTorch ``count``
+    CPU worker processes. Call it before the backend initialises — before any model is built — or set
+    ``DISTKERAS_CPU_DEVICES=count`` in the environment, which ``import distkeras`` applies.
+
+    Args:
+        count: the number of CPU devices, >= 1.
+
+    Raises:
+        DeviceSpecError: ``count`` is not a positive int.
+        TooLateError: the backend already initialised its devices (with another count).
+
+    Example:
+        >>> import distkeras
+        >>> distkeras.use_cpu_devices(2)      # before building the model
+    """
+    _check_count(count, "use_cpu_devices(count)")
+    os.environ[CPU_DEVICES_ENV] = str(count)  # worker processes started later inherit it
+    backends.get(backends.active_name()).set_cpu_devices(count)
+
+
+def apply_env_cpu_devices():
+    """Applied at import: honour DISTKERAS_CPU_DEVICES; a problem is reported by distribute() instead."""
+    value = os.environ.get(CPU_DEVICES_ENV, "").strip()
+    if not value:
+        return
+    try:
+        use_cpu_devices(int(value))
+    except Exception as exc:  # import must not fail; _env_cpu_devices() re-raises it where it matters
+        logger.debug("DISTKERAS_CPU_DEVICES=%s not applied at import: %s", value, exc)
+
+
+def _env_cpu_devices():
+    # type: () -> Optional[int]
+    value = os.environ.get(CPU_DEVICES_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise DeviceSpecError("Expected a positive int in {}. Received: {}={!r}".format(CPU_DEVICES_ENV, CPU_DEVICES_ENV, value))
+    return count
+
+
+def _check_virtual_cpus(available, name):
+    requested = _env_cpu_devices()
+    if requested is None or any(d.is_accelerator for d in available):
+        return
+    cpus = [d for d in available if d.kind == "cpu"]
+    if len(cpus) != requested:
+        raise TooLateError(
+            "{}={} asks for {} CPU devices, but the {} backend had already started with {}. Import distkeras "
+            "(or call distkeras.use_cpu_devices({})) before building any model or running any op.".format(
+                CPU_DEVICES_ENV, requested, requested, name, len(cpus), requested
+            )
+        )
+
+
+def _adapter_for(model):
+    if backends.keras_package(model) is None:
+        raise ModelError(
+            "Expected a Keras model (keras.Model, keras.Sequential or a subclass). Received: {!r} of type {}".format(
+                model, type(model).__name__
+            )
+        )
+    return backends.get(backends.active_name(model))
+
+
+def _record(model, name, devices, cluster, distributed):
+    info = {
+        "backend": name,
+        "devices": [str(d) for d in devices],
+        "replicas": len(devices) * cluster.world_size,
+        "rank": cluster.rank,
+        "workers": cluster.world_size,
+        "distributed": distributed,
+    }
+    try:
+        _described[model] = info
+    except TypeError:  # not weak-referenceable: describe() then reports the defaults
+        pass
+    return info
+
+
+def distribute(model, devices=None, **options):
+    """Make a built Keras model train data-parallel on ``devices``.
+
+    The returned model has the same architecture, weights and compile configuration (optimizer with
+    its hyper-parameters and state, loss, metrics). Its ``fit``/``evaluate``/``predict`` run on every
+    device; the ``batch_size`` given to ``fit`` is the global batch, split evenly over the replicas,
+    and each step computes what one device would compute on that whole batch. ``save()`` writes the
+    plain single-device model, which loads in Keras without distkeras.
+
+    Args:
+        model: a built ``keras.Model`` (compiled or not).
+        devices: ``None``/``"auto"`` (every accelerator, else every CPU device), an int N (the first N),
+            a list of accelerator ids, or device strings such as ``"gpu:0"``, ``"/device:GPU:1"``.
+        **options: backend options; each adapter lists the ones it accepts (an unknown one is an error).
+
+    Returns:
+        The data-parallel model; the model itself when one device is asked for in a one-process job.
+
+    Raises:
+        ModelError: ``model`` is not a built Keras model, or can't be rebuilt on the devices.
+        DeviceSpecError: ``devices`` is malformed or names a device that isn't there.
+        BackendError / BackendUnavailableError: the Keras backend is unsupported or not installed.
+        OptionError: an option the backend doesn't know.
+
+    Example:
+        >>> model = distkeras.distribute(model, devices=2)   # distkeras: the one added line
+        >>> model.fit(x, y, batch_size=64)                    # 32 samples per device
+    """
+    adapter = _adapter_for(model)
+    adapter.check_options(options)
+    if not getattr(model, "built", False):
+        raise ModelError(
+            "The model is not built, so it has no weights to replicate yet. Build it first: give it an "
+            "Input layer, call model.build(input_shape), or call it once on a batch of data."
+        )
+    cluster = cluster_lib.from_env()
+    available = adapter.list_devices()
+    _check_virtual_cpus(available, adapter.name)
+    chosen = devices_lib.parse(devices, available)
+    if len(chosen) == 1 and not cluster.is_multi_worker:
+        logger.info("one device (%s): the model is returned unchanged, nothing to distribute", chosen[0])
+        _record(model, adapter.name, chosen, cluster, distributed=False)
+        return model
+    result = adapter.distribute(model, chosen, cluster, **options)
+    info = _record(result, adapter.name, chosen, cluster, distributed=True)
+    logger.info(
+        "%s backend, %d replica(s) on %s%s; fit()'s batch_size is the global batch, split evenly",
+        adapter.name,
+        info["replicas"],
+        ", ".join(info["devices"]),
+        " x {} workers".format(cluster.world_size) if cluster.is_multi_worker else "",
+    )
+    return result
+
+
+def describe(model):
+    # type: (object) -> Dict[str, object]
+    """What distkeras did with ``model``.
+
+    Returns:
+        A dict with ``backend``, ``devices`` (strings), ``replicas`` (over all workers), ``rank``,
+        ``workers`` and ``distributed`` (False for a model distkeras left unchanged or never saw).
+    """
+    adapter = _adapter_for(model)
+    try:
+        known = _described.get(model)
+    except TypeError:
+        known = None
+    if known is not None:
+        return dict(known)
+    cluster = cluster_lib.from_env()
+    first = devices_lib.parse(1, adapter.list_devices())
+    return _record(model, adapter.name, first, cluster._replace(world_size=1), distributed=False)
+
+
+def global_batch_size(per_device, devices=None):
+    # type: (int, object) -> int
+    """The global batch for ``per_device`` samples on each replica: the "32 per GPU" habit.
+
+    Args:
+        per_device: samples per replica per step.
+        devices: a model returned by :func:`distribute`, or a device spec as :func:`distribute` takes
+            (``None`` = every device); multiplied by the number of workers in a multi-worker job.
+
+    Example:
+        >>> distkeras.global_batch_size(32, devices=4)
+        128
+    """
+    if backends.keras_package(devices) is not None:
+        replicas = describe(devices)["replicas"]
+    else:
+        adapter = backends.get(backends.active_name())
+        chosen = devices_lib.parse(devices, adapter.list_devices())  # type: List[devices_lib.Device]
+        replicas = len(chosen) * cluster_lib.from_env().world_size
+    return sharding.global_batch_size(per_device, replicas)

@@ -1,0 +1,161 @@
+"""Backend registry: which Keras backend is active, and its adapter, imported only when asked for.
+
+Nothing here imports a framework. The active backend is read, in order, from the model given (its
+Keras package), from an already-imported ``keras``, from ``KERAS_BACKEND``, from Keras' config file
+(``$KERAS_HOME/keras.json`` or ``~/.keras/keras.json``), else ``"tensorflow"`` — the order Keras itself
+uses. Part of the Python 3.6-compatible core.
+"""
+
+import importlib
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+from typing import Callable, Dict, Optional
+
+from ..errors import BackendError, BackendUnavailableError
+
+#: Keras backend name -> "module:Class" of its adapter.
+REGISTRY = {
+    "tensorflow": "distkeras.backends.tensorflow:TensorFlowAdapter",
+    "jax": "distkeras.backends.jax:JaxAdapter",
+    "torch": "distkeras.backends.torch:TorchAdapter",
+    "mxnet": "distkeras.backends.mxnet:MXNetAdapter",
+    "cntk": "distkeras.backends.cntk:CNTKAdapter",
+}
+
+#: Backends Keras has that distkeras deliberately does not serve, and why.
+UNSUPPORTED = {
+    "numpy": "Keras' numpy backend runs inference only; it cannot train",
+    "openvino": "Keras' openvino backend runs inference only; it cannot train",
+    "theano": "Theano has been unmaintained since 2017 and has no multi-device training to build on",
+}
+
+_adapters = {}  # type: Dict[str, object]
+
+
+def is_installed(module):
+    # type: (str) -> bool
+    """True when ``module`` can be imported (checked without importing it). The one place tests patch."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _check_name(name, where):
+    if name in REGISTRY:
+        return name
+    if name in UNSUPPORTED:
+        raise BackendError(
+            "The Keras backend {!r} (from {}) is not supported by distkeras: {}. Supported backends: {}. "
+            "Set KERAS_BACKEND to one of them.".format(name, where, UNSUPPORTED[name], ", ".join(REGISTRY))
+        )
+    raise BackendError(
+        "Unknown Keras backend {!r} (from {}). Expected one of: {}. Set KERAS_BACKEND to one of them.".format(
+            name, where, ", ".join(REGISTRY)
+        )
+    )
+
+
+def _config_file_backend():
+    # type: () -> Optional[str]
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    path = os.path.join(home, "keras.json")
+    try:
+        with open(path) as handle:
+            value = json.load(handle).get("backend")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def keras_package(model):
+    # type: (object) -> Optional[str]
+    """The Keras package a model comes from: ``"keras"`` or ``"tf_keras"``; None if it is no Keras model."""
+    for cls in type(model).__mro__:
+        root = cls.__module__.split(".")[0]
+        if root in ("keras", "tf_keras") and cls.__name__ in ("Model", "Functional", "Sequential", "Layer"):
+            return root
+    return None
+
+
+def active_name(model=None):
+    # type: (object) -> str
+    """The name of the Keras backend in use (validated against :data:`REGISTRY`).
+
+    Raises:
+        BackendError: the backend is unknown, or known to Keras but not served by distkeras.
+    """
+    package = keras_package(model) if model is not None else None
+    if package == "tf_keras":
+        return "tensorflow"
+    if package is None and model is None and "keras" in sys.modules:
+        package = "keras"
+    if package == "keras" and hasattr(sys.modules.get("keras"), "backend"):
+        return _check_name(sys.modules["keras"].backend.backend(), "keras.backend.backend()")
+    if os.environ.get("KERAS_BACKEND"):
+        return _check_name(os.environ["KERAS_BACKEND"], "KERAS_BACKEND")
+    configured = _config_file_backend()
+    if configured:
+        return _check_name(configured, "keras.json")
+    return "tensorflow"
+
+
+def get(name):
+    """The adapter for backend ``name``, importing its module on first use.
+
+    Raises:
+        BackendError: ``name`` is not a supported backend.
+        BackendUnavailableError: the backend's framework is not installed.
+    """
+    _check_name(name, "the caller")
+    if name not in _adapters:
+        module_name, _, class_name = REGISTRY[name].partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        if not is_installed(cls.framework):
+            raise BackendUnavailableError(
+                "The Keras backend is {!r}, but {} is not installed. Install it with `pip install {}`, or set "
+                "KERAS_BACKEND to an installed backend.".format(name, cls.framework, cls.install_hint)
+            )
+        _adapters[name] = cls()
+    return _adapters[name]
+
+
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs a callback right after a module finishes importing (a one-shot post-import hook)."""
+
+    def __init__(self, name, callback):
+        self.name = name
+        self.callback = callback
+        self.inner = None
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name or self.inner is not None:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        self.inner = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        module.__spec__.loader = self.inner
+        module.__loader__ = self.inner
+        self.inner.exec_module(module)
+        self.callback()
+
+
+def when_imported(module, callback):
+    # type: (str, Callable[[], None]) -> None
+    """Call ``callback()`` once ``module`` is imported: now if it already is, else right after its import."""
+    if module in sys.modules:
+        callback()
+        return
+    sys.meta_path.insert(0, _AfterImport(module, callback))

@@ -1,0 +1,54 @@
+"""The adapter interface every backend implements. Part of the Python 3.6-compatible core."""
+
+import abc
+from typing import Dict, List, Sequence
+
+from ..cluster import Cluster
+from ..devices import Device
+from ..errors import OptionError
+
+
+class Adapter(abc.ABC):
+    """What distkeras needs from a backend: its devices, and a way to make a model data-parallel.
+
+    An adapter returns a real Keras model whose ``fit``/``evaluate``/``predict``/``save`` keep their
+    Keras meaning. Backend knobs pass through ``**options``; :attr:`options` names the ones an adapter
+    accepts and :meth:`check_options` rejects the rest, so a misspelt option is an error, not a no-op.
+    """
+
+    #: The Keras backend name this adapter serves ("tensorflow", "jax", "torch", "mxnet", "cntk").
+    name = ""
+    #: The framework module whose presence :meth:`is_available` checks.
+    framework = ""
+    #: The pip requirement that installs the framework, for error messages.
+    install_hint = ""
+    #: Option names :meth:`distribute` accepts, with a one-line description each.
+    options = {}  # type: Dict[str, str]
+
+    @abc.abstractmethod
+    def list_devices(self):
+        # type: () -> List[Device]
+        """The devices this process can use, in the backend's order (accelerators first)."""
+
+    @abc.abstractmethod
+    def set_cpu_devices(self, count):
+        # type: (int) -> None
+        """Split the host CPU into ``count`` devices. Raises TooLateError once the backend is initialised."""
+
+    @abc.abstractmethod
+    def distribute(self, model, devices, cluster, **options):
+        # type: (object, Sequence[Device], Cluster, **object) -> object
+        """Return a Keras model equal to ``model`` (architecture, weights, compile config) that trains
+        data-parallel over ``devices`` on every worker of ``cluster``."""
+
+    def check_options(self, options):
+        # type: (Dict[str, object]) -> None
+        """Reject options this adapter doesn't know, naming the ones it does."""
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            known = ", ".join("{} ({})".format(k, v) for k, v in sorted(self.options.items())) or "none"
+            raise OptionError(
+                "Unknown option(s) {} for the {} backend. Options it accepts: {}.".format(
+                    ", ".join(unknown), self.name, known
+                )
+            )

@@ -1,0 +1,89 @@
+"""Rebuilding a Keras 3 (or tf.keras 2.x) model: same architecture, weights, compile config, optimizer state.
+
+Shared by the adapters that must recreate the user's model somewhere else (inside a tf.distribute
+strategy scope, under a keras.distribution layout). The rebuilt model is of the user's own class, so
+``save()`` writes exactly what a single-device model writes.
+"""
+
+from ..errors import ModelError
+
+
+def keras_module(model):
+    """The ``keras`` (or ``tf_keras``) module the model belongs to."""
+    import importlib
+
+    return importlib.import_module(type(model).__module__.split(".")[0])
+
+
+def _fresh(obj):
+    """A new, stateless copy of a metric/optimizer/loss object; strings and functions pass through."""
+    if hasattr(obj, "get_config") and hasattr(type(obj), "from_config"):
+        return type(obj).from_config(obj.get_config())
+    return obj
+
+
+def _fresh_tree(value):
+    if isinstance(value, dict):
+        return type(value)((k, _fresh_tree(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fresh_tree(v) for v in value)
+    return _fresh(value)
+
+
+def clone(model):
+    """A model of the same class and architecture, built, with new variables (created in the caller's scope).
+
+    Raises:
+        ModelError: a subclassed model without ``get_config``/``from_config``, which Keras can't clone.
+    """
+    keras = keras_module(model)
+    try:
+        new = keras.models.clone_model(model)
+    except (NotImplementedError, TypeError, ValueError) as exc:
+        raise ModelError(
+            "distkeras must recreate the model on the devices, and Keras can't clone a {} ({}: {}). Give the "
+            "class get_config() and from_config() (Keras needs them to save .keras files too), or build it "
+            "with the Functional API or keras.Sequential.".format(type(model).__name__, type(exc).__name__, exc)
+        )
+    if not new.built:
+        build_config = model.get_build_config() if hasattr(model, "get_build_config") else None
+        if build_config:
+            new.build_from_config(build_config)
+    if len(new.weights) != len(model.weights):
+        raise ModelError(
+            "The clone of {} has {} weights, the original {}: its get_config() misses something that "
+            "creates weights.".format(type(model).__name__, len(new.weights), len(model.weights))
+        )
+    new.set_weights(model.get_weights())
+    return new
+
+
+def compile_like(new, model):
+    """Compile ``new`` the way ``model`` was compiled, with a fresh optimizer and fresh metric objects
+    (they own variables, which must live where ``new``'s do), then copy the optimizer's state."""
+    if not getattr(model, "compiled", getattr(model, "_is_compiled", False)) or model.optimizer is None:
+        return
+    raw = getattr(model, "_compile_config", None)
+    config = dict(raw.config) if raw is not None and hasattr(raw, "config") else None
+    if config is None:
+        new.compile_from_config(model.get_compile_config())
+    else:
+        config["optimizer"] = _fresh(model.optimizer)
+        for key in ("metrics", "weighted_metrics", "loss"):
+            config[key] = _fresh_tree(config.get(key))
+        new.compile(**config)
+    copy_optimizer_state(model.optimizer, new.optimizer, new.trainable_variables)
+
+
+def copy_optimizer_state(source, target, variables):
+    """Carry a used optimizer's slots (momenta, iteration count) over to its fresh copy."""
+    if not getattr(source, "built", False) or not source.variables:
+        return
+    target.build(variables)
+    if len(source.variables) != len(target.variables):
+        raise ModelError(
+            "The optimizer's state has {} variables, its copy {}; distribute the model before training it, "
+            "or report this as a distkeras bug.".format(len(source.variables), len(target.variables))
+        )
+    for src, dst in zip(source.variables, target.variables):
+        dst.assign(src.numpy() if hasattr(src, "numpy") else src)

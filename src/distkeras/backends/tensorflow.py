@@ -1,0 +1,143 @@
+"""TensorFlow adapter: ``tf.distribute.MirroredStrategy`` over the resolved devices.
+
+The user built the model outside any strategy scope. The adapter recreates it inside the scope
+(same class, weights, compile config and optimizer state) so every variable is a mirrored one, and
+nobody restructures code around ``strategy.scope()``. Works for Keras 3 on TensorFlow and for
+tf.keras 2.x (the ``tf_keras`` package, ``TF_USE_LEGACY_KERAS=1``).
+
+One correction over plain Keras 3 + MirroredStrategy, so that every step is exactly the single-device
+step at the same global batch: Keras scales each replica's mean loss by 1/replicas, which weighs the
+replicas equally even when a batch splits unevenly (the last batch of an epoch, or any global batch that
+the replica count doesn't divide) or leaves a replica empty. The adapter weighs each replica's gradient
+by its share of the global batch instead. Reported loss values are untouched.
+"""
+
+import itertools
+from typing import List
+
+from ..devices import Device
+from ..errors import DistKerasError, OptionError, TooLateError
+from . import keras3, when_imported
+from .base import Adapter
+
+_CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
+_strategy_serial = itertools.count()
+
+
+class TensorFlowAdapter(Adapter):
+    name = "tensorflow"
+    framework = "tensorflow"
+    install_hint = "tensorflow (or tensorflow-cpu)"
+    options = {
+        "cross_device_ops": "how MirroredStrategy all-reduces: " + ", ".join(_CROSS_DEVICE_OPS),
+        "exact_loss_scaling": "weigh replicas by their share of the global batch (default True)",
+    }
+
+    def list_devices(self):
+        # type: () -> List[Device]
+        import tensorflow as tf
+
+        found = []
+        for logical in tf.config.list_logical_devices():
+            kind, _, index = logical.name.rpartition("/device:")[2].rpartition(":")
+            if kind.lower() in ("cpu", "gpu", "tpu"):
+                found.append(Device(kind.lower(), int(index)))
+        return sorted(found, key=lambda d: (d.kind == "cpu", d.kind, d.index))
+
+    def set_cpu_devices(self, count):
+        when_imported("tensorflow", lambda: _split_cpu(count))
+
+    def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True):
+        import tensorflow as tf
+
+        if cluster.is_multi_worker:
+            raise DistKerasError(
+                "This process is rank {} of {} workers ({}), and multi-worker TensorFlow training is not "
+                "implemented in this version of distkeras. Run one process per host.".format(
+                    cluster.rank, cluster.world_size, cluster.source
+                )
+            )
+        strategy = _mirrored_strategy(
+            tf, ["/{}:{}".format(d.kind, d.index) for d in devices], _cross_device_ops(tf, cross_device_ops)
+        )
+        with strategy.scope():
+            new = keras3.clone(model)
+            keras3.compile_like(new, model)
+        if exact_loss_scaling and _uses_default_compute_loss(new):
+            _weigh_replicas_by_batch_share(new, tf, strategy.num_replicas_in_sync)
+        return new
+
+
+def _split_cpu(count):
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * count)
+    except RuntimeError:
+        current = len(tf.config.list_logical_devices("CPU"))
+        if current != count:
+            raise TooLateError(
+                "TensorFlow has already started with {} CPU device(s), so it can't be split into {} now. Call "
+                "distkeras.use_cpu_devices({}) (or set DISTKERAS_CPU_DEVICES={}) before building any model or "
+                "running any TensorFlow op.".format(current, count, count, count)
+            )
+
+
+def _mirrored_strategy(tf, names, cross_device_ops):
+    """A MirroredStrategy whose collective group keys don't collide with an earlier strategy's.
+
+    Every MirroredStrategy numbers its collective groups from 1, so a second strategy over a different
+    device set in the same process joins group 1 with the wrong size and TensorFlow aborts ("joining a
+    group with size 3, but that group has size 2"). TensorFlow's own tests offset the numbering with
+    the class attribute ``_collective_key_base``; each strategy distkeras makes gets its own offset.
+    """
+    cls = tf.distribute.MirroredStrategy
+    saved = cls.__dict__.get("_collective_key_base", 0)
+    cls._collective_key_base = next(_strategy_serial) * 100000
+    try:
+        return cls(devices=names, cross_device_ops=cross_device_ops)
+    finally:
+        cls._collective_key_base = saved
+
+
+def _cross_device_ops(tf, name):
+    if name is None:
+        return None
+    if name not in _CROSS_DEVICE_OPS:
+        raise OptionError("Expected cross_device_ops in {}. Received: cross_device_ops={!r}".format(_CROSS_DEVICE_OPS, name))
+    if name == "nccl":
+        return tf.distribute.NcclAllReduce()
+    if name == "hierarchical_copy":
+        return tf.distribute.HierarchicalCopyAllReduce()
+    return tf.distribute.ReductionToOneDevice()
+
+
+def _uses_default_compute_loss(model):
+    keras = keras3.keras_module(model)
+    method = getattr(type(model), "compute_loss", None)
+    return method is not None and method is getattr(keras.Model, "compute_loss", None)
+
+
+def _weigh_replicas_by_batch_share(model, tf, replicas):
+    """Install the loss correction described in the module docstring on ``model`` (an instance attribute:
+    nothing of it is saved)."""
+    original = model.compute_loss
+
+    def compute_loss(x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        total = original(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+        context = tf.distribute.get_replica_context()
+        if total is None or context is None or context.num_replicas_in_sync == 1:
+            return total
+        # Keras adds regularisation and add_loss() terms already divided by the replica count; they
+        # don't depend on the batch and stay as they are.
+        extra = [tf.reduce_sum(tf.cast(loss, total.dtype)) / replicas for loss in model.losses]
+        extra = tf.add_n(extra) if extra else tf.zeros((), total.dtype)
+        compiled = total - extra
+        local = tf.cast(tf.shape(tf.nest.flatten(y_pred)[0])[0], total.dtype)
+        global_ = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+        share = tf.math.divide_no_nan(local * replicas, global_)
+        # Same value as Keras reports; gradient weighted by this replica's share of the global batch.
+        return tf.stop_gradient(compiled * (1.0 - share)) + compiled * share + extra
+
+    object.__setattr__(model, "compute_loss", compute_loss)

@@ -1,0 +1,49 @@
+"""The exceptions distkeras raises.
+
+Every error derives from :class:`DistKerasError`, so ``except distkeras.DistKerasError`` catches all
+of them. Each subclass is also the builtin exception a caller would expect for that kind of mistake
+(an argument error is a ``ValueError``, a missing framework an ``ImportError``), so code written
+against the builtins keeps working.
+
+This module is part of the Python 3.6-compatible core (see DESIGN.md).
+"""
+
+
+class DistKerasError(Exception):
+    """Base class of every error raised by distkeras."""
+
+
+class DeviceSpecError(DistKerasError, ValueError):
+    """The ``devices`` argument is malformed, duplicated, empty, or names a device that isn't there."""
+
+
+class BackendError(DistKerasError, ValueError):
+    """The Keras backend is unknown or not supported by distkeras."""
+
+
+class BackendUnavailableError(DistKerasError, ImportError):
+    """The framework a backend needs is not installed."""
+
+
+class ModelError(DistKerasError, ValueError):
+    """The model can't be distributed as given (not built, not clonable, not a Keras model)."""
+
+
+class OptionError(DistKerasError, ValueError):
+    """An option passed through ``**options`` is unknown to the active backend, or has a bad value."""
+
+
+class ShardError(DistKerasError, ValueError):
+    """Bad arguments to :func:`distkeras.shard` (a rank outside 0..workers-1, arrays of unequal length)."""
+
+
+class ClusterError(DistKerasError, ValueError):
+    """The multi-worker environment (TF_CONFIG, RANK/WORLD_SIZE, MPI variables) is malformed."""
+
+
+class TooLateError(DistKerasError, RuntimeError):
+    """A setting that must come before the backend initialises came after it."""
+
+
+class LaunchError(DistKerasError, RuntimeError):
+    """Starting, watching or stopping worker processes failed."""

@@ -1,0 +1,132 @@
+"""Rank-based data sharding and batch arithmetic, written once for every backend.
+
+Two ways to split N samples over W workers, both disjoint and together covering every sample once:
+
+- ``"block"`` (the default, and the CNTK recipe's arithmetic): rank r takes ``[r*N//W, (r+1)*N//W)``.
+  Shard sizes differ by at most one.
+- ``"interleave"``: rank r takes ``x[r::W]``. With a per-rank batch of G/W, global step k then uses
+  exactly the samples one process would use at batch G, which is what adapters use inside ``fit()``.
+
+Pure Python; works on anything sliceable (numpy arrays, lists) and on tuples/lists/dicts of them.
+Part of the Python 3.6-compatible core.
+"""
+
+from typing import Tuple
+
+from .errors import ShardError
+
+MODES = ("block", "interleave")
+
+
+def _check(n, rank, workers):
+    for name, value in (("n", n), ("rank", rank), ("workers", workers)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ShardError("Expected an int for {}. Received: {}={!r}".format(name, name, value))
+    if workers < 1:
+        raise ShardError("Expected workers >= 1. Received: workers={}".format(workers))
+    if not 0 <= rank < workers:
+        raise ShardError("Expected 0 <= rank < workers. Received: rank={}, workers={}".format(rank, workers))
+    if n < 0:
+        raise ShardError("Expected a sample count >= 0. Received: n={}".format(n))
+
+
+def shard_bounds(n, rank, workers):
+    # type: (int, int, int) -> Tuple[int, int]
+    """The ``[start, end)`` block of ``n`` samples that ``rank`` of ``workers`` owns.
+
+    Args:
+        n: number of samples.
+        rank: this worker's rank, 0 .. workers-1.
+        workers: number of workers.
+
+    Returns:
+        ``(start, end)`` with ``start = rank*n//workers`` and ``end = min((rank+1)*n//workers, n)``.
+        The blocks of ranks 0..workers-1 are disjoint, in order, and cover ``range(n)``.
+
+    Example:
+        >>> [shard_bounds(10, r, 3) for r in range(3)]
+        [(0, 3), (3, 6), (6, 10)]
+    """
+    _check(n, rank, workers)
+    return rank * n // workers, min((rank + 1) * n // workers, n)
+
+
+def shard_size(n, rank, workers, mode="block"):
+    # type: (int, int, int, str) -> int
+    """How many of ``n`` samples ``rank`` gets (in either mode)."""
+    _check(n, rank, workers)
+    if mode == "interleave":
+        return len(range(rank, n, workers))
+    start, end = shard_bounds(n, rank, workers)
+    return end - start
+
+
+def _length(data):
+    if isinstance(data, dict):
+        lengths = set(_length(v) for v in data.values())
+    elif isinstance(data, (tuple, list)) and data and not _is_leaf(data):
+        lengths = set(_length(v) for v in data)
+    else:
+        return len(data)
+    if len(lengths) != 1:
+        raise ShardError("All arrays must have the same number of samples to shard them. Received lengths: {}".format(sorted(lengths)))
+    return lengths.pop()
+
+
+def _is_leaf(data):
+    # A list of numbers is data; a list of arrays is a structure of inputs.
+    return not hasattr(data[0], "__len__") or isinstance(data[0], (str, bytes))
+
+
+def _apply(data, slicer):
+    if isinstance(data, dict):
+        return type(data)((k, _apply(v, slicer)) for k, v in data.items())
+    if isinstance(data, (tuple, list)) and data and not _is_leaf(data):
+        return type(data)(_apply(v, slicer) for v in data)
+    return slicer(data)
+
+
+def shard(data, rank=None, workers=None, mode="block"):
+    """This worker's shard of ``data``.
+
+    Args:
+        data: an array-like with ``len()`` and slicing (numpy array, list), or a tuple/list/dict of them
+            with equal lengths, e.g. ``(x, y)``.
+        rank: this worker's rank; read from the launch environment when None.
+        workers: the number of workers; read from the launch environment when None.
+        mode: ``"block"`` (contiguous, the CNTK recipe) or ``"interleave"`` (``x[rank::workers]``).
+
+    Returns:
+        The same structure holding only this rank's samples. Over all ranks the shards are disjoint
+        and cover every sample once; no sample is dropped.
+
+    Raises:
+        ShardError: a bad rank/workers/mode, or arrays of different lengths.
+
+    Example:
+        >>> shard(list(range(10)), rank=2, workers=3)
+        [6, 7, 8, 9]
+    """
+    if rank is None or workers is None:
+        from .cluster import from_env
+
+        cluster = from_env()
+        rank = cluster.rank if rank is None else rank
+        workers = cluster.world_size if workers is None else workers
+    if mode not in MODES:
+        raise ShardError("Expected mode in {}. Received: mode={!r}".format(MODES, mode))
+    n = _length(data)
+    _check(n, rank, workers)
+    if mode == "interleave":
+        return _apply(data, lambda a: a[rank::workers])
+    start, end = shard_bounds(n, rank, workers)
+    return _apply(data, lambda a: a[start:end])
+
+
+def global_batch_size(per_device, replicas):
+    # type: (int, int) -> int
+    """``per_device * replicas``, checked: the global batch to pass to ``fit()``."""
+    for name, value in (("per_device", per_device), ("replicas", replicas)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ShardError("Expected a positive int for {}. Received: {}={!r}".format(name, name, value))
+    return per_device * replicas
