@@ -33,10 +33,18 @@ class _RankZero(logging.Filter):
             return True
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is logged (test runners and notebooks swap it)."""
+
+    def emit(self, record):
+        self.stream = sys.stderr
+        super(_StderrHandler, self).emit(record)
+
+
 def install_log_handler():
     if logger.handlers:
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("distkeras: %(message)s"))
     handler.addFilter(_RankZero())
     logger.addHandler(handler)

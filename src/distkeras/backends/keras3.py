@@ -16,7 +16,7 @@ def keras_module(model):
 
 
 def _fresh(obj):
-    """A new, stateless copy of a metric/optimizer/loss object; strings and functions pass through."""
+    """A new, stateless copy of a metric or optimizer object; strings and functions pass through."""
     if hasattr(obj, "get_config") and hasattr(type(obj), "from_config"):
         return type(obj).from_config(obj.get_config())
     return obj
@@ -37,7 +37,12 @@ def clone(model):
         ModelError: a subclassed model without ``get_config``/``from_config``, which Keras can't clone.
     """
     keras = keras_module(model)
+    # Keras' clone_model also compiles the clone from the *serialized* compile config, which fails for
+    # unregistered custom metrics/losses; compile_like() compiles from the live objects instead.
+    compiled = getattr(model, "compiled", None)
     try:
+        if compiled:
+            model.compiled = False
         new = keras.models.clone_model(model)
     except (NotImplementedError, TypeError, ValueError) as exc:
         raise ModelError(
@@ -45,6 +50,9 @@ def clone(model):
             "class get_config() and from_config() (Keras needs them to save .keras files too), or build it "
             "with the Functional API or keras.Sequential.".format(type(model).__name__, type(exc).__name__, exc)
         )
+    finally:
+        if compiled:
+            model.compiled = compiled
     if not new.built:
         build_config = model.get_build_config() if hasattr(model, "get_build_config") else None
         if build_config:
@@ -69,7 +77,10 @@ def compile_like(new, model):
         new.compile_from_config(model.get_compile_config())
     else:
         config["optimizer"] = _fresh(model.optimizer)
-        for key in ("metrics", "weighted_metrics", "loss"):
+        # Metrics own variables, which must be created in the new scope. Losses own none and are
+        # passed as they are: a round trip through get_config() can lose arguments (Keras 3.15's
+        # Huber forgets its delta).
+        for key in ("metrics", "weighted_metrics"):
             config[key] = _fresh_tree(config.get(key))
         new.compile(**config)
     copy_optimizer_state(model.optimizer, new.optimizer, new.trainable_variables)

@@ -65,6 +65,7 @@ class TensorFlowAdapter(Adapter):
             keras3.compile_like(new, model)
         if exact_loss_scaling and _uses_default_compute_loss(new):
             _weigh_replicas_by_batch_share(new, tf, strategy.num_replicas_in_sync)
+        _build_from_one_replica(new, tf, strategy)
         return new
 
 
@@ -111,6 +112,33 @@ def _cross_device_ops(tf, name):
     if name == "hierarchical_copy":
         return tf.distribute.HierarchicalCopyAllReduce()
     return tf.distribute.ReductionToOneDevice()
+
+
+def _build_from_one_replica(model, tf, strategy):
+    """Let fit() start with a global batch the replica count doesn't divide (32 on 3 devices).
+
+    Before its first step Keras 3 builds metrics and optimizer from one batch; with a strategy it
+    averages the replicas' batches to get one, which fails when they differ in size (TensorFlow splits
+    32 into 11+11+10). Only the batch's shapes and dtypes matter there, so take the first replica's.
+    Installed only where Keras has the method this replaces; an instance attribute, never saved.
+    """
+    if not (hasattr(model, "_maybe_symbolic_build") and hasattr(model, "_symbolic_build")):
+        return
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    def maybe_symbolic_build(iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, batches in iterator:
+                data_batch = tf.nest.map_structure(local, next(batches))
+                break
+        with strategy.scope():
+            model._symbolic_build(data_batch=data_batch)
+
+    object.__setattr__(model, "_maybe_symbolic_build", maybe_symbolic_build)
 
 
 def _uses_default_compute_loss(model):

@@ -1,0 +1,252 @@
+"""The central contract, on whichever backend KERAS_BACKEND selects: data-parallel training on N devices
+is single-device training at the same global batch, and a saved model is the plain single-device model."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.backends.harness import BACKEND, CPU_DEVICES, keras  # noqa: F401 (skips if missing)
+from tests.backends import scenarios
+
+import distkeras
+
+#: float32 SGD over a few steps: the replicas' partial sums are added in another order than one
+#: device adds them, so weights agree to rounding, not bit for bit.
+ATOL = 1e-5
+RTOL = 1e-5
+
+
+def assert_weights_close(expected, actual):
+    assert len(expected) == len(actual)
+    for e, a in zip(expected, actual):
+        np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
+
+
+@pytest.fixture(scope="module")
+def single_device_runs():
+    return {case: scenarios.train(case, 1) for case in scenarios.CASES}
+
+
+@pytest.mark.parametrize("case", sorted(scenarios.CASES))
+@pytest.mark.parametrize("devices", [2, 3])
+def test_data_parallel_equals_single_device(single_device_runs, case, devices):
+    expected_weights, expected_history = single_device_runs[case]
+    weights, history = scenarios.train(case, devices)
+    assert_weights_close(expected_weights, weights)
+    # The reported epoch loss is the global one, not one replica's.
+    np.testing.assert_allclose(history["loss"], expected_history["loss"], rtol=1e-5)
+
+
+def test_training_actually_moves_the_weights(single_device_runs):
+    initial = scenarios.build(keras).get_weights()
+    trained, _ = single_device_runs["even"]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(initial, trained)) > 1e-2
+
+
+class SampleCount(keras.metrics.Metric):
+    """Counts the samples a step saw, summed over replicas."""
+
+    def __init__(self, name="samples", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count", aggregation="sum")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.count.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], self.count.dtype))
+
+    def result(self):
+        return self.count
+
+
+def test_no_sample_is_dropped_when_sizes_divide_by_nothing():
+    # 101 samples, global batch 10, 3 replicas: 101 divides by neither 10 nor 3.
+    model = scenarios.build(keras)
+    model.compile(optimizer="sgd", loss="mse", metrics=[SampleCount()])
+    model = distkeras.distribute(model, devices=3)
+    x, y = scenarios.data(101)
+    history = model.fit(x, y, batch_size=10, epochs=2, verbose=0)
+    assert history.history["samples"] == [101.0, 101.0]
+    assert model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)["samples"] == 101.0
+    assert model.predict(x, batch_size=10, verbose=0).shape == (101, 3)
+
+
+def test_distributed_model_keeps_weights_and_compile_config():
+    model = scenarios.build(keras)
+    model.compile(
+        optimizer=keras.optimizers.Adam(learning_rate=0.0123, beta_1=0.8),
+        loss=keras.losses.Huber(delta=0.5),
+        metrics=["mae", keras.metrics.RootMeanSquaredError(name="rmse")],
+    )
+    dist = distkeras.distribute(model, devices=2)
+    assert type(dist) is type(model)
+    assert_weights_close(model.get_weights(), dist.get_weights())
+    assert type(dist.optimizer) is keras.optimizers.Adam
+    assert float(keras.ops.convert_to_numpy(dist.optimizer.learning_rate)) == pytest.approx(0.0123)
+    assert dist.optimizer.beta_1 == 0.8
+    x, y = scenarios.data(24)
+    logs = dist.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)
+    expected = model.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)
+    assert set(logs) == {"loss", "mae", "rmse"}
+    for name in logs:  # same loss (Huber with delta 0.5, not the default 1.0) and same metrics
+        assert logs[name] == pytest.approx(expected[name], rel=1e-5)
+
+
+def test_uncompiled_model_can_be_compiled_after_distribute():
+    model = scenarios.build(keras)
+    fresh = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    fresh.set_weights(model.layers[-1].get_weights()[:1] * 0 + [np.ones((5, 3), "float32"), np.zeros(3, "float32")])
+    dist = distkeras.distribute(fresh, devices=2)
+    dist.compile(optimizer="sgd", loss="mse")
+    x, y = scenarios.data(24)
+    dist.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    assert not np.allclose(dist.get_weights()[0], 1.0)
+
+
+def test_optimizer_state_carries_over():
+    # Train 1 epoch on one device with momentum, then continue: distributed continuation == single.
+    x, y = scenarios.data(96)
+
+    def start():
+        model = scenarios.build(keras)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    single = start()
+    single.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    dist = distkeras.distribute(start(), devices=2)
+    assert int(keras.ops.convert_to_numpy(dist.optimizer.iterations)) == 8
+    dist.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(single.get_weights(), dist.get_weights())
+
+
+def test_one_device_returns_the_model_unchanged(capfd):
+    model = scenarios.build(keras)
+    assert distkeras.distribute(model, devices=1) is model
+    assert "one device (cpu:0): the model is returned unchanged" in capfd.readouterr().err
+    assert distkeras.describe(model)["distributed"] is False
+
+
+def test_describe():
+    dist = distkeras.distribute(scenarios.build(keras), devices=["cpu:0", "/device:CPU:2"])
+    assert distkeras.describe(dist) == {
+        "backend": BACKEND,
+        "devices": ["cpu:0", "cpu:2"],
+        "replicas": 2,
+        "rank": 0,
+        "workers": 1,
+        "distributed": True,
+    }
+
+
+def test_global_batch_size():
+    dist = distkeras.distribute(scenarios.build(keras), devices=3)
+    assert distkeras.global_batch_size(32, dist) == 96
+    assert distkeras.global_batch_size(32, devices=2) == 64
+    assert distkeras.global_batch_size(16) == 16 * CPU_DEVICES
+
+
+_RELOAD = """
+import json, sys
+import numpy as np
+import keras
+model = keras.saving.load_model(sys.argv[1])
+plain = keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+plain.load_weights(sys.argv[2])
+x = np.load(sys.argv[3])
+np.save(sys.argv[4], model.predict(x, verbose=0))
+np.save(sys.argv[5], plain.predict(x, verbose=0))
+print(json.dumps({"distkeras": "distkeras" in sys.modules, "class": type(model).__name__,
+                  "layers": [type(l).__name__ for l in model.layers]}))
+"""
+
+
+@pytest.mark.parametrize("reload_backend", ["same", "tensorflow", "jax", "torch"])
+def test_saved_model_loads_in_plain_keras_without_distkeras(tmp_path, reload_backend):
+    target = BACKEND if reload_backend == "same" else reload_backend
+    if target != BACKEND and reload_backend == BACKEND:
+        pytest.skip("covered by 'same'")
+    from distkeras import backends
+
+    if not backends.is_installed({"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[target]):
+        pytest.skip("{} is not installed".format(target))
+    dist = distkeras.distribute(scenarios.build(keras), devices=2)
+    x, y = scenarios.data(36)
+    dist.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    dist.save(tmp_path / "m.keras")
+    dist.save_weights(tmp_path / "m.weights.h5")
+    np.save(tmp_path / "x.npy", x)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
+    env.update(KERAS_BACKEND=target, PYTHONPATH="")
+    done = subprocess.run(
+        [sys.executable, "-c", _RELOAD, str(tmp_path / "m.keras"), str(tmp_path / "m.weights.h5"),
+         str(tmp_path / "x.npy"), str(tmp_path / "p1.npy"), str(tmp_path / "p2.npy")],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"distkeras": False, "class": "Sequential", "layers": ["Dense", "Dense"]}
+    expected = dist.predict(x, verbose=0)
+    np.testing.assert_allclose(np.load(tmp_path / "p1.npy"), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.load(tmp_path / "p2.npy"), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_save_load_distribute_rounds_never_nest(tmp_path):
+    model = scenarios.build(keras)
+    for round_ in range(3):
+        model = distkeras.distribute(model, devices=2)
+        path = tmp_path / "round{}.keras".format(round_)
+        model.save(path)
+        model = keras.saving.load_model(path)
+        assert [type(l).__name__ for l in model.layers] == ["Dense", "Dense"]
+        assert len(model.weights) == 4
+    assert os.path.getsize(tmp_path / "round2.keras") <= os.path.getsize(tmp_path / "round0.keras") * 1.05
+
+
+# ---- bad input: a clear error that names what was asked, what exists and what to do
+
+
+def test_device_that_is_not_there():
+    with pytest.raises(distkeras.DeviceSpecError, match=r"You requested cpu:7; this machine has: cpu:0, cpu:1, cpu:2"):
+        distkeras.distribute(scenarios.build(keras), devices=["cpu:7"])
+
+
+def test_more_devices_than_exist():
+    with pytest.raises(distkeras.DeviceSpecError, match="You requested 9 devices; this machine has 3"):
+        distkeras.distribute(scenarios.build(keras), devices=9)
+
+
+@pytest.mark.parametrize("devices", [0, -2, []])
+def test_no_devices(devices):
+    with pytest.raises(distkeras.DeviceSpecError, match="Received: devices="):
+        distkeras.distribute(scenarios.build(keras), devices=devices)
+
+
+def test_duplicate_devices():
+    with pytest.raises(distkeras.DeviceSpecError, match="duplicates: cpu:1"):
+        distkeras.distribute(scenarios.build(keras), devices=["cpu:1", "CPU:1"])
+
+
+def test_unknown_option_names_the_known_ones():
+    with pytest.raises(distkeras.OptionError, match=r"Unknown option\(s\) num_quantisation_bits for the {}".format(BACKEND)):
+        distkeras.distribute(scenarios.build(keras), devices=2, num_quantisation_bits=8)
+
+
+def test_unbuilt_model():
+    model = keras.Sequential([keras.layers.Dense(3)])
+    with pytest.raises(distkeras.ModelError, match="not built"):
+        distkeras.distribute(model, devices=2)
+
+
+def test_not_a_model():
+    with pytest.raises(distkeras.ModelError, match="Expected a Keras model"):
+        distkeras.distribute(object(), devices=2)
+
+
+def test_use_cpu_devices_after_start_is_too_late():
+    with pytest.raises(distkeras.TooLateError, match="before building any model"):
+        distkeras.use_cpu_devices(CPU_DEVICES + 2)
