@@ -1,7 +1,8 @@
-"""The ``distkeras`` command: ``demo`` and ``info``."""
+"""The ``distkeras`` command: ``demo``, ``launch`` and ``info``."""
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import DistKerasError
@@ -12,6 +13,32 @@ def _demo(args):
 
     demo.run(devices=args.devices, epochs=args.epochs, per_device_batch=args.per_device_batch, out_dir=args.out)
     return 0
+
+
+def _launch(args):
+    from . import backends, launch
+
+    backend = args.backend or backends.active_name()
+    script = list(args.script)
+    if script and script[0] == "--":
+        script = script[1:]
+    if backend == "cntk":
+        import shutil
+
+        if shutil.which("mpiexec") is None:
+            raise launch.LaunchError("The cntk backend runs its workers as MPI ranks, and mpiexec is not on PATH. "
+                                     "Install Open MPI (CNTK 2.7 links Open MPI 1.10) or run mpiexec yourself.")
+        if args.nnodes > 1:
+            raise launch.LaunchError("For CNTK across hosts, run mpiexec with your host file: "
+                                     "mpiexec -n N --hostfile hosts python script.py")
+        if args.nproc_per_node == 1:
+            print("distkeras launch: warning: one MPI rank; CNTK trains it as a local learner", file=sys.stderr)
+        commands, envs, ranks = [launch.mpiexec_command(script, args.nproc_per_node)], [dict(os.environ)], ["mpi"]
+    else:
+        commands, envs, ranks = launch.plan(
+            script, args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank, coordinator=args.coordinator,
+            backend=backend, tf_hosts=args.hosts.split(",") if args.hosts else None)
+    return launch.Launcher(commands, envs, ranks, stop_timeout=args.stop_timeout).run()
 
 
 def _info(args):
@@ -40,6 +67,22 @@ def build_parser():
     demo.add_argument("--per-device-batch", type=int, default=32)
     demo.add_argument("--out", default=None, help="folder for the saved model (default: a temporary folder)")
     demo.set_defaults(func=_demo)
+
+    launch = commands.add_parser(
+        "launch", help="start this host's workers for a multi-process job",
+        description="Start N workers of SCRIPT on this host with the variables the backend's own distributed engine "
+                    "reads; prefix their output with the rank; stop them all when one fails.")
+    launch.add_argument("--nproc-per-node", type=int, required=True, help="workers on this host (one per device)")
+    launch.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default 1)")
+    launch.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
+    launch.add_argument("--coordinator", default=None,
+                        help="HOST:PORT of rank 0's rendezvous; default 127.0.0.1 and a free port (one host only)")
+    launch.add_argument("--hosts", default=None, help="TensorFlow across hosts: every host's address, comma-separated")
+    launch.add_argument("--backend", default=None, help="Keras backend (default: KERAS_BACKEND, keras.json, tensorflow)")
+    launch.add_argument("--stop-timeout", type=float, default=30.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping workers after a failure (default 30)")
+    launch.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...]")
+    launch.set_defaults(func=_launch)
 
     info = commands.add_parser("info", help="print the active backend, its devices and the cluster environment")
     info.set_defaults(func=_info)
