@@ -50,3 +50,4 @@ from . import api as _api  # noqa: E402
 
 _api.install_log_handler()
 _api.apply_env_cpu_devices()
+_api.prepare_multi_worker()

@@ -92,6 +92,18 @@ def apply_env_cpu_devices():
         logger.debug("DISTKERAS_CPU_DEVICES=%s not applied at import: %s", value, exc)
 
 
+def prepare_multi_worker():
+    """Applied at import: let the adapter start its engine early in a worker of a multi-worker job.
+
+    A malformed environment or an unavailable backend is reported by distribute() instead."""
+    try:
+        cluster = cluster_lib.from_env()
+        if cluster.is_multi_worker:
+            backends.get(backends.active_name()).prepare(cluster)
+    except Exception as exc:  # import must not fail; distribute() reports it where it matters
+        logger.debug("multi-worker engine not prepared at import: %s", exc)
+
+
 def _env_cpu_devices():
     # type: () -> Optional[int]
     value = os.environ.get(CPU_DEVICES_ENV, "").strip()
@@ -183,7 +195,8 @@ def distribute(model, devices=None, **options):
         )
     cluster = cluster_lib.from_env()
     available = adapter.list_devices()
-    _check_virtual_cpus(available, adapter.name)
+    if not cluster.is_multi_worker:
+        _check_virtual_cpus(available, adapter.name)
     chosen = devices_lib.parse(devices, available)
     if len(chosen) == 1 and not cluster.is_multi_worker:
         logger.info("one device (%s): the model is returned unchanged, nothing to distribute", chosen[0])

@@ -22,6 +22,8 @@ def _launch(args):
     script = list(args.script)
     if script and script[0] == "--":
         script = script[1:]
+    if args.module:
+        script = ["-m", args.module] + script
     if backend == "cntk":
         import shutil
 
@@ -81,7 +83,8 @@ def build_parser():
     launch.add_argument("--backend", default=None, help="Keras backend (default: KERAS_BACKEND, keras.json, tensorflow)")
     launch.add_argument("--stop-timeout", type=float, default=30.0,
                         help="seconds between SIGTERM and SIGKILL when stopping workers after a failure (default 30)")
-    launch.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...]")
+    launch.add_argument("-m", dest="module", default=None, help="run a module, as python -m does")
+    launch.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args with -m)")
     launch.set_defaults(func=_launch)
 
     info = commands.add_parser("info", help="print the active backend, its devices and the cluster environment")

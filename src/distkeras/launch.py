@@ -255,7 +255,9 @@ def plan(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None, b
             )
     base_env = dict(os.environ if environ is None else environ)
     python = python or sys.executable
-    command = [python] + list(script_args) if script_args[0].endswith(".py") else list(script_args)
+    if script_args[0] == "-m" and len(script_args) < 2:
+        raise LaunchError("Expected a module name after -m: distkeras launch --nproc-per-node N -m package.module")
+    command = _python_command(script_args, python)
     commands, envs, ranks = [], [], []
     for local_rank in range(nproc_per_node):
         rank = node_rank * nproc_per_node + local_rank
@@ -270,6 +272,12 @@ def plan(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None, b
 def mpiexec_command(script_args, nproc, python=None):
     # type: (List[str], int, Optional[str]) -> List[str]
     """The ``mpiexec`` command line that starts ``nproc`` MPI ranks (the CNTK backend's engine)."""
-    python = python or sys.executable
-    command = [python] + list(script_args) if script_args[0].endswith(".py") else list(script_args)
-    return ["mpiexec", "-n", str(nproc)] + command
+    return ["mpiexec", "-n", str(nproc)] + _python_command(script_args, python or sys.executable)
+
+
+def _python_command(script_args, python):
+    # type: (List[str], str) -> List[str]
+    """``script.py args`` and ``-m module args`` run with ``python``; anything else runs as given."""
+    if script_args[0].endswith(".py") or script_args[0] == "-m":
+        return [python] + list(script_args)
+    return list(script_args)

@@ -47,7 +47,7 @@ def train(case, devices):
 
     samples, batch, epochs, regularizer = CASES[case]
     model = build(keras, regularizer)
-    if devices > 1:
+    if devices > 1 or distkeras.cluster.from_env().is_multi_worker:
         model = distkeras.distribute(model, devices=devices)
     x, y = data(samples)
     history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
@@ -59,5 +59,6 @@ if __name__ == "__main__":
     weights, history = train(name, count)
     from distkeras import cluster
 
+    np.savez(out.replace(".npz", ".rank{}.npz".format(cluster.from_env().rank)), *weights)
     if cluster.from_env().rank == 0:  # in a multi-process run, every rank trains; rank 0 writes
         np.savez(out, *weights, **{"history_" + k: np.asarray(v) for k, v in history.items()})

@@ -41,6 +41,14 @@ class Adapter(abc.ABC):
         """Return a Keras model equal to ``model`` (architecture, weights, compile config) that trains
         data-parallel over ``devices`` on every worker of ``cluster``."""
 
+    def prepare(self, cluster):
+        # type: (Cluster) -> None
+        """Called by ``import distkeras`` in a worker of a multi-worker job, before any model exists.
+
+        Engines that must start before the framework runs its first op (TensorFlow's collectives,
+        ``jax.distributed``) start here, usually through ``backends.when_imported``. Default: nothing.
+        """
+
     def check_options(self, options):
         # type: (Dict[str, object]) -> None
         """Reject options this adapter doesn't know, naming the ones it does."""

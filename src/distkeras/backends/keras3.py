@@ -100,3 +100,29 @@ def copy_optimizer_state(source, target, variables):
         )
     for src, dst in zip(source.variables, target.variables):
         dst.assign(src.numpy() if hasattr(src, "numpy") else src)
+
+
+def chief_speaks_and_writes(model, rank):
+    """Rank 0 prints and writes; the other workers of a job stay quiet and write nothing.
+
+    On ranks other than 0: ``fit``/``evaluate``/``predict`` run with ``verbose=0`` (no progress bar),
+    and ``save``/``save_weights`` (also when a callback such as ModelCheckpoint calls them) do nothing,
+    so workers never race on one file. Instance attributes: nothing of it is saved.
+    """
+    if rank == 0:
+        return
+    import functools
+    import inspect
+
+    for name in ("fit", "evaluate", "predict"):
+        method = getattr(model, name)
+        signature = inspect.signature(method)
+
+        def quiet(*args, _method=method, _signature=signature, **kwargs):
+            bound = _signature.bind(*args, **kwargs)
+            bound.arguments["verbose"] = 0
+            return _method(*bound.args, **bound.kwargs)
+
+        object.__setattr__(model, name, functools.wraps(method)(quiet))
+    for name in ("save", "save_weights"):
+        object.__setattr__(model, name, functools.wraps(getattr(model, name))(lambda *args, **kwargs: None))

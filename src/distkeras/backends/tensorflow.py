@@ -15,8 +15,9 @@ by its share of the global batch instead. Reported loss values are untouched.
 import itertools
 from typing import List
 
+from .. import cluster as cluster_lib
 from ..devices import Device
-from ..errors import DistKerasError, OptionError, TooLateError
+from ..errors import ClusterError, DistKerasError, OptionError, TooLateError
 from . import keras3, when_imported
 from .base import Adapter
 
@@ -33,40 +34,102 @@ class TensorFlowAdapter(Adapter):
         "exact_loss_scaling": "weigh replicas by their share of the global batch (default True)",
     }
 
+    def __init__(self):
+        self._multi_worker = None  # this process' MultiWorkerMirroredStrategy: TensorFlow allows one
+        self._multi_worker_error = None
+
+    def prepare(self, cluster):
+        when_imported("tensorflow", self._start_multi_worker)
+
+    def _start_multi_worker(self):
+        """Create MultiWorkerMirroredStrategy right after TensorFlow is imported, before any op runs:
+        TensorFlow configures its collectives once, at start-up. Runs inside the user's import of
+        TensorFlow, so a failure is kept and raised by distribute() instead."""
+        import tensorflow as tf
+
+        try:
+            self._multi_worker = tf.distribute.MultiWorkerMirroredStrategy()
+        except Exception as exc:  # raised again, with advice, by distribute()
+            self._multi_worker_error = exc
+
     def list_devices(self):
         # type: () -> List[Device]
         import tensorflow as tf
 
+        local = _local_task_prefix()
         found = []
         for logical in tf.config.list_logical_devices():
+            if local and "/job:" in logical.name and not logical.name.startswith(local):
+                continue  # another worker's device, listed once MultiWorkerMirroredStrategy has started
             kind, _, index = logical.name.rpartition("/device:")[2].rpartition(":")
             if kind.lower() in ("cpu", "gpu", "tpu"):
                 found.append(Device(kind.lower(), int(index)))
         return sorted(found, key=lambda d: (d.kind == "cpu", d.kind, d.index))
 
     def set_cpu_devices(self, count):
+        if cluster_lib.from_env().is_multi_worker:
+            return  # MultiWorkerMirroredStrategy replicates over a worker's GPUs, or its one CPU
         when_imported("tensorflow", lambda: _split_cpu(count))
 
     def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True):
         import tensorflow as tf
 
         if cluster.is_multi_worker:
-            raise DistKerasError(
-                "This process is rank {} of {} workers ({}), and multi-worker TensorFlow training is not "
-                "implemented in this version of distkeras. Run one process per host.".format(
-                    cluster.rank, cluster.world_size, cluster.source
-                )
+            strategy = self._multi_worker_strategy(tf, cluster, devices)
+        else:
+            strategy = _mirrored_strategy(
+                tf, ["/{}:{}".format(d.kind, d.index) for d in devices], _cross_device_ops(tf, cross_device_ops)
             )
-        strategy = _mirrored_strategy(
-            tf, ["/{}:{}".format(d.kind, d.index) for d in devices], _cross_device_ops(tf, cross_device_ops)
-        )
         with strategy.scope():
             new = keras3.clone(model)
             keras3.compile_like(new, model)
         if exact_loss_scaling and _uses_default_compute_loss(new):
             _weigh_replicas_by_batch_share(new, tf, strategy.num_replicas_in_sync)
         _build_from_one_replica(new, tf, strategy)
+        if cluster.is_multi_worker:
+            _reducible_step_logs(new, tf)
+            keras3.chief_speaks_and_writes(new, cluster.rank)
         return new
+
+    def _multi_worker_strategy(self, tf, cluster, devices):
+        if cluster.source != "TF_CONFIG":
+            raise ClusterError(
+                "This process is rank {} of {} ({} variables), but TensorFlow's MultiWorkerMirroredStrategy reads "
+                "TF_CONFIG. Start the workers with `distkeras launch`, or set TF_CONFIG on every worker.".format(
+                    cluster.rank, cluster.world_size, cluster.source
+                )
+            )
+        if self._multi_worker is None and self._multi_worker_error is None:
+            self._start_multi_worker()
+        if self._multi_worker is None:
+            raise TooLateError(
+                "This process is worker {} of {} (TF_CONFIG), and TensorFlow sets up its cross-worker collectives "
+                "once, before its first op; that failed ({}: {}). Import distkeras before building any model "
+                "or running any TensorFlow op.".format(
+                    cluster.rank, cluster.world_size, type(self._multi_worker_error).__name__, self._multi_worker_error
+                )
+            )
+        local = len(self._multi_worker.extended.worker_devices)
+        if len(devices) != local and any(d.is_accelerator for d in devices):
+            raise DistKerasError(
+                "MultiWorkerMirroredStrategy replicates over every GPU this worker sees ({}); devices={} asks for "
+                "{}. Restrict the GPUs with CUDA_VISIBLE_DEVICES instead.".format(
+                    local, [str(d) for d in devices], len(devices)
+                )
+            )
+        return self._multi_worker
+
+
+def _local_task_prefix():
+    """``/job:worker/replica:0/task:1/`` for this worker when TF_CONFIG names it, else None."""
+    import json
+    import os
+
+    try:
+        task = json.loads(os.environ.get("TF_CONFIG", "") or "{}").get("task") or {}
+        return "/job:{}/replica:0/task:{}/".format(task["type"], task["index"])
+    except (ValueError, KeyError, AttributeError):
+        return None
 
 
 def _split_cpu(count):
@@ -139,6 +202,25 @@ def _build_from_one_replica(model, tf, strategy):
             model._symbolic_build(data_batch=data_batch)
 
     object.__setattr__(model, "_maybe_symbolic_build", maybe_symbolic_build)
+
+
+def _reducible_step_logs(model, tf):
+    """Let Keras 3 average a step's logs over the workers of a MultiWorkerMirroredStrategy.
+
+    Keras reduces each step's logs with ``strategy.reduce("MEAN", value, axis=0)`` under that strategy,
+    which fails on the scalar logs every step returns ("Invalid reduction dimension 0 for input with 0
+    dimensions"). Returning each scalar as a 1-element vector makes that reduce a plain mean. Only the
+    per-step logs (the progress bar) pass through here; the epoch logs fit() returns are read from the
+    metric variables, which the strategy sums over all workers.
+    """
+    def vector(value):
+        if isinstance(value, tf.Tensor) and value.shape.rank == 0:
+            return tf.reshape(value, [1])
+        return value
+
+    for name in ("train_step", "test_step"):
+        step = getattr(model, name)
+        object.__setattr__(model, name, lambda data, _step=step: tf.nest.map_structure(vector, _step(data)))
 
 
 def _uses_default_compute_loss(model):
