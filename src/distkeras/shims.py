@@ -7,10 +7,11 @@ the active Keras backend is ``"mxnet"``, so import distkeras *before* keras:
   callbacks module imports ``from collections import Iterable``): they are put back.
 - Python 3.11 removed ``inspect.getargspec`` (keras' ImageDataGenerator calls it): it is put back,
   built on ``inspect.getfullargspec``.
-- h5py 3 stores a ``bytes`` attribute as a variable-length string and reads it back as ``str``, on
-  which Keras 2's ``load_model`` calls ``.decode()`` and fails. While the shim is on, h5py stores
-  ``bytes`` attributes as fixed-length strings, as h5py 2 did, so the files read back as ``bytes`` and
-  load in plain keras-mxnet on h5py 2 and 3 alike.
+- h5py 3 stores a ``bytes`` attribute (or a list of them) as variable-length strings and reads them
+  back as ``str`` (or an object array), on which Keras 2's ``load_model`` calls ``.decode()`` (or
+  tests the array's truth) and fails. While the shim is on, h5py stores them as fixed-length strings,
+  as h5py 2 did, so they read back as ``bytes`` and the files load in plain keras-mxnet on h5py 2 and
+  3 alike.
 
 Nothing here imports a framework, and nothing is changed for other backends. numpy's removed aliases
 (``np.bool``, ``np.object``; numpy 1.24) are not shimmed: MXNet 1.9.1 needs ``numpy<1.24``. Part of the
@@ -69,6 +70,16 @@ def restore_getargspec():
         inspect.getargspec = _getargspec
 
 
+def _h5py2_form(value, numpy):
+    """``value`` as h5py 2 would have stored it: ``bytes`` and lists of ``bytes`` as fixed-length strings."""
+    if type(value) is bytes:
+        return numpy.bytes_(value) if 0 < len(value) < _HDF5_ATTRIBUTE_LIMIT else value
+    if isinstance(value, (list, tuple)) and value and all(type(item) is bytes for item in value):
+        array = numpy.array(value)
+        return array if array.nbytes < _HDF5_ATTRIBUTE_LIMIT else value
+    return value
+
+
 def store_bytes_attributes_fixed_length():
     """Make h5py >= 3 store ``bytes`` attributes as fixed-length strings, as h5py 2 did (see the module doc)."""
     import h5py
@@ -80,9 +91,7 @@ def store_bytes_attributes_fixed_length():
     original = manager.__setitem__
 
     def __setitem__(self, name, value):
-        if type(value) is bytes and 0 < len(value) < _HDF5_ATTRIBUTE_LIMIT:
-            value = numpy.bytes_(value)
-        original(self, name, value)
+        original(self, name, _h5py2_form(value, numpy))
 
     __setitem__._distkeras_shim = True
     manager.__setitem__ = __setitem__

@@ -69,12 +69,11 @@ class MXNetAdapter(Adapter):
         if kvstore not in _KVSTORES:
             raise OptionError("Expected kvstore in {}. Received: kvstore={!r}".format(_KVSTORES, kvstore))
         new = _clone(model)
-        # keras-mxnet reads the contexts from Model._context when it builds its modules (here for
-        # predict-only use, in compile() for training). Its public set_mxnet_context() is no use: it
-        # maps 'cpu(1)' to cpu(0) and refuses a single context.
+        # keras-mxnet reads the contexts from Model._context when it builds its modules (in compile(),
+        # and in predict() before any compile). Its public set_mxnet_context() is no use: it maps
+        # 'cpu(1)' to cpu(0) and refuses a single context.
         new._context = [mx.gpu(d.index) if d.kind == "gpu" else mx.cpu(d.index) for d in devices]
         new._kvstore = kvstore
-        new._create_predict_module()
         _compile_like(new, model)
         new._make_train_function = functools.partial(_install, new, "train_function", _train_step)
         new._make_test_function = functools.partial(_install, new, "test_function", _test_step)
@@ -222,7 +221,10 @@ def _test_step(model, inputs):
 
 
 def _predict_step(model, inputs):
-    if not model.compiled:  # as keras-mxnet does: predict without compile uses the predict-only module
+    if not model.compiled:  # as keras-mxnet does: predict without compile builds a predict-only module
+        model._num_data = len(model.inputs)
+        model._num_label = len(model.outputs) + len(model.output_names)
+        model._create_predict_module()
         model._module = model._predict_only_module
     inputs, batch = _pad(model, inputs)
     model._module.forward(_batch(model, inputs, "pred"), is_train=False)
