@@ -7,7 +7,7 @@ PYTHON="${PYTHON:-python3}"
 VENV="$ROOT/.venv"
 # torch is pinned to the CPU build here (a loose requirement pulls several GB of CUDA wheels); the
 # package itself only asks for torch>=2.1 in its extra.
-REQS=("torch==2.13.0" "keras==3.15.*" "tensorflow-cpu==2.21.*" "jax[cpu]>=0.4.30" -e "$ROOT[dev]")
+REQS=("torch==2.13.0" "keras==3.15.*" "tensorflow-cpu==2.21.*" "tf-keras==2.21.*" "jax[cpu]>=0.4.30" -e "$ROOT[dev]")
 stamp="$VENV/.distkeras-reqs"
 want="$(printf '%s\n' "${REQS[@]}" | cat - "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$VENV/bin/python" ]; then

@@ -77,8 +77,8 @@ def use_cpu_devices(count):
         >>> distkeras.use_cpu_devices(2)      # before building the model
     """
     _check_count(count, "use_cpu_devices(count)")
-    os.environ[CPU_DEVICES_ENV] = str(count)  # worker processes started later inherit it
     backends.get(backends.active_name()).set_cpu_devices(count)
+    os.environ[CPU_DEVICES_ENV] = str(count)  # read by distribute(), inherited by worker processes
 
 
 def apply_env_cpu_devices():

@@ -248,5 +248,6 @@ def test_not_a_model():
 
 
 def test_use_cpu_devices_after_start_is_too_late():
+    scenarios.build(keras).predict(scenarios.data(2)[0], verbose=0)  # the backend has surely started now
     with pytest.raises(distkeras.TooLateError, match="before building any model"):
         distkeras.use_cpu_devices(CPU_DEVICES + 2)

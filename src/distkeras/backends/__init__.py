@@ -20,11 +20,10 @@ from ..errors import BackendError, BackendUnavailableError
 #: Keras backend name -> "module:Class" of its adapter.
 REGISTRY = {
     "tensorflow": "distkeras.backends.tensorflow:TensorFlowAdapter",
-    "jax": "distkeras.backends.jax:JaxAdapter",
-    "torch": "distkeras.backends.torch:TorchAdapter",
-    "mxnet": "distkeras.backends.mxnet:MXNetAdapter",
-    "cntk": "distkeras.backends.cntk:CNTKAdapter",
 }
+
+#: Backends distkeras will serve but whose adapter is not in this version yet.
+PLANNED = {"jax": "jax", "torch": "torch", "mxnet": "mxnet", "cntk": "cntk"}
 
 #: Backends Keras has that distkeras deliberately does not serve, and why.
 UNSUPPORTED = {
@@ -45,8 +44,12 @@ def is_installed(module):
         return False
 
 
+def _known():
+    return list(REGISTRY) + [name for name in PLANNED if name not in REGISTRY]
+
+
 def _check_name(name, where):
-    if name in REGISTRY:
+    if name in REGISTRY or name in PLANNED:
         return name
     if name in UNSUPPORTED:
         raise BackendError(
@@ -55,7 +58,7 @@ def _check_name(name, where):
         )
     raise BackendError(
         "Unknown Keras backend {!r} (from {}). Expected one of: {}. Set KERAS_BACKEND to one of them.".format(
-            name, where, ", ".join(REGISTRY)
+            name, where, ", ".join(_known())
         )
     )
 
@@ -126,6 +129,11 @@ def get(name):
         BackendUnavailableError: the backend's framework is not installed.
     """
     _check_name(name, "the caller")
+    if name not in REGISTRY:
+        raise BackendError(
+            "The {!r} backend is not implemented in this version of distkeras; implemented: {}.".format(
+                name, ", ".join(REGISTRY))
+        )
     if name not in _adapters:
         module_name, _, class_name = REGISTRY[name].partition(":")
         cls = getattr(importlib.import_module(module_name), class_name)

@@ -5,14 +5,15 @@ strategy scope, under a keras.distribution layout). The rebuilt model is of the 
 ``save()`` writes exactly what a single-device model writes.
 """
 
+import importlib
+
 from ..errors import ModelError
+from . import keras_package
 
 
 def keras_module(model):
-    """The ``keras`` (or ``tf_keras``) module the model belongs to."""
-    import importlib
-
-    return importlib.import_module(type(model).__module__.split(".")[0])
+    """The ``keras`` (or ``tf_keras``) module the model's class derives from."""
+    return importlib.import_module(keras_package(model) or "keras")
 
 
 def _fresh(obj):
@@ -48,7 +49,8 @@ def clone(model):
         raise ModelError(
             "distkeras must recreate the model on the devices, and Keras can't clone a {} ({}: {}). Give the "
             "class get_config() and from_config() (Keras needs them to save .keras files too), or build it "
-            "with the Functional API or keras.Sequential.".format(type(model).__name__, type(exc).__name__, exc)
+            "with the Functional API or keras.Sequential.".format(
+                type(model).__name__, type(exc).__name__, " ".join(str(exc).split())[:160] + "...")
         )
     finally:
         if compiled:

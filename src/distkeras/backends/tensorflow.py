@@ -152,8 +152,10 @@ def _weigh_replicas_by_batch_share(model, tf, replicas):
     nothing of it is saved)."""
     original = model.compute_loss
 
-    def compute_loss(x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        total = original(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+    def compute_loss(*args, **kwargs):
+        # Keras 3: (x, y, y_pred, sample_weight, training); tf.keras 2.x: (x, y, y_pred, sample_weight).
+        total = original(*args, **kwargs)
+        y_pred = kwargs["y_pred"] if "y_pred" in kwargs else args[2]
         context = tf.distribute.get_replica_context()
         if total is None or context is None or context.num_replicas_in_sync == 1:
             return total

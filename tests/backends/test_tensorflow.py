@@ -1,0 +1,157 @@
+"""TensorFlow-only behaviour of the adapter (MirroredStrategy)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from tests.backends.harness import BACKEND, keras
+from tests.backends import scenarios
+
+import distkeras
+
+pytestmark = pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow adapter tests (KERAS_BACKEND=tensorflow)")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_every_variable_is_mirrored_on_the_chosen_devices():
+    import tensorflow as tf
+
+    model = scenarios.build(keras)
+    dist = distkeras.distribute(model, devices=["cpu:0", "cpu:2"])
+    x, y = scenarios.data(24)
+    dist.fit(x, y, batch_size=12, epochs=1, verbose=0)  # builds optimizer slots and metric state
+    variables = dist.weights + dist.optimizer.variables + [v for m in dist.metrics for v in m.variables]
+    assert len(variables) > len(dist.weights)
+    for variable in variables:
+        value = variable.value if hasattr(variable, "value") else variable
+        assert isinstance(value, tf.distribute.DistributedValues), variable.path
+        devices = sorted(v.device.rsplit("/", 1)[-1] for v in value.values)
+        assert devices == ["device:CPU:0", "device:CPU:2"], (variable.path, devices)
+
+
+def test_plain_keras_weighs_an_uneven_split_wrongly_and_distkeras_does_not(monkeypatch):
+    # What exact_loss_scaling fixes: Keras 3 averages the replicas' mean losses with equal weight, so a
+    # batch split 2+1+1 (the last of 100 samples at batch 12) counts its lone samples double.
+    expected, _ = scenarios.train("uneven_tail", 1)
+    plain = scenarios.build(keras)
+    plain = distkeras.distribute(plain, devices=3, exact_loss_scaling=False)
+    x, y = scenarios.data(100)
+    plain.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    deviation = max(float(np.abs(a - b).max()) for a, b in zip(expected, plain.get_weights()))
+    assert deviation > 1e-3
+    exact, _ = scenarios.train("uneven_tail", 3)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(expected, exact)) < 1e-5
+
+
+@pytest.mark.parametrize("ops", ["reduction_to_one_device", "hierarchical_copy"])
+def test_cross_device_ops_option(ops):
+    expected, _ = scenarios.train("even", 1)
+    model = distkeras.distribute(scenarios.build(keras), devices=2, cross_device_ops=ops)
+    x, y = scenarios.data(96)
+    model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    for e, a in zip(expected, model.get_weights()):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_cross_device_ops():
+    with pytest.raises(distkeras.OptionError, match="Expected cross_device_ops in"):
+        distkeras.distribute(scenarios.build(keras), devices=2, cross_device_ops="ring")
+
+
+class Opaque(keras.Model):
+    """A subclassed model with constructor arguments and no get_config: Keras can't clone it."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.hidden = keras.layers.Dense(width)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+@keras.saving.register_keras_serializable("distkeras_tests")
+class Configurable(Opaque):
+    def __init__(self, width, **kwargs):
+        super().__init__(width)
+        self.width = width
+
+    def get_config(self):
+        return {"width": self.width}
+
+
+def test_subclassed_model_without_config_gets_a_clear_error():
+    model = Opaque(4)
+    model(np.zeros((1, 5), "float32"))
+    with pytest.raises(distkeras.ModelError, match=r"can't clone a Opaque .*Give the class get_config\(\) and from_config\(\)"):
+        distkeras.distribute(model, devices=2)
+
+
+def test_subclassed_model_with_config_is_rebuilt_with_its_weights():
+    model = Configurable(4)
+    model(np.zeros((1, 5), "float32"))
+    model.compile(optimizer="sgd", loss="mse")
+    dist = distkeras.distribute(model, devices=2)
+    assert type(dist) is Configurable
+    x = np.random.default_rng(0).normal(size=(6, 5)).astype("float32")
+    np.testing.assert_allclose(dist.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+
+
+def run_script(body, env=None, timeout=300):
+    script = "import sys\nsys.path.insert(0, {!r})\n".format(os.path.join(ROOT, "src")) + textwrap.dedent(body)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def test_distkeras_cpu_devices_environment_variable_with_an_unchanged_script():
+    done = run_script("""
+        import keras, distkeras
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model = distkeras.distribute(model)
+        print(distkeras.describe(model)["devices"])
+    """, env={"DISTKERAS_CPU_DEVICES": "3", "KERAS_BACKEND": "tensorflow"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['cpu:0', 'cpu:1', 'cpu:2']"
+
+
+def test_distkeras_cpu_devices_too_late_is_reported_by_distribute():
+    done = run_script("""
+        import keras
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        import distkeras   # too late: TensorFlow has started with one CPU device
+        try:
+            distkeras.distribute(model, 2)
+        except distkeras.TooLateError as exc:
+            print("TooLateError:", exc)
+    """, env={"DISTKERAS_CPU_DEVICES": "2", "KERAS_BACKEND": "tensorflow"})
+    assert "TooLateError: DISTKERAS_CPU_DEVICES=2 asks for 2 CPU devices, but the tensorflow backend had already " \
+           "started with 1" in done.stdout, done.stderr
+
+
+def test_tf_keras_2_models_are_distributed_too():
+    pytest.importorskip("tf_keras", reason="tf-keras (Keras 2 for TF_USE_LEGACY_KERAS=1) is not installed")
+    done = run_script("""
+        import distkeras
+        distkeras.use_cpu_devices(3)
+        import numpy as np, tf_keras as keras
+        def make():
+            keras.utils.set_random_seed(0)
+            m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+            m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+            return m
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(101, 5)).astype("float32"), rng.normal(size=(101, 3)).astype("float32")
+        single = make()
+        single.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+        dist = distkeras.distribute(make(), devices=3)
+        dist.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+        print(type(dist).__module__, max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), dist.get_weights())))
+    """, env={"TF_USE_LEGACY_KERAS": "1", "KERAS_BACKEND": "tensorflow"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    module, diff = done.stdout.split()
+    assert module.startswith("tf_keras.") and float(diff) < 1e-5

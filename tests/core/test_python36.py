@@ -1,0 +1,41 @@
+"""The modules a CNTK user imports must run on CPython 3.6 (CNTK 2.7's last Python)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src", "distkeras")
+CORE = ["__init__.py", "api.py", "devices.py", "cluster.py", "sharding.py", "errors.py",
+        "backends/__init__.py", "backends/base.py"]
+OPTIONAL = ["launch.py", "backends/cntk.py"]  # checked as soon as they exist
+
+
+def files():
+    found = [os.path.join(SRC, f) for f in CORE]
+    found += [os.path.join(SRC, f) for f in OPTIONAL if os.path.exists(os.path.join(SRC, f))]
+    return found
+
+
+def test_core_files_need_at_most_python_3_6():
+    vermin = pytest.importorskip("vermin", reason="vermin checks the Python 3.6 syntax (pip install vermin)")
+    del vermin
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from vermin.main import main; sys.exit(main())", "-t=3.6-", "--no-tips", "--violations", "--eval-annotations",
+         "--backport", "typing", *files()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, "vermin found code newer than Python 3.6:\n" + done.stdout + done.stderr
+
+
+def test_the_check_catches_newer_code(tmp_path):
+    pytest.importorskip("vermin")
+    newer = tmp_path / "newer.py"
+    newer.write_text("import dataclasses\nif (n := 3):\n    print(f'{n=}')\n")
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from vermin.main import main; sys.exit(main())",
+         "-t=3.6-", "--no-tips", "--violations", str(newer)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode != 0
