@@ -20,10 +20,11 @@ from ..errors import BackendError, BackendUnavailableError
 #: Keras backend name -> "module:Class" of its adapter.
 REGISTRY = {
     "tensorflow": "distkeras.backends.tensorflow:TensorFlowAdapter",
+    "mxnet": "distkeras.backends.mxnet:MXNetAdapter",
 }
 
 #: Backends distkeras will serve but whose adapter is not in this version yet.
-PLANNED = {"jax": "jax", "torch": "torch", "mxnet": "mxnet", "cntk": "cntk"}
+PLANNED = {"jax": "jax", "torch": "torch", "cntk": "cntk"}
 
 #: Backends Keras has that distkeras deliberately does not serve, and why.
 UNSUPPORTED = {
@@ -44,8 +45,13 @@ def is_installed(module):
         return False
 
 
+#: The order messages list backends in, whichever of them have their adapter in this version.
+_ORDER = ("tensorflow", "jax", "torch", "mxnet", "cntk")
+
+
 def _known():
-    return list(REGISTRY) + [name for name in PLANNED if name not in REGISTRY]
+    names = list(REGISTRY) + [name for name in PLANNED if name not in REGISTRY]
+    return sorted(names, key=lambda name: _ORDER.index(name) if name in _ORDER else len(_ORDER))
 
 
 def _check_name(name, where):
