@@ -4,20 +4,12 @@
 # a stamp file holding the hash of the requirements skips pip when nothing changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/venv.sh"
 PYTHON_MXNET="${PYTHON_MXNET:-python3}"
 VENV_MXNET="$ROOT/.venv-mxnet"
 # numpy 1.24 removed the aliases (np.bool, ...) MXNet 1.9.1 uses.
 REQS_MXNET=("mxnet==1.9.1" "keras-mxnet==2.2.4.3" "numpy<1.24" "pytest>=7" -e "$ROOT")
-stamp="$VENV_MXNET/.distkeras-reqs"
-want="$(printf '%s\n' "${REQS_MXNET[@]}" | cat - "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
-if [ ! -x "$VENV_MXNET/bin/python" ]; then
-  "$PYTHON_MXNET" -m venv "$VENV_MXNET"
-fi
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  "$VENV_MXNET/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV_MXNET/bin/python" -m pip install --quiet "${REQS_MXNET[@]}"
-  echo "$want" > "$stamp"
-fi
+make_venv "$VENV_MXNET" "$PYTHON_MXNET" "${REQS_MXNET[@]}"
 # keras-mxnet writes keras.json with "backend": "mxnet" into KERAS_HOME when it finds none: it gets a
 # KERAS_HOME of its own, so that file never reaches the Keras 3 environment or ~/.keras.
 mkdir -p "$VENV_MXNET/keras-home"

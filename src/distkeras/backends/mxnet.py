@@ -211,12 +211,18 @@ def _train_step(model, inputs):
     return _weighted_outputs(model, model._ntrain, weights)
 
 
-def _test_step(model, inputs):
+def _forward(model, inputs, phase):
+    """A forward pass without training, then the state updates, as keras-mxnet's test and predict do."""
     inputs, batch = _pad(model, inputs)
-    model._module.forward(_batch(model, inputs, "test"), is_train=False)
+    model._module.forward(_batch(model, inputs, phase), is_train=False)
     if model._test_updates:
         model._update(model._test_updates)
         model._weights_dirty = True
+    return inputs, batch
+
+
+def _test_step(model, inputs):
+    inputs, batch = _forward(model, inputs, "test")
     return _weighted_outputs(model, model._ntrain, _context_weights(model, inputs, batch))
 
 
@@ -226,9 +232,5 @@ def _predict_step(model, inputs):
         model._num_label = len(model.outputs) + len(model.output_names)
         model._create_predict_module()
         model._module = model._predict_only_module
-    inputs, batch = _pad(model, inputs)
-    model._module.forward(_batch(model, inputs, "pred"), is_train=False)
-    if model._test_updates:
-        model._update(model._test_updates)
-        model._weights_dirty = True
+    _, batch = _forward(model, inputs, "pred")
     return [out.asnumpy()[:batch] for out in model._module.get_outputs()[: model._npred]]
