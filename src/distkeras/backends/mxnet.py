@@ -58,6 +58,22 @@ class MXNetAdapter(Adapter):
         self._cpu_devices = count
 
     def distribute(self, model, devices, cluster, kvstore="device"):
+        """A clone of ``model`` (weights, compile configuration) training data-parallel over ``devices``.
+
+        Args:
+            model: a built keras-mxnet model, compiled or not.
+            devices: the devices to replicate over; ``gpu:i`` becomes ``mx.gpu(i)``, ``cpu:i`` ``mx.cpu(i)``.
+            cluster: the job; only a one-process job is supported.
+            kvstore: where MXNet adds the contexts' gradients, ``"device"`` or ``"local"``.
+
+        Returns:
+            The distributed model, of the user's class; the user's model is left as it was.
+
+        Raises:
+            DistKerasError: a multi-worker job, or a ``dist_*`` KVStore.
+            OptionError: an unknown ``kvstore``.
+            ModelError: a model keras can't clone (a subclassed Model).
+        """
         import mxnet as mx
 
         if cluster.is_multi_worker or str(kvstore).startswith("dist"):
@@ -75,6 +91,7 @@ class MXNetAdapter(Adapter):
         new._context = [mx.gpu(d.index) if d.kind == "gpu" else mx.cpu(d.index) for d in devices]
         new._kvstore = kvstore
         _compile_like(new, model)
+        # Keras calls these before every fit/evaluate/predict; they install the steps below.
         new._make_train_function = functools.partial(_install, new, "train_function", _train_step)
         new._make_test_function = functools.partial(_install, new, "test_function", _test_step)
         new._make_predict_function = functools.partial(_install, new, "predict_function", _predict_step)
@@ -122,6 +139,7 @@ def _compile_like(new, model):
 
 
 def _install(model, attribute, step):
+    """Set ``model.<attribute>`` (``train_function``...) to ``step`` bound to ``model``."""
     setattr(model, attribute, functools.partial(step, model))
 
 
