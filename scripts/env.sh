@@ -3,21 +3,13 @@
 # holding the hash of the requirements skips pip when nothing changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/venv.sh"
 PYTHON="${PYTHON:-python3}"
 VENV="$ROOT/.venv"
 # torch is pinned to the CPU build here (a loose requirement pulls several GB of CUDA wheels); the
 # package itself only asks for torch>=2.1 in its extra.
 REQS=("torch==2.13.0" "keras==3.15.*" "tensorflow-cpu==2.21.*" "tf-keras==2.21.*" "jax[cpu]>=0.4.30" -e "$ROOT[dev]")
-stamp="$VENV/.distkeras-reqs"
-want="$(printf '%s\n' "${REQS[@]}" | cat - "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PYTHON" -m venv "$VENV"
-fi
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet "${REQS[@]}"
-  echo "$want" > "$stamp"
-fi
+make_venv "$VENV" "$PYTHON" "${REQS[@]}"
 # Keras reads its default backend from $KERAS_HOME/keras.json; keep ours apart from the user's (and
 # from keras-mxnet's, which rewrites it to "mxnet").
 export KERAS_HOME="$VENV/keras-home"

@@ -1,8 +1,10 @@
 """Run the test suites, each in its own process (Keras fixes its backend at import), and add them up.
 
 Suites: the pure core (no framework needed), then tests/backends once per live Keras backend with
-KERAS_BACKEND set. Prints one closing line, "tests: N passed, N failed, N skipped", and exits non-zero
-if any suite failed or errored. Extra arguments go to every pytest run (e.g. -k, -x).
+KERAS_BACKEND set, then tests/mxnet with the Python of the keras-mxnet environment (.venv-mxnet, made by
+scripts/mxnet-env.sh): keras-mxnet installs its own `keras`, so it can't share an environment with Keras 3.
+Prints one closing line, "tests: N passed, N failed, N skipped", and exits non-zero if any suite failed
+or errored. Extra arguments go to every pytest run (e.g. -k, -x).
 """
 
 import os
@@ -13,12 +15,20 @@ import time
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MXNET_VENV = os.path.join(ROOT, ".venv-mxnet")
 
+#: (name, environment, test paths, Python interpreter; None = the one running this script).
 SUITES = [
-    ("core", {}, ["tests/core"]),
-    ("tensorflow", {"KERAS_BACKEND": "tensorflow"}, ["tests/backends"]),
-    ("jax", {"KERAS_BACKEND": "jax"}, ["tests/backends"]),
-    ("torch", {"KERAS_BACKEND": "torch"}, ["tests/backends"]),
+    ("core", {}, ["tests/core"], None),
+    ("tensorflow", {"KERAS_BACKEND": "tensorflow"}, ["tests/backends"], None),
+    ("jax", {"KERAS_BACKEND": "jax"}, ["tests/backends"], None),
+    ("torch", {"KERAS_BACKEND": "torch"}, ["tests/backends"], None),
+    (
+        "mxnet",
+        {"KERAS_BACKEND": "mxnet", "KERAS_HOME": os.path.join(MXNET_VENV, "keras-home")},
+        ["tests/mxnet"],
+        os.path.join(MXNET_VENV, "bin", "python"),
+    ),
 ]
 
 
@@ -41,14 +51,19 @@ def main(argv):
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     failed_suites = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, env, paths in SUITES:
+        for name, env, paths, python in SUITES:
             if only and name not in only:
                 continue
             junit = os.path.join(tmp, name + ".xml")
             print("\n==== suite: {} ====".format(name), flush=True)
+            if python is not None and not os.path.exists(python):
+                print("==== suite {}: no interpreter at {}; run scripts/mxnet-env.sh (scripts/test.sh does)".format(
+                    name, os.path.relpath(python, ROOT)), flush=True)
+                failed_suites.append(name)
+                continue
             started = time.time()
             code = subprocess.call(
-                [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--junitxml", junit, *paths, *argv],
+                [python or sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--junitxml", junit, *paths, *argv],
                 cwd=ROOT,
                 env={**os.environ, **env},
             )

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
-# Sets up the environment (once) and runs every test suite, each backend in its own process.
+# Sets up the environments (once) and runs every test suite, each backend in its own process.
+set -euo pipefail
+bash "$(dirname "${BASH_SOURCE[0]}")/mxnet-env.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 exec python "$ROOT/scripts/run_tests.py" "$@"

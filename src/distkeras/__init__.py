@@ -3,7 +3,9 @@
     model = distkeras.distribute(model, devices=4)
 
 Importing distkeras imports no deep-learning framework; the active backend's adapter is loaded the
-first time it is needed. Part of the Python 3.6-compatible core.
+first time it is needed. With keras-mxnet (Keras 2), import distkeras before keras: the import applies
+the shims keras-mxnet needs on Python >= 3.10 (see :mod:`distkeras.shims`). Part of the Python
+3.6-compatible core.
 """
 
 from .api import describe, distribute, global_batch_size, use_cpu_devices
@@ -47,7 +49,9 @@ __all__ = [
 ]
 
 from . import api as _api  # noqa: E402
+from . import shims as _shims  # noqa: E402
 
+_shims.install_for_active_backend()
 _api.install_log_handler()
 _api.apply_env_cpu_devices()
 _api.prepare_multi_worker()

@@ -2,8 +2,9 @@
 
 Nothing here imports a framework. The active backend is read, in order, from the model given (its
 Keras package), from an already-imported ``keras``, from ``KERAS_BACKEND``, from Keras' config file
-(``$KERAS_HOME/keras.json`` or ``~/.keras/keras.json``), else ``"tensorflow"`` — the order Keras itself
-uses. Part of the Python 3.6-compatible core.
+(``$KERAS_HOME/keras.json`` or ``~/.keras/keras.json``), else the installed Keras' default — the order
+Keras itself uses. That default is ``"tensorflow"``, except for keras-mxnet (Keras 2.2.4.3), which
+installs itself as ``keras`` and defaults to ``"mxnet"``. Part of the Python 3.6-compatible core.
 """
 
 import importlib
@@ -19,10 +20,11 @@ from ..errors import BackendError, BackendUnavailableError
 #: Keras backend name -> "module:Class" of its adapter.
 REGISTRY = {
     "tensorflow": "distkeras.backends.tensorflow:TensorFlowAdapter",
+    "mxnet": "distkeras.backends.mxnet:MXNetAdapter",
 }
 
 #: Backends distkeras will serve but whose adapter is not in this version yet.
-PLANNED = {"jax": "jax", "torch": "torch", "mxnet": "mxnet", "cntk": "cntk"}
+PLANNED = {"jax": "jax", "torch": "torch", "cntk": "cntk"}
 
 #: Backends Keras has that distkeras deliberately does not serve, and why.
 UNSUPPORTED = {
@@ -43,8 +45,13 @@ def is_installed(module):
         return False
 
 
+#: The order messages list backends in, whichever of them have their adapter in this version.
+_ORDER = ("tensorflow", "jax", "torch", "mxnet", "cntk")
+
+
 def _known():
-    return list(REGISTRY) + [name for name in PLANNED if name not in REGISTRY]
+    names = list(REGISTRY) + [name for name in PLANNED if name not in REGISTRY]
+    return sorted(names, key=lambda name: _ORDER.index(name) if name in _ORDER else len(_ORDER))
 
 
 def _check_name(name, where):
@@ -76,12 +83,26 @@ def _config_file_backend():
 
 def keras_package(model):
     # type: (object) -> Optional[str]
-    """The Keras package a model comes from: ``"keras"`` or ``"tf_keras"``; None if it is no Keras model."""
+    """The Keras package a model comes from: ``"keras"`` (Keras 3, or a multi-backend Keras 2 such as
+    keras-mxnet, whose models are ``keras.engine`` classes) or ``"tf_keras"``; None if it is no Keras model."""
     for cls in type(model).__mro__:
         root = cls.__module__.split(".")[0]
         if root in ("keras", "tf_keras") and cls.__name__ in ("Model", "Functional", "Sequential", "Layer"):
             return root
     return None
+
+
+def _installed_keras_default():
+    # type: () -> str
+    """The backend the installed ``keras`` uses when nothing names one, found without importing it."""
+    try:
+        spec = importlib.util.find_spec("keras")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        if os.path.exists(os.path.join(os.path.dirname(spec.origin), "backend", "mxnet_backend.py")):
+            return "mxnet"  # keras-mxnet
+    return "tensorflow"
 
 
 def active_name(model=None):
@@ -103,7 +124,7 @@ def active_name(model=None):
     configured = _config_file_backend()
     if configured:
         return _check_name(configured, "keras.json")
-    return "tensorflow"
+    return _installed_keras_default()
 
 
 def get(name):

@@ -1,0 +1,379 @@
+"""The central contract on keras-mxnet (Keras 2): data-parallel training on N MXNet contexts is one-context
+training at the same global batch, and a saved model is the plain single-device model.
+
+The same assertions as tests/backends/test_distribute.py, written against the Keras 2 API.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.mxnet.harness import CPU_DEVICES, keras  # noqa: F401 (skips without keras-mxnet)
+from tests.backends.scenarios import CASES, data
+
+import distkeras
+from distkeras import backends, cluster
+from distkeras.devices import Device
+
+#: float32 SGD over a few steps: MXNet adds the contexts' gradients in another order than one context
+#: adds the samples' (and runs other kernels for other batch shapes), so weights agree to rounding, not
+#: bit for bit. Observed differences are below 3e-7.
+ATOL = 1e-5
+RTOL = 1e-5
+
+
+def assert_weights_close(expected, actual):
+    assert len(expected) == len(actual)
+    for e, a in zip(expected, actual):
+        np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
+
+
+def build(regularizer=None, seed=0):
+    """The scenarios' MLP (5 -> 16 tanh -> 3, SGD 0.1, mse), with weights drawn from a fixed seed."""
+    model = keras.models.Sequential(
+        [
+            keras.layers.Dense(16, activation="tanh", kernel_regularizer=regularizer, input_shape=(5,)),
+            keras.layers.Dense(3),
+        ]
+    )
+    rng = np.random.RandomState(seed)
+    model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
+    model.compile(optimizer=keras.optimizers.SGD(lr=0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+def train(case, devices):
+    samples, batch, epochs, regularizer = CASES[case]
+    model = build(regularizer)
+    if devices > 1:
+        model = distkeras.distribute(model, devices=devices)
+    x, y = data(samples)
+    history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+    return model.get_weights(), history.history
+
+
+@pytest.fixture(scope="module")
+def single_device_runs():
+    return {case: train(case, 1) for case in CASES}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("devices", [2, 3])
+def test_data_parallel_equals_single_device(single_device_runs, case, devices):
+    expected_weights, expected_history = single_device_runs[case]
+    weights, history = train(case, devices)
+    assert_weights_close(expected_weights, weights)
+    # The reported epoch loss and metric are the global batch's, not a plain mean over contexts.
+    for name in ("loss", "mean_absolute_error"):
+        np.testing.assert_allclose(history[name], expected_history[name], rtol=1e-5)
+
+
+def test_plain_keras_mxnet_sums_the_contexts_gradients():
+    """The fact the adapter corrects: keras-mxnet alone makes every step on N contexts N times as large."""
+    import mxnet as mx
+
+    x, y = data(12)
+    steps = {}
+    for contexts in (1, 3):
+        model = build()
+        model._context = [mx.cpu(i) for i in range(contexts)]  # what multi_gpu_model does, for CPU contexts
+        model.compile(optimizer=keras.optimizers.SGD(lr=0.1), loss="mse")
+        before = model.get_weights()
+        model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+        steps[contexts] = [after - start for after, start in zip(model.get_weights(), before)]
+    for one, three in zip(steps[1], steps[3]):
+        np.testing.assert_allclose(three, 3 * one, rtol=1e-4, atol=1e-7)
+
+
+def test_training_actually_moves_the_weights(single_device_runs):
+    trained, _ = single_device_runs["even"]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(build().get_weights(), trained)) > 1e-2
+
+
+def mean_prediction(y_true, y_pred):
+    # keras-mxnet binds the targets only if the loss uses them: y_true enters with weight 0.
+    return keras.backend.mean(y_pred + 0.0 * y_true, axis=-1)
+
+
+@pytest.mark.parametrize(
+    "contexts, samples, batch",
+    [
+        (3, 101, 10),  # 10 rows split 3+3+4; the last batch, 1 row, is fewer rows than contexts
+        (3, 8, 2),  # every batch has fewer rows than contexts
+        (4, 30, 6),  # MXNet's rounding splits 6 rows over 4 contexts as 2+2+2+0 and refuses it
+    ],
+)
+def test_every_sample_counts_exactly_once(contexts, samples, batch):
+    # One weight per sample: x is the identity, the loss the batch's mean prediction, SGD with lr=1.
+    # After one epoch, sample i's weight is -1/B_i (B_i: the size of its batch) exactly when sample i
+    # was used once in its step and nothing else was: a dropped sample leaves 0, a sample counted
+    # twice (or a padding copy of it that leaked in) moves further, a step weighed by the wrong batch
+    # size moves it by another amount.
+    distkeras.use_cpu_devices(max(contexts, CPU_DEVICES))
+    try:
+        model = keras.models.Sequential([keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros", input_shape=(samples,))])
+        model.compile(optimizer=keras.optimizers.SGD(lr=1.0), loss=mean_prediction)
+        model = distkeras.distribute(model, devices=contexts)
+        x, y = np.eye(samples, dtype="float32"), np.zeros((samples, 1), "float32")
+        history = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    finally:
+        distkeras.use_cpu_devices(CPU_DEVICES)
+    sizes = [min(batch, samples - start) for start in range(0, samples, batch)]
+    expected = np.concatenate([np.full(size, -1.0 / size) for size in sizes])
+    np.testing.assert_allclose(model.get_weights()[0][:, 0], expected, rtol=1e-6)
+    # The epoch loss is the mean over samples of the prediction before each step: all 0.
+    assert history.history["loss"] == [0.0]
+    # evaluate and predict see every sample once too.
+    predictions = model.predict(x, batch_size=batch)
+    assert predictions.shape == (samples, 1)
+    np.testing.assert_allclose(predictions[:, 0], expected, rtol=1e-6)
+    assert model.evaluate(x, y, batch_size=batch, verbose=0) == pytest.approx(float(expected.mean()), rel=1e-5)
+
+
+def test_sample_weights_weigh_as_on_one_device():
+    x, y = data(30)
+    weights = np.where(np.arange(30) % 4 == 0, 0.0, np.linspace(0.5, 2.0, 30)).astype("float32")
+    single = build()
+    single.fit(x, y, sample_weight=weights, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    expected = single.get_weights()
+    dist = distkeras.distribute(build(), devices=3)
+    dist.fit(x, y, sample_weight=weights, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(expected, dist.get_weights())
+
+
+def test_generators_and_validation_data():
+    # fit_generator with keras' ImageDataGenerator is scenario 2's loop; it needs the getargspec shim.
+    from keras.preprocessing.image import ImageDataGenerator
+
+    x, y = data(96)
+    images = x.reshape(96, 5, 1, 1).repeat(2, axis=2)
+
+    def image_model():
+        model = keras.models.Sequential([keras.layers.Flatten(input_shape=(5, 2, 1)), keras.layers.Dense(3)])
+        model.set_weights([np.full((10, 3), 0.1, "float32"), np.zeros(3, "float32")])
+        model.compile(optimizer=keras.optimizers.SGD(lr=0.05), loss="mse")
+        return model
+
+    # keras-mxnet reads weights back from the model that ran last: each model is read before the next runs.
+    single = image_model()
+    single.fit(images, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    expected, expected_loss = single.get_weights(), single.evaluate(images, y, batch_size=32, verbose=0)
+    dist = distkeras.distribute(image_model(), devices=2)
+    flow = ImageDataGenerator().flow(images, y, batch_size=12, shuffle=False)
+    history = dist.fit_generator(flow, steps_per_epoch=8, epochs=1, validation_data=(images, y), shuffle=False, verbose=0)
+    assert_weights_close(expected, dist.get_weights())
+    assert history.history["val_loss"][0] == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_distributed_model_keeps_weights_and_compile_config():
+    model = build()
+    model.compile(
+        optimizer=keras.optimizers.Adam(lr=0.0123, beta_1=0.8, clipnorm=0.7),
+        loss="mean_absolute_error",
+        metrics=["mse", "mape"],
+    )
+    dist = distkeras.distribute(model, devices=2)
+    assert type(dist) is type(model) and dist is not model
+    assert_weights_close(model.get_weights(), dist.get_weights())
+    assert type(dist.optimizer) is type(model.optimizer) and dist.optimizer is not model.optimizer
+    assert dist.optimizer.get_config() == model.optimizer.get_config()
+    assert dist.optimizer.clip_gradient == 0.7  # keras-mxnet's get_config() leaves clipnorm out
+    assert (dist.loss, dist.metrics, dist.metrics_names) == (model.loss, model.metrics, model.metrics_names)
+    x, y = data(25)
+    np.testing.assert_allclose(
+        dist.evaluate(x, y, batch_size=12, verbose=0), model.evaluate(x, y, batch_size=12, verbose=0), rtol=1e-5
+    )
+    assert [str(c) for c in model._context] == ["cpu(0)"]  # the user's model is left as it was
+
+
+def test_uncompiled_model_predicts_then_compiles_after_distribute():
+    model = keras.models.Sequential([keras.layers.Dense(3, input_shape=(5,))])
+    model.set_weights([np.ones((5, 3), "float32"), np.zeros(3, "float32")])
+    dist = distkeras.distribute(model, devices=3)
+    x, y = data(25)
+    np.testing.assert_allclose(dist.predict(x, batch_size=12), x.sum(axis=1, keepdims=True).repeat(3, 1), rtol=1e-5, atol=1e-6)
+    dist.compile(optimizer="sgd", loss="mse")
+    dist.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    assert not np.allclose(dist.get_weights()[0], 1.0)
+
+
+def test_one_device_returns_the_model_unchanged(capfd):
+    model = build()
+    assert distkeras.distribute(model, devices=1) is model
+    assert "one device (cpu:0): the model is returned unchanged" in capfd.readouterr().err
+    assert distkeras.describe(model)["distributed"] is False
+
+
+def test_adapter_copes_with_one_context(single_device_runs):
+    # keras-mxnet's multi_gpu_model refuses gpus=1; the adapter itself takes one device.
+    dist = backends.get("mxnet").distribute(build(), [Device("cpu", 0)], cluster.SINGLE)
+    x, y = data(96)
+    dist.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(single_device_runs["even"][0], dist.get_weights())
+
+
+def test_describe():
+    dist = distkeras.distribute(build(), devices=["cpu:0", "cpu(2)"])
+    assert [str(c) for c in dist._context] == ["cpu(0)", "cpu(2)"]
+    assert distkeras.describe(dist) == {
+        "backend": "mxnet",
+        "devices": ["cpu:0", "cpu:2"],
+        "replicas": 2,
+        "rank": 0,
+        "workers": 1,
+        "distributed": True,
+    }
+
+
+def test_global_batch_size():
+    dist = distkeras.distribute(build(), devices=3)
+    assert distkeras.global_batch_size(32, dist) == 96
+    assert distkeras.global_batch_size(32, devices=2) == 64
+    assert distkeras.global_batch_size(16) == 16 * CPU_DEVICES
+
+
+# Runs in a fresh interpreter without distkeras: plain keras-mxnet. keras-mxnet 2.2.4.3 can't even be
+# imported on Python >= 3.10 without the collections aliases Python 3.10 removed, so this script puts
+# them back itself, as any keras-mxnet user on a new Python must. It does nothing about h5py: the files
+# distkeras writes load as they are.
+_RELOAD = """
+import collections, collections.abc, json, sys
+for name in ("Callable", "Iterable", "Mapping", "MutableMapping", "Sequence"):
+    setattr(collections, name, getattr(collections.abc, name))
+import numpy as np
+import keras
+model = keras.models.load_model(sys.argv[1])
+plain = keras.models.Sequential([keras.layers.Dense(16, activation="tanh", input_shape=(5,)), keras.layers.Dense(3)])
+plain.load_weights(sys.argv[2])
+x = np.load(sys.argv[3])
+np.save(sys.argv[4], model.predict(x))
+np.save(sys.argv[5], plain.predict(x))
+print(json.dumps({"distkeras": "distkeras" in sys.modules, "class": type(model).__name__,
+                  "layers": [type(l).__name__ for l in model.layers],
+                  "optimizer": [type(model.optimizer).__name__, model.optimizer.get_config()]}))
+"""
+
+
+def test_saved_model_loads_in_plain_keras_mxnet_without_distkeras(tmp_path):
+    model = build()
+    model.compile(optimizer=keras.optimizers.RMSprop(lr=0.002, rho=0.8), loss="mse")
+    dist = distkeras.distribute(model, devices=2)
+    x, y = data(36)
+    dist.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    dist.save(str(tmp_path / "m.h5"))
+    dist.save_weights(str(tmp_path / "w.h5"))
+    np.save(str(tmp_path / "x.npy"), x)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
+    env.update(KERAS_BACKEND="mxnet", PYTHONPATH="")
+    paths = [str(tmp_path / name) for name in ("m.h5", "w.h5", "x.npy", "p1.npy", "p2.npy")]
+    done = subprocess.run(
+        [sys.executable, "-c", _RELOAD] + paths,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, env=env, timeout=300, cwd=str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {
+        "distkeras": False,
+        "class": "Sequential",
+        "layers": ["Dense", "Dense"],
+        "optimizer": ["RMSprop", json.loads(json.dumps(model.optimizer.get_config()))],
+    }
+    expected = dist.predict(x)
+    np.testing.assert_allclose(np.load(paths[3]), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.load(paths[4]), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_save_load_distribute_rounds_never_nest(tmp_path):
+    model = build()
+    x, y = data(24)
+    for round_ in range(3):
+        model = distkeras.distribute(model, devices=2)
+        model.fit(x, y, batch_size=12, epochs=1, verbose=0)
+        path = str(tmp_path / "round{}.h5".format(round_))
+        model.save(path)
+        model = keras.models.load_model(path)
+        assert [type(l).__name__ for l in model.layers] == ["Dense", "Dense"]
+        assert len(model.weights) == 4
+    assert os.path.getsize(str(tmp_path / "round2.h5")) <= os.path.getsize(str(tmp_path / "round0.h5")) * 1.05
+
+
+# ---- bad input: a clear error that names what was asked, what exists and what to do
+
+
+def test_device_that_is_not_there():
+    with pytest.raises(distkeras.DeviceSpecError, match=r"You requested cpu:7; this machine has: cpu:0, cpu:1, cpu:2"):
+        distkeras.distribute(build(), devices=["cpu:7"])
+
+
+def test_gpu_that_is_not_there():
+    with pytest.raises(distkeras.DeviceSpecError, match=r"You requested gpu:0; this machine has: cpu:0, cpu:1, cpu:2"):
+        distkeras.distribute(build(), devices=[0])
+
+
+def test_more_devices_than_exist():
+    with pytest.raises(distkeras.DeviceSpecError, match="You requested 9 devices; this machine has 3"):
+        distkeras.distribute(build(), devices=9)
+
+
+@pytest.mark.parametrize("devices", [0, -2, []])
+def test_no_devices(devices):
+    with pytest.raises(distkeras.DeviceSpecError, match="Received: devices="):
+        distkeras.distribute(build(), devices=devices)
+
+
+def test_duplicate_devices():
+    with pytest.raises(distkeras.DeviceSpecError, match="duplicates: cpu:1"):
+        distkeras.distribute(build(), devices=["cpu:1", "cpu(1)"])
+
+
+def test_unknown_option_names_the_known_ones():
+    with pytest.raises(distkeras.OptionError, match=r"Unknown option\(s\) num_quantisation_bits for the mxnet backend\. Options it accepts: kvstore"):
+        distkeras.distribute(build(), devices=2, num_quantisation_bits=8)
+
+
+def test_bad_kvstore():
+    with pytest.raises(distkeras.OptionError, match=r"Expected kvstore in \('device', 'local'\)\. Received: kvstore='nccl'"):
+        distkeras.distribute(build(), devices=2, kvstore="nccl")
+
+
+def test_local_kvstore_trains_the_same(single_device_runs):
+    dist = distkeras.distribute(build(), devices=2, kvstore="local")
+    x, y = data(96)
+    dist.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(single_device_runs["even"][0], dist.get_weights())
+
+
+def test_multi_worker_is_refused(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(distkeras.DistKerasError, match="multi-worker MXNet training .* is not supported"):
+        distkeras.distribute(build(), devices=2)
+
+
+def test_dist_kvstore_is_refused():
+    with pytest.raises(distkeras.DistKerasError, match="kvstore='dist_sync': multi-worker MXNet training"):
+        distkeras.distribute(build(), devices=2, kvstore="dist_sync")
+
+
+def test_unbuilt_model():
+    with pytest.raises(distkeras.ModelError, match="not built"):
+        distkeras.distribute(keras.models.Sequential([keras.layers.Dense(3)]), devices=2)
+
+
+def test_not_a_model():
+    with pytest.raises(distkeras.ModelError, match="Expected a Keras model"):
+        distkeras.distribute(object(), devices=2)
+
+
+def test_cpu_contexts_can_be_changed_at_any_time():
+    # MXNet takes any cpu(i) whenever asked: unlike TensorFlow, there is no "too late".
+    distkeras.use_cpu_devices(5)
+    try:
+        assert [str(d) for d in backends.get("mxnet").list_devices()] == ["cpu:{}".format(i) for i in range(5)]
+        assert len(distkeras.distribute(build(), devices=5)._context) == 5
+    finally:
+        distkeras.use_cpu_devices(CPU_DEVICES)
