@@ -45,9 +45,8 @@ _SCOPED = (
     "compile", "fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch",
     "make_train_function", "make_test_function", "make_predict_function",
 )
-#: Distributions distkeras made: only their batches fall back to replication.
-_ours = weakref.WeakSet()
-_warned = set()
+#: Distributions distkeras made (only their batches fall back to replication) -> batch sizes warned about.
+_ours = weakref.WeakKeyDictionary()
 
 
 class JaxAdapter(Adapter):
@@ -113,7 +112,7 @@ class JaxAdapter(Adapter):
             distribution = _model_parallel(keras, model, mesh_devices, layout_map, model_shards)
         else:
             raise OptionError("Expected strategy in {}. Received: strategy={!r}".format(_STRATEGIES, strategy))
-        _ours.add(distribution)
+        _ours[distribution] = set()
         _replicate_uneven_batches()
         with distribution.scope():
             new = keras3.clone(model)
@@ -186,9 +185,9 @@ def _model_parallel(keras, model, mesh_devices, layout_map, model_shards):
         for key, axes in rules.items():
             layouts[key] = tuple(axes) if isinstance(axes, (list, tuple)) else axes
         _check_layouts(model, layouts, dict(zip(mesh.axis_names, mesh.shape)))
-    except (ValueError, TypeError) as exc:
-        if isinstance(exc, OptionError):
-            raise
+    except OptionError:
+        raise
+    except (ValueError, TypeError, re.error) as exc:  # from Keras' LayoutMap/TensorLayout, or a bad regex
         raise OptionError("Bad layout_map for mesh axes 'batch' and 'model': {}".format(exc))
     return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
 
@@ -216,25 +215,16 @@ def _check_layouts(model, layouts, axis_sizes):
             continue
         used.update(key for key in layouts if key == v.path or re.fullmatch(key, v.path))
         if len(layout.axes) != len(v.shape):
-            raise OptionError(
-                "Expected {} axes for {} of shape {}. Received: layout {}".format(
-                    len(v.shape), v.path, tuple(v.shape), layout.axes
-                )
-            )
+            raise OptionError("Expected {} axes for {} of shape {}. Received: layout {}".format(
+                len(v.shape), v.path, tuple(v.shape), layout.axes))
         for size, axis in zip(v.shape, layout.axes):
             if axis is not None and size % axis_sizes[axis]:
-                raise OptionError(
-                    "Expected the '{}' axis ({} devices) to divide {} of shape {}. Received: layout {}".format(
-                        axis, axis_sizes[axis], v.path, tuple(v.shape), layout.axes
-                    )
-                )
+                raise OptionError("Expected the '{}' axis ({} devices) to divide {} of shape {}. Received: layout {}".format(
+                    axis, axis_sizes[axis], v.path, tuple(v.shape), layout.axes))
     unused = [key for key in layouts if key not in used]
     if unused:
-        raise OptionError(
-            "layout_map key(s) {} match no variable. The model's variables: {}".format(
-                ", ".join(map(repr, unused)), ", ".join(v.path for v in model.weights)
-            )
-        )
+        raise OptionError("layout_map key(s) {} match no variable. The model's variables: {}".format(
+            ", ".join(map(repr, unused)), ", ".join(v.path for v in model.weights)))
 
 
 def _scoped(method, model, distribution):
@@ -287,10 +277,12 @@ def _replicate_uneven_batches():
 
         sharding = getattr(layout, "backend_layout", layout)
         shape = getattr(per_process_batch, "shape", ())
-        if keras.distribution.distribution() in _ours and isinstance(sharding, jax.sharding.NamedSharding) and shape:
+        current = keras.distribution.distribution()
+        warned = _ours.get(current) if current is not None else None
+        if warned is not None and isinstance(sharding, jax.sharding.NamedSharding) and shape:
             parts = _batch_parts(sharding)
             if shape[0] % parts:
-                _warn_uneven(shape[0], parts)
+                _warn_uneven(warned, shape[0], parts)
                 layout = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
         return original(per_process_batch, layout, batch_dim_name)
 
@@ -305,10 +297,10 @@ def _batch_parts(sharding):
     return math.prod(sharding.mesh.shape[name] for name in names if name is not None)
 
 
-def _warn_uneven(size, parts):
-    if (size, parts) in _warned:
+def _warn_uneven(warned, size, parts):
+    if size in warned:
         return
-    _warned.add((size, parts))
+    warned.add(size)
     logger.warning(
         "a batch of %d samples doesn't split evenly over %d devices (JAX shards only evenly), so it runs whole on "
         "every device: the single-device result, not in parallel. A batch size divisible by %d keeps every step "
