@@ -97,6 +97,24 @@ def test_a_batch_the_devices_dont_divide_runs_whole_on_each_and_matches_one_devi
     assert logs["loss"] == pytest.approx(single.evaluate(x, y, batch_size=12, verbose=0), rel=RTOL)
 
 
+def test_batch_statistics_are_those_of_the_global_batch():
+    # One SPMD program over the global batch: BatchNormalization normalises by the whole batch's moments
+    # (and updates its moving ones) exactly as one device does, even on a batch that runs replicated.
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x, y = scenarios.data(40)  # batches of 12, 12, 12 and 4
+    single = build()
+    single.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    dist = distkeras.distribute(build(), devices=3)
+    dist.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(single.get_weights(), dist.get_weights())  # moving mean and variance included
+
+
 def test_models_on_different_device_sets_coexist_and_leave_no_global_distribution():
     x, y = scenarios.data(24)
     two = distkeras.distribute(scenarios.build(keras), devices=2)
