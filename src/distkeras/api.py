@@ -78,7 +78,9 @@ def use_cpu_devices(count):
     """
     _check_count(count, "use_cpu_devices(count)")
     backends.get(backends.active_name()).set_cpu_devices(count)
-    os.environ[CPU_DEVICES_ENV] = str(count)  # read by distribute(), inherited by worker processes
+    # Worker processes started later inherit it. Set only once the backend took it: after a TooLateError
+    # it would make every later distribute() in this process fail on a count the backend never had.
+    os.environ[CPU_DEVICES_ENV] = str(count)
 
 
 def apply_env_cpu_devices():

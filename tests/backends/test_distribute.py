@@ -59,7 +59,8 @@ class SampleCount(keras.metrics.Metric):
         self.count.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], self.count.dtype))
 
     def result(self):
-        return self.count
+        # A tensor, not the variable itself: JAX refuses a Keras variable as the output of a traced step.
+        return keras.ops.convert_to_tensor(self.count)
 
 
 def test_no_sample_is_dropped_when_sizes_divide_by_nothing():

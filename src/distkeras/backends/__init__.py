@@ -20,11 +20,12 @@ from ..errors import BackendError, BackendUnavailableError
 #: Keras backend name -> "module:Class" of its adapter.
 REGISTRY = {
     "tensorflow": "distkeras.backends.tensorflow:TensorFlowAdapter",
+    "jax": "distkeras.backends.jax:JaxAdapter",
     "mxnet": "distkeras.backends.mxnet:MXNetAdapter",
 }
 
 #: Backends distkeras will serve but whose adapter is not in this version yet.
-PLANNED = {"jax": "jax", "torch": "torch", "cntk": "cntk"}
+PLANNED = {"torch": "torch", "cntk": "cntk"}
 
 #: Backends Keras has that distkeras deliberately does not serve, and why.
 UNSUPPORTED = {

@@ -1,0 +1,311 @@
+"""JAX adapter: Keras' own ``keras.distribution`` over a mesh of exactly the resolved devices.
+
+Data parallel (the default) is ``keras.distribution.DataParallel``: every variable is replicated on
+every device and each batch is split along its first axis. A step is one SPMD program over the
+global batch, so the gradient and the reported loss are the single-device ones, with nothing to
+rescale. ``strategy="model"`` is ``keras.distribution.ModelParallel``: kernels are split over a
+"model" mesh axis (``layout_map``), batches over a "batch" axis.
+
+Keras lays a variable out when it creates it, under the distribution current then, and the user
+built the model before any distribution existed. The adapter rebuilds the model under the
+distribution (same class, weights, compile config and optimizer state), so every variable, slot and
+metric gets its layout from Keras itself. ``keras.distribution.set_distribution`` is global, so the
+returned model makes its distribution current only while it compiles, trains, evaluates or predicts:
+models on different device sets live side by side in one process.
+
+JAX splits an array axis only evenly. A batch the "batch" axis doesn't divide (10 samples on 3
+devices, or an epoch's smaller last batch) runs whole on every device instead, with a warning: the
+single-device result, not in parallel. Padding it with zero-weight samples would keep it parallel but
+not exact: batch statistics (BatchNormalization), ``add_loss`` terms and metrics that ignore sample
+weights would all see the padding.
+"""
+
+import functools
+import logging
+import math
+import os
+import re
+import sys
+import weakref
+from collections.abc import Mapping
+from typing import List
+
+from ..devices import Device
+from ..errors import DistKerasError, OptionError, TooLateError
+from . import keras3
+from .base import Adapter
+
+logger = logging.getLogger("distkeras")
+
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_STRATEGIES = ("data", "model")
+#: The returned model's methods that run under its distribution. Keras calls the make_*_function ones
+#: after building metrics and optimizer, just before it fixes the step's output layout.
+_SCOPED = (
+    "compile", "fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch",
+    "make_train_function", "make_test_function", "make_predict_function",
+)
+#: Distributions distkeras made (only their batches fall back to replication) -> batch sizes warned about.
+_ours = weakref.WeakKeyDictionary()
+
+
+class JaxAdapter(Adapter):
+    name = "jax"
+    framework = "jax"
+    install_hint = "jax (or 'jax[cuda12]' for NVIDIA GPUs)"
+    options = {
+        "strategy": "'data' (a replica on every device, the default) or 'model' (kernels sharded)",
+        "layout_map": "strategy='model': {variable path regex: axes}, e.g. {'.*dense.*kernel': (None, 'model')}; "
+        "default: the last axis of every kernel and embedding table that the 'model' axis divides",
+        "model_shards": "strategy='model': devices on the 'model' mesh axis (default: all); the rest form 'batch'",
+    }
+
+    def list_devices(self):
+        # type: () -> List[Device]
+        return [device for device, _ in _local_devices()]
+
+    def set_cpu_devices(self, count):
+        if "jax" in sys.modules:
+            _set_jax_cpu_count(count)
+        os.environ["XLA_FLAGS"] = _with_flag(os.environ.get("XLA_FLAGS", ""), _COUNT_FLAG, count)
+
+    def distribute(self, model, devices, cluster, strategy="data", layout_map=None, model_shards=None):
+        """Rebuild ``model`` under a Keras distribution over exactly ``devices``.
+
+        Args:
+            model: a built Keras model; it is left as it is.
+            devices: the resolved devices, all of one kind.
+            cluster: this process' place in the job; one process only, in this version.
+            strategy: ``"data"`` (``DataParallel``: a replica on every device) or ``"model"``
+                (``ModelParallel`` over a ("batch", "model") mesh).
+            layout_map: ``strategy="model"``: ``{variable path regex: axes}``, axes naming "model",
+                "batch" or None per dimension; a ``keras.distribution.LayoutMap`` gives its rules.
+                Default: the last axis of every kernel and embedding table that "model" divides.
+            model_shards: ``strategy="model"``: the size of the "model" axis (default: every device).
+
+        Returns:
+            A model of the user's class whose variables live on the mesh.
+
+        Raises:
+            DistKerasError: this process is one worker of several (not implemented yet).
+            OptionError: a bad ``strategy``, ``layout_map`` or ``model_shards``.
+        """
+        import keras
+
+        if cluster.is_multi_worker:
+            raise DistKerasError(
+                "This process is rank {} of {} workers ({}), and multi-worker JAX training is not "
+                "implemented in this version of distkeras. Run one process per host.".format(
+                    cluster.rank, cluster.world_size, cluster.source
+                )
+            )
+        by_device = dict(_local_devices())
+        mesh_devices = [by_device[d] for d in devices]
+        if strategy == "data":
+            if layout_map is not None or model_shards is not None:
+                raise OptionError(
+                    "layout_map and model_shards apply to strategy='model' only. Received: strategy='data', "
+                    "layout_map={!r}, model_shards={!r}".format(layout_map, model_shards)
+                )
+            distribution = keras.distribution.DataParallel(devices=mesh_devices)
+        elif strategy == "model":
+            distribution = _model_parallel(keras, model, mesh_devices, layout_map, model_shards)
+        else:
+            raise OptionError("Expected strategy in {}. Received: strategy={!r}".format(_STRATEGIES, strategy))
+        _ours[distribution] = set()
+        _replicate_uneven_batches()
+        with distribution.scope():
+            new = keras3.clone(model)
+            keras3.compile_like(new, model)
+        for name in _SCOPED:
+            object.__setattr__(new, name, _scoped(getattr(new, name), new, distribution))
+        return new
+
+
+def _local_devices():
+    """(Device, jax device) pairs, accelerators first; the index counts devices of one kind."""
+    import jax
+
+    kinds = [jax.default_backend()] + (["cpu"] if jax.default_backend() != "cpu" else [])
+    found = []
+    for kind in kinds:
+        if kind not in ("cpu", "gpu", "tpu"):
+            continue
+        try:
+            local = jax.local_devices(backend=kind)
+        except RuntimeError:  # no such platform in this JAX
+            continue
+        found.extend((Device(kind, index), device) for index, device in enumerate(local))
+    return found
+
+
+def _with_flag(flags, name, value):
+    """``flags`` (space-separated, as in XLA_FLAGS) with ``name=value`` replacing any earlier value."""
+    kept = [f for f in flags.split() if f != name and not f.startswith(name + "=")]
+    return " ".join(kept + ["{}={}".format(name, value)])
+
+
+def _set_jax_cpu_count(count):
+    import jax
+
+    if not hasattr(jax.config, "jax_num_cpu_devices"):  # older JAX: XLA_FLAGS alone, checked by distribute()
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # the backend has started; fine if it started with this count
+        current = len(jax.devices("cpu"))
+        if current != count:
+            raise TooLateError(
+                "JAX has already started with {} CPU device(s), so it can't be split into {} now. Call "
+                "distkeras.use_cpu_devices({}) (or set DISTKERAS_CPU_DEVICES={}) before building any model or "
+                "running any JAX op.".format(current, count, count, count)
+            )
+
+
+def _model_parallel(keras, model, mesh_devices, layout_map, model_shards):
+    count = len(mesh_devices)
+    shards = count if model_shards is None else model_shards
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or count % shards:
+        raise OptionError(
+            "Expected model_shards to be a positive int that divides the {} devices. Received: "
+            "model_shards={!r}".format(count, model_shards)
+        )
+    if layout_map is None:
+        rules = _default_rules(model, shards)
+    elif isinstance(layout_map, Mapping):
+        rules = {key: getattr(axes, "axes", axes) for key, axes in layout_map.items()}
+    else:
+        raise OptionError(
+            "Expected layout_map to be a dict (or keras.distribution.LayoutMap) from variable path regex to "
+            "axes, e.g. {{'.*dense.*kernel': (None, 'model')}}. Received: layout_map={!r}".format(layout_map)
+        )
+    mesh = keras.distribution.DeviceMesh((count // shards, shards), ["batch", "model"], mesh_devices)
+    layouts = keras.distribution.LayoutMap(mesh)
+    try:
+        for key, axes in rules.items():
+            layouts[key] = tuple(axes) if isinstance(axes, (list, tuple)) else axes
+        _check_layouts(model, layouts, dict(zip(mesh.axis_names, mesh.shape)))
+    except OptionError:
+        raise
+    except (ValueError, TypeError, re.error) as exc:  # from Keras' LayoutMap/TensorLayout, or a bad regex
+        raise OptionError("Bad layout_map for mesh axes 'batch' and 'model': {}".format(exc))
+    return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+
+
+def _default_rules(model, shards):
+    rules = {}
+    for v in model.weights:
+        if v.path.rpartition("/")[2] in ("kernel", "embeddings") and len(v.shape) >= 2 and v.shape[-1] % shards == 0:
+            rules[re.escape(v.path)] = (None,) * (len(v.shape) - 1) + ("model",)
+    if not rules:
+        raise OptionError(
+            "strategy='model' found nothing to shard: no kernel or embedding table of {} has a last axis divisible "
+            "by model_shards={}. Pass layout_map={{path regex: axes}}, another model_shards, or use "
+            "strategy='data'.".format(model.name, shards)
+        )
+    return rules
+
+
+def _check_layouts(model, layouts, axis_sizes):
+    """Every key matches a variable; every matched layout has the variable's rank and divides its shape."""
+    used = set()
+    for v in model.weights:
+        layout = layouts[v.path]
+        if layout is None:
+            continue
+        used.update(key for key in layouts if key == v.path or re.fullmatch(key, v.path))
+        if len(layout.axes) != len(v.shape):
+            raise OptionError("Expected {} axes for {} of shape {}. Received: layout {}".format(
+                len(v.shape), v.path, tuple(v.shape), layout.axes))
+        for size, axis in zip(v.shape, layout.axes):
+            if axis is not None and size % axis_sizes[axis]:
+                raise OptionError("Expected the '{}' axis ({} devices) to divide {} of shape {}. Received: layout {}".format(
+                    axis, axis_sizes[axis], v.path, tuple(v.shape), layout.axes))
+    unused = [key for key in layouts if key not in used]
+    if unused:
+        raise OptionError("layout_map key(s) {} match no variable. The model's variables: {}".format(
+            ", ".join(map(repr, unused)), ", ".join(v.path for v in model.weights)))
+
+
+def _scoped(method, model, distribution):
+    """``method`` run under ``distribution``, with any variable created outside it moved onto the mesh."""
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        with distribution.scope():
+            _lay_out_strays(model, distribution)
+            return method(*args, **kwargs)
+
+    return call
+
+
+def _lay_out_strays(model, distribution):
+    """Variables made outside the distribution (a metric or optimizer object created before a later
+    ``compile()``) sit on one device, and Keras' jitted step refuses to mix them with the mesh's."""
+    import keras
+
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.variables) + list(model.metrics_variables)
+    variables += list(optimizer.variables) if optimizer is not None else []
+    for v in variables:
+        value = v.value
+        layout = distribution.get_variable_layout(v)
+        if not value.sharding.is_equivalent_to(layout.backend_layout, len(value.shape)):
+            v.assign(keras.distribution.distribute_tensor(value, layout))
+
+
+def _replicate_uneven_batches():
+    """Let a batch the "batch" mesh axis doesn't divide run replicated, instead of JAX's IndivisibleError.
+
+    Keras' JAX trainer places every batch with ``distribute_data_input`` of its backend distribution
+    module, looked up per call, with the layout of the epoch's first batch. There is no public hook, so
+    that private function is wrapped once (guarded: left alone where it is missing). The wrapper
+    changes nothing for a distribution distkeras didn't make, nor for a batch that divides.
+    """
+    try:
+        from keras.src.backend.jax import distribution_lib as lib
+    except ImportError:
+        return
+    original = getattr(lib, "distribute_data_input", None)
+    if original is None or getattr(original, "distkeras", False):
+        return
+
+    @functools.wraps(original)
+    def distribute_data_input(per_process_batch, layout, batch_dim_name):
+        import jax
+        import keras
+
+        sharding = getattr(layout, "backend_layout", layout)
+        shape = getattr(per_process_batch, "shape", ())
+        current = keras.distribution.distribution()
+        warned = _ours.get(current) if current is not None else None
+        if warned is not None and isinstance(sharding, jax.sharding.NamedSharding) and shape:
+            parts = _batch_parts(sharding)
+            if shape[0] % parts:
+                _warn_uneven(warned, shape[0], parts)
+                layout = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        return original(per_process_batch, layout, batch_dim_name)
+
+    distribute_data_input.distkeras = True
+    lib.distribute_data_input = distribute_data_input
+
+
+def _batch_parts(sharding):
+    """How many pieces ``sharding`` cuts the first axis into."""
+    first = sharding.spec[0] if len(sharding.spec) else None
+    names = first if isinstance(first, tuple) else (first,)
+    return math.prod(sharding.mesh.shape[name] for name in names if name is not None)
+
+
+def _warn_uneven(warned, size, parts):
+    if size in warned:
+        return
+    warned.add(size)
+    logger.warning(
+        "a batch of %d samples doesn't split evenly over %d devices (JAX shards only evenly), so it runs whole on "
+        "every device: the single-device result, not in parallel. A batch size divisible by %d keeps every step "
+        "parallel (an epoch's last batch is smaller when the sample count isn't a multiple of it).",
+        size,
+        parts,
+        parts,
+    )

@@ -1,0 +1,287 @@
+"""JAX-only behaviour: where variables and batches really live on the mesh, model parallelism, the JAX
+options and the CPU device split."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.backends.harness import BACKEND, keras  # noqa: F401 (skips if missing)
+
+pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="JAX adapter tests; KERAS_BACKEND={}".format(BACKEND))
+
+from tests.backends import scenarios  # noqa: E402
+from tests.backends.test_distribute import ATOL, RTOL, assert_weights_close  # noqa: E402
+
+import distkeras  # noqa: E402
+from distkeras import backends  # noqa: E402
+
+FLAG = "--xla_force_host_platform_device_count"
+
+
+class Probe(keras.layers.Layer):
+    """Records how each batch that reaches it in a compiled step is laid out: (rows, sharding spec)."""
+
+    seen = []
+
+    def call(self, x):
+        import jax
+
+        jax.debug.inspect_array_sharding(x, callback=lambda s: Probe.seen.append((x.shape[0], tuple(s.spec))))
+        return x
+
+
+def probed_model():
+    Probe.seen.clear()
+    model = keras.Sequential([keras.Input((5,)), Probe(), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def jax_devices(names):
+    import jax
+
+    return {jax.devices("cpu")[int(n.split(":")[1])] for n in names}
+
+
+def shards(variable):
+    """{device: shard shape} of a variable's value."""
+    return {s.device: s.data.shape for s in variable.value.addressable_shards}
+
+
+# ---- data parallel: where things live
+
+
+def test_data_parallel_keeps_a_full_replica_of_every_variable_on_every_device():
+    model = scenarios.build(keras)
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse", metrics=["mae"])
+    dist = distkeras.distribute(model, devices=["cpu:0", "cpu:2"])
+    x, y = scenarios.data(24)
+    dist.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    mesh = jax_devices(["cpu:0", "cpu:2"])
+    state = dist.weights + dist.optimizer.variables + dist.metrics_variables
+    assert len(dist.optimizer.variables) > 2 and len(dist.metrics_variables) >= 4  # momenta, loss and mae totals
+    for v in state:
+        assert shards(v) == {d: tuple(v.shape) for d in mesh}, v.path
+
+
+def test_batches_are_split_over_the_devices_in_fit_evaluate_and_predict():
+    dist = distkeras.distribute(probed_model(), devices=3)
+    x, y = scenarios.data(30)  # batches of 12, 12 and 6: all divide by 3
+    dist.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    dist.evaluate(x, y, batch_size=12, verbose=0)
+    dist.predict(x, batch_size=12, verbose=0)
+    dist.train_on_batch(x[:6], y[:6])
+    assert Probe.seen and all(spec[:1] == ("batch",) for _, spec in Probe.seen), Probe.seen
+    assert {size for size, _ in Probe.seen} == {12, 6}
+
+
+def test_a_batch_the_devices_dont_divide_runs_whole_on_each_and_matches_one_device(caplog):
+    dist = distkeras.distribute(probed_model(), devices=3)
+    single = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    single.set_weights(dist.get_weights())
+    single.compile(optimizer="sgd", loss="mse")
+    x, y = scenarios.data(28)  # batches of 12, 12 and 4
+    history = dist.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0).history
+    expected = single.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0).history
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=RTOL)
+    assert {(size, spec[:1] == ("batch",)) for size, spec in Probe.seen} == {(12, True), (4, False)}
+    assert "a batch of 4 samples doesn't split evenly over 3 devices" in caplog.text
+    np.testing.assert_allclose(dist.predict(x, batch_size=12, verbose=0), single.predict(x, verbose=0), rtol=RTOL, atol=ATOL)
+    logs = dist.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)
+    assert logs["loss"] == pytest.approx(single.evaluate(x, y, batch_size=12, verbose=0), rel=RTOL)
+
+
+def test_batch_statistics_are_those_of_the_global_batch():
+    # One SPMD program over the global batch: BatchNormalization normalises by the whole batch's moments
+    # (and updates its moving ones) exactly as one device does, even on a batch that runs replicated.
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x, y = scenarios.data(40)  # batches of 12, 12, 12 and 4
+    single = build()
+    single.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    dist = distkeras.distribute(build(), devices=3)
+    dist.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(single.get_weights(), dist.get_weights())  # moving mean and variance included
+
+
+def test_models_on_different_device_sets_coexist_and_leave_no_global_distribution():
+    x, y = scenarios.data(24)
+    two = distkeras.distribute(scenarios.build(keras), devices=2)
+    three = distkeras.distribute(scenarios.build(keras), devices=3)
+    for model in (two, three, two):
+        model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    assert keras.distribution.distribution() is None
+    assert shards(two.weights[0]).keys() == jax_devices(["cpu:0", "cpu:1"])
+    assert shards(three.weights[0]).keys() == jax_devices(["cpu:0", "cpu:1", "cpu:2"])
+
+
+def test_a_distributed_model_can_be_moved_to_other_devices_with_its_optimizer_state():
+    x, y = scenarios.data(24)
+    model = scenarios.build(keras)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    two = distkeras.distribute(model, devices=2)
+    two.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    three = distkeras.distribute(two, devices=3)
+    assert shards(three.weights[0]).keys() == jax_devices(["cpu:0", "cpu:1", "cpu:2"])
+    assert_weights_close(two.get_weights(), three.get_weights())
+    for a, b in zip(two.optimizer.variables, three.optimizer.variables):
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(b), keras.ops.convert_to_numpy(a))
+    two.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    three.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(two.get_weights(), three.get_weights())
+
+
+def test_the_users_model_stays_where_it_was():
+    model = scenarios.build(keras)
+    before = model.get_weights()
+    dist = distkeras.distribute(model, devices=2)
+    x, y = scenarios.data(24)
+    dist.fit(x, y, batch_size=12, verbose=0)
+    assert len(shards(model.weights[0])) == 1
+    assert_weights_close(before, model.get_weights())
+    model.fit(x, y, batch_size=12, verbose=0)  # still trains, on one device
+
+
+def test_metric_and_optimizer_made_before_a_later_compile_are_moved_onto_the_mesh():
+    dist = distkeras.distribute(scenarios.build(keras), devices=3)
+    rmse = keras.metrics.RootMeanSquaredError(name="rmse")
+    dist.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=[rmse])
+    x, y = scenarios.data(24)
+    logs = dist.fit(x, y, batch_size=6, epochs=2, verbose=0).history
+    assert len(logs["rmse"]) == 2
+    mesh = jax_devices(["cpu:0", "cpu:1", "cpu:2"])
+    for v in rmse.variables + dist.optimizer.variables:
+        assert shards(v).keys() == mesh, v.path
+    assert float(keras.ops.convert_to_numpy(rmse.result())) == pytest.approx(logs["rmse"][-1], rel=1e-5)
+
+
+# ---- model parallel
+
+
+def test_model_parallel_shards_kernels_and_their_optimizer_slots():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    dist = distkeras.distribute(model, devices=2, strategy="model")
+    dist.fit(np.ones((8, 6), "float32"), np.ones((8, 3), "float32"), batch_size=4, verbose=0)
+    mesh = jax_devices(["cpu:0", "cpu:1"])
+    kernel, bias, last_kernel, _ = dist.weights
+    assert shards(kernel) == {d: (6, 4) for d in mesh}  # 8 columns, 4 per device
+    assert shards(bias) == {d: (8,) for d in mesh}  # replicated: only kernels are sharded by default
+    assert shards(last_kernel) == {d: (8, 3) for d in mesh}  # 3 columns don't split over 2: replicated
+    slots = [v for v in dist.optimizer.variables if tuple(v.shape) == (6, 8)]
+    assert len(slots) == 2 and all(shards(v) == {d: (6, 4) for d in mesh} for v in slots)  # Adam's m and v
+
+
+@pytest.mark.parametrize(
+    "devices, options, sharded",
+    [
+        (2, {"strategy": "model"}, [(5, 8), None, None, None]),
+        (3, {"strategy": "model"}, [None, None, (16, 1), None]),
+        (2, {"strategy": "model", "layout_map": {"KERNEL1": ("model", None)}}, [None, None, (8, 3), None]),
+        (2, {"strategy": "model", "layout_map": {"KERNEL0": (None, "model"), "BIAS0": ("model",)}},
+         [(5, 8), (8,), None, None]),
+        (3, {"strategy": "model", "model_shards": 1}, [None, None, None, None]),
+    ],
+)
+def test_model_parallel_training_equals_single_device(devices, options, sharded):
+    x, y = scenarios.data(96)
+    single = scenarios.build(keras)
+    single.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    model = scenarios.build(keras)
+    if "layout_map" in options:  # layer names differ from run to run: name the variables by their place
+        paths = {"KERNEL0": model.weights[0].path, "BIAS0": model.weights[1].path, "KERNEL1": model.weights[2].path}
+        options = dict(options, layout_map={re.escape(paths[k]): v for k, v in options["layout_map"].items()})
+    dist = distkeras.distribute(model, devices=devices, **options)
+    history = dist.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
+    for v, shape in zip(dist.weights, sharded):
+        assert set(shards(v).values()) == {shape or tuple(v.shape)}, v.path
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    np.testing.assert_allclose(history["loss"], single.history.history["loss"], rtol=RTOL, atol=ATOL)
+
+
+def test_model_parallel_with_a_batch_axis():
+    # 2 devices, model_shards=1: a 'batch' axis of 2 and a 'model' axis of 1.
+    dist = distkeras.distribute(probed_model(), devices=2, strategy="model", model_shards=1)
+    x, y = scenarios.data(12)
+    dist.fit(x, y, batch_size=6, verbose=0)
+    assert Probe.seen and all(spec[:1] == ("batch",) for _, spec in Probe.seen)
+
+
+# ---- bad options
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"strategy": "pipeline"}, r"Expected strategy in \('data', 'model'\). Received: strategy='pipeline'"),
+        ({"layout_map": {"k": (None, "model")}}, "apply to strategy='model' only"),
+        ({"model_shards": 2}, "apply to strategy='model' only"),
+        ({"strategy": "model", "model_shards": 2}, "Expected model_shards to be a positive int that divides the 3"),
+        ({"strategy": "model", "model_shards": 0}, "Received: model_shards=0"),
+        ({"strategy": "model", "layout_map": [("k", None)]}, "Expected layout_map to be a dict"),
+        ({"strategy": "model", "layout_map": {".*kernel": (None, "modle")}}, "Bad layout_map.*modle"),
+        ({"strategy": "model", "layout_map": {".*dense.*kernel": ("model",)}}, r"Expected 2 axes for .*/kernel of shape \(5, 16\)"),
+        ({"strategy": "model", "layout_map": {".*kernel": ("model", None)}}, r"'model' axis \(3 devices\) to divide"),
+        ({"strategy": "model", "layout_map": {".*conv.*": (None, "model")}}, r"'\.\*conv\.\*' match no variable"),
+        ({"strategy": "model", "layout_map": {".*kernel": (None, None), ".*dense.*": (None, None)}}, "matches multiple"),
+    ],
+)
+def test_bad_options(options, message):
+    with pytest.raises(distkeras.OptionError, match=message):
+        distkeras.distribute(scenarios.build(keras), devices=3, **options)
+
+
+def test_model_parallel_with_nothing_to_shard():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(5)])
+    with pytest.raises(distkeras.OptionError, match="found nothing to shard.*divisible by model_shards=3"):
+        distkeras.distribute(model, devices=3, strategy="model")
+
+
+def test_multi_worker_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    with pytest.raises(distkeras.DistKerasError, match="rank 1 of 2 workers .* multi-worker JAX training is not"):
+        distkeras.distribute(scenarios.build(keras), devices=2)
+
+
+# ---- the CPU device split
+
+
+def test_set_cpu_devices_keeps_other_xla_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false {}=8 --xla_backend_optimization_level=1".format(FLAG))
+    backends.get("jax").set_cpu_devices(3)  # the count JAX runs with here: allowed
+    assert os.environ["XLA_FLAGS"].split() == [
+        "--xla_cpu_enable_fast_math=false", "--xla_backend_optimization_level=1", FLAG + "=3"
+    ]
+
+
+_FRESH = """
+import json, os, sys
+import distkeras
+distkeras.use_cpu_devices(2)
+imported = "jax" in sys.modules
+import jax
+print(json.dumps({"imported": imported, "flags": os.environ["XLA_FLAGS"], "devices": len(jax.devices())}))
+"""
+
+
+def test_use_cpu_devices_before_jax_starts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
+    env.update(KERAS_BACKEND="jax", XLA_FLAGS="--xla_cpu_enable_fast_math=false",
+               PYTHONPATH=os.path.dirname(os.path.dirname(distkeras.__file__)))
+    done = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"imported": False, "flags": "--xla_cpu_enable_fast_math=false {}=2".format(FLAG), "devices": 2}
