@@ -125,6 +125,7 @@ class Launcher(object):
         self.workers = []  # type: List[_Worker]
         self.lock = threading.Lock()
         self.failure = None  # type: Optional[Tuple[int, int]]
+        self.interrupted_at = None  # type: Optional[float]
 
     def _say(self, message):
         with self.lock:
@@ -179,14 +180,19 @@ class Launcher(object):
                 code = worker.process.poll()
                 if code is None:
                     running = True
+                elif code != 0 and self.failure is None and self.interrupted_at is not None:
+                    self.failure = (worker.rank, code)  # ended by the forwarded signal: let the others end too
                 elif code != 0 and self.failure is None:
                     self.failure = (worker.rank, code)
                     started = time.time()
                     self._say("rank {} died ({}); stopping the other workers".format(worker.rank, _describe_exit(code)))
                     self.stop_all()
                     self._say("all workers stopped {:.1f} s after rank {} died".format(time.time() - started, worker.rank))
-            if self.failure is not None or not running:
+            if not running or (self.failure is not None and self.interrupted_at is None):
                 break
+            if self.interrupted_at is not None and time.time() - self.interrupted_at > self.stop_timeout:
+                self._say("workers still running {:.0f} s after the signal; stopping them".format(self.stop_timeout))
+                self.stop_all()
             time.sleep(0.05)
         for worker in self.workers:
             for pump in worker.pumps:
@@ -213,6 +219,8 @@ class Launcher(object):
 
     def _forward(self, signum):
         self._say("got {}; forwarding it to every worker".format(signal.Signals(signum).name))
+        if self.interrupted_at is None:
+            self.interrupted_at = time.time()
         self.signal_all(signum)
 
 
