@@ -86,11 +86,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         model._initial_epoch = manifest["epoch"]
 
     def on_epoch_end(self, epoch, logs=None):
+        name = "epoch-{:05d}.weights.h5".format(epoch + 1)
         if not self._writer:
+            # Every rank takes part in saving (collective reads, on JAX); distribute() made this
+            # model's save_weights write to a throwaway folder on ranks other than 0.
+            self.model.save_weights(os.path.join(self.backup_dir, name))
             return
         os.makedirs(self.backup_dir, exist_ok=True)
         previous = self._manifest()
-        name = "epoch-{:05d}.weights.h5".format(epoch + 1)
         _atomic_write(os.path.join(self.backup_dir, name), self._save_weights)
         manifest = json.dumps({"epoch": epoch + 1, "weights": name})
         _atomic_write(os.path.join(self.backup_dir, MANIFEST), lambda p: _write_text(p, manifest))
@@ -100,8 +103,6 @@ class BackupAndRestore(keras.callbacks.Callback):
                 os.remove(old)
 
     def _save_weights(self, path):
-        # The model's own save_weights may be the no-op distkeras installs on ranks other than 0;
-        # this runs on rank 0 only, where it is Keras' own.
         self.model.save_weights(path)
 
     def on_train_end(self, logs=None):

@@ -13,6 +13,12 @@ metric gets its layout from Keras itself. ``keras.distribution.set_distribution`
 returned model makes its distribution current only while it compiles, trains, evaluates or predicts:
 models on different device sets live side by side in one process.
 
+Across processes (``distkeras launch``, or any launcher that sets the JAX/Keras coordinator variables),
+``jax.distributed`` starts at ``import distkeras`` (before JAX's first computation, as it must), the mesh
+spans every process' devices, and every process is given the same data, as with TensorFlow: each
+global batch is placed with ``jax.make_array_from_callback``, so a process materialises only the
+slices its own devices hold, and every process takes the same steps whatever the data size.
+
 JAX splits an array axis only evenly. A batch the "batch" axis doesn't divide (10 samples on 3
 devices, or an epoch's smaller last batch) runs whole on every device instead, with a warning: the
 single-device result, not in parallel. Padding it with zero-weight samples would keep it parallel but
@@ -32,7 +38,7 @@ from typing import List
 
 from ..devices import Device
 from ..errors import DistKerasError, OptionError, TooLateError
-from . import keras3
+from . import keras3, when_imported
 from .base import Adapter
 
 logger = logging.getLogger("distkeras")
@@ -59,6 +65,25 @@ class JaxAdapter(Adapter):
         "default: the last axis of every kernel and embedding table that the 'model' axis divides",
         "model_shards": "strategy='model': devices on the 'model' mesh axis (default: all); the rest form 'batch'",
     }
+
+    def __init__(self):
+        self._multi_process_error = None
+
+    def prepare(self, cluster):
+        when_imported("jax", lambda: self._start_multi_process(cluster))
+
+    def _start_multi_process(self, cluster):
+        """``jax.distributed.initialize`` right after JAX is imported, before its first computation. Runs
+        inside the user's import of JAX, so a failure is kept and raised by distribute() instead."""
+        import jax
+
+        try:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+            jax.distributed.initialize(
+                coordinator_address=cluster.coordinator, num_processes=cluster.world_size, process_id=cluster.rank
+            )
+        except Exception as exc:  # raised again, with advice, by distribute()
+            self._multi_process_error = exc
 
     def list_devices(self):
         # type: () -> List[Device]
@@ -92,15 +117,10 @@ class JaxAdapter(Adapter):
         """
         import keras
 
-        if cluster.is_multi_worker:
-            raise DistKerasError(
-                "This process is rank {} of {} workers ({}), and multi-worker JAX training is not "
-                "implemented in this version of distkeras. Run one process per host.".format(
-                    cluster.rank, cluster.world_size, cluster.source
-                )
-            )
         by_device = dict(_local_devices())
         mesh_devices = [by_device[d] for d in devices]
+        if cluster.is_multi_worker:
+            mesh_devices = self._global_mesh_devices(cluster, devices, mesh_devices, strategy)
         if strategy == "data":
             if layout_map is not None or model_shards is not None:
                 raise OptionError(
@@ -112,6 +132,8 @@ class JaxAdapter(Adapter):
             distribution = _model_parallel(keras, model, mesh_devices, layout_map, model_shards)
         else:
             raise OptionError("Expected strategy in {}. Received: strategy={!r}".format(_STRATEGIES, strategy))
+        if cluster.is_multi_worker:
+            distribution.auto_shard_dataset = False  # every process holds the global batch; see the docstring
         _ours[distribution] = set()
         _replicate_uneven_batches()
         with distribution.scope():
@@ -119,7 +141,32 @@ class JaxAdapter(Adapter):
             keras3.compile_like(new, model)
         for name in _SCOPED:
             object.__setattr__(new, name, _scoped(getattr(new, name), new, distribution))
+        if cluster.is_multi_worker:
+            keras3.chief_speaks_and_writes(new, cluster.rank)
         return new
+
+    def _global_mesh_devices(self, cluster, devices, local_devices, strategy):
+        """Every process' devices of the chosen kind, for a mesh that spans the job."""
+        import jax
+
+        if self._multi_process_error is not None or jax.process_count() != cluster.world_size:
+            raise TooLateError(
+                "This process is worker {} of {} ({}), but jax.distributed is not running ({}). Import distkeras "
+                "before JAX runs its first computation (before building any model).".format(
+                    cluster.rank, cluster.world_size, cluster.source,
+                    self._multi_process_error or "{} JAX process(es)".format(jax.process_count()))
+            )
+        if strategy != "data":
+            raise OptionError("strategy={!r} runs in one process in this version; across processes use "
+                              "strategy='data'.".format(strategy))
+        mine = [d for d in jax.local_devices() if d.platform == local_devices[0].platform]
+        if len(local_devices) != len(mine):
+            raise DistKerasError(
+                "Across processes the mesh takes every {} device of every worker; devices={} asks for {} of this "
+                "worker's {}. Restrict devices with CUDA_VISIBLE_DEVICES or DISTKERAS_CPU_DEVICES instead.".format(
+                    devices[0].kind, [str(d) for d in devices], len(local_devices), len(mine))
+            )
+        return [d for d in jax.devices() if d.platform == local_devices[0].platform]
 
 
 def _local_devices():
@@ -279,12 +326,17 @@ def _replicate_uneven_batches():
         shape = getattr(per_process_batch, "shape", ())
         current = keras.distribution.distribution()
         warned = _ours.get(current) if current is not None else None
-        if warned is not None and isinstance(sharding, jax.sharding.NamedSharding) and shape:
-            parts = _batch_parts(sharding)
-            if shape[0] % parts:
-                _warn_uneven(warned, shape[0], parts)
-                layout = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-        return original(per_process_batch, layout, batch_dim_name)
+        if warned is None or not isinstance(sharding, jax.sharding.NamedSharding) or not shape:
+            return original(per_process_batch, layout, batch_dim_name)
+        parts = _batch_parts(sharding)
+        if shape[0] % parts:
+            _warn_uneven(warned, shape[0], parts)
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        if jax.process_count() > 1:
+            # Every process holds the whole global batch: each keeps only its devices' slices.
+            batch = per_process_batch
+            return jax.make_array_from_callback(tuple(shape), sharding, lambda index: batch[index])
+        return original(per_process_batch, sharding, batch_dim_name)
 
     distribute_data_input.distkeras = True
     lib.distribute_data_input = distribute_data_input

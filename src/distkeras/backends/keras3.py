@@ -103,16 +103,19 @@ def copy_optimizer_state(source, target, variables):
 
 
 def chief_speaks_and_writes(model, rank):
-    """Rank 0 prints and writes; the other workers of a job stay quiet and write nothing.
+    """Rank 0 prints and writes; the other workers of a job stay quiet and keep no file.
 
     On ranks other than 0: ``fit``/``evaluate``/``predict`` run with ``verbose=0`` (no progress bar),
-    and ``save``/``save_weights`` (also when a callback such as ModelCheckpoint calls them) do nothing,
-    so workers never race on one file. Instance attributes: nothing of it is saved.
+    and ``save``/``save_weights`` (also when a callback such as ModelCheckpoint calls them) write to a
+    throwaway temporary folder instead of the path given. They still run: reading a multi-process JAX
+    array can be a collective step every process must take. Instance attributes: nothing is saved.
     """
     if rank == 0:
         return
     import functools
     import inspect
+    import os
+    import tempfile
 
     for name in ("fit", "evaluate", "predict"):
         method = getattr(model, name)
@@ -125,4 +128,13 @@ def chief_speaks_and_writes(model, rank):
 
         object.__setattr__(model, name, functools.wraps(method)(quiet))
     for name in ("save", "save_weights"):
-        object.__setattr__(model, name, functools.wraps(getattr(model, name))(lambda *args, **kwargs: None))
+        method = getattr(model, name)
+        signature = inspect.signature(method)
+
+        def throwaway(*args, _method=method, _signature=signature, **kwargs):
+            bound = _signature.bind(*args, **kwargs)
+            with tempfile.TemporaryDirectory(prefix="distkeras-rank{}-".format(rank)) as folder:
+                bound.arguments["filepath"] = os.path.join(folder, os.path.basename(str(bound.arguments["filepath"])))
+                return _method(*bound.args, **bound.kwargs)
+
+        object.__setattr__(model, name, functools.wraps(method)(throwaway))

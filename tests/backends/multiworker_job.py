@@ -1,0 +1,50 @@
+"""One worker of a multi-worker test job, started by `distkeras launch` (see test_multiworker.py).
+
+    python -m tests.backends.multiworker_job OUT_DIR MODE
+
+MODE: "train" (the uneven_tail scenario, verbose=1), "kill" (rank 1 SIGKILLs itself mid-epoch 2),
+"resume" (like train, with distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt). Every rank writes
+its final weights to OUT_DIR/rank{R}.npz.
+"""
+
+import os
+import signal
+import sys
+
+import distkeras  # first: a multi-worker engine starts before the backend's first op
+import keras
+import numpy as np
+
+from distkeras.callbacks import BackupAndRestore
+from tests.backends import scenarios
+
+EPOCHS = 4
+
+
+class KillRankOne(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 2 and batch == 3 and distkeras.cluster.from_env().rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(out_dir, mode):
+    rank = distkeras.cluster.from_env().rank
+    model = scenarios.build(keras)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    model = distkeras.distribute(model)
+    x, y = scenarios.data(100)
+    callbacks = []
+    if mode in ("kill", "resume"):
+        callbacks.append(BackupAndRestore(os.path.join(out_dir, "ckpt")))
+    if mode == "kill":
+        callbacks.append(KillRankOne())
+    model.fit(x, y, batch_size=12, epochs=EPOCHS, shuffle=False, verbose=1, callbacks=callbacks)
+    np.savez(os.path.join(out_dir, "rank{}.npz".format(rank)), *model.get_weights())
+    print("describe", distkeras.describe(model))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,77 @@
+"""Two workers under `distkeras launch`, on the backend's own multi-worker engine, over 127.0.0.1:
+the same weights on every rank, equal to one process at the same global batch; one voice; a killed
+worker ends the job in bounded time, naming its rank; and the killed job resumes."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.backends.harness import BACKEND, keras
+from tests.backends import scenarios
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STOP_TIMEOUT = 10
+
+
+def launch(out_dir, mode, timeout=600):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
+    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND=BACKEND)
+    command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "2", "--backend", BACKEND,
+               "--stop-timeout", str(STOP_TIMEOUT), "-m", "tests.backends.multiworker_job", str(out_dir), mode]
+    started = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    return done, time.time() - started
+
+
+def single_process_weights():
+    model = scenarios.build(keras)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    x, y = scenarios.data(100)
+    model.fit(x, y, batch_size=12, epochs=4, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def rank_weights(out_dir, rank):
+    saved = np.load(os.path.join(str(out_dir), "rank{}.npz".format(rank)))
+    return [saved["arr_{}".format(i)] for i in range(len(saved.files))]
+
+
+def assert_close(expected, actual):
+    for e, a in zip(expected, actual):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_two_workers_train_as_one_process(tmp_path):
+    done, _ = launch(tmp_path, "train")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    expected = single_process_weights()
+    r0, r1 = rank_weights(tmp_path, 0), rank_weights(tmp_path, 1)
+    for a, b in zip(r0, r1):
+        np.testing.assert_array_equal(a, b)  # identical on every rank, not just close
+    assert_close(expected, r0)
+    out = done.stdout + done.stderr
+    # One voice: rank 0 shows Keras' progress, rank 1 shows none.
+    assert "[rank 0] Epoch 4/4" in out and "[rank 1] Epoch" not in out
+    assert "[rank 1] describe {'backend': '" + BACKEND in done.stdout
+    assert "'rank': 1, 'workers': 2, 'distributed': True" in done.stdout
+
+
+def test_a_worker_killed_mid_epoch_ends_the_job_in_bounded_time_and_the_job_resumes(tmp_path):
+    done, elapsed = launch(tmp_path, "kill")
+    assert done.returncode == 128 + signal.SIGKILL, done.stderr[-3000:]
+    assert "rank 1 died (killed by SIGKILL); stopping the other workers" in done.stderr
+    stopped = float(done.stderr.split("all workers stopped ")[1].split(" s after")[0])
+    assert stopped <= STOP_TIMEOUT + 1
+    print("job killed: launcher exited {:.1f} s after start, other workers stopped {:.1f} s after the death".format(
+        elapsed, stopped))
+    assert os.path.exists(os.path.join(str(tmp_path), "ckpt", "checkpoint.json"))
+    again, _ = launch(tmp_path, "resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[rank 0] Epoch 3/4" in again.stdout and "[rank 0] Epoch 1/4" not in again.stdout
+    assert_close(single_process_weights(), rank_weights(tmp_path, 0))
+    assert_close(rank_weights(tmp_path, 0), rank_weights(tmp_path, 1))
