@@ -2,9 +2,10 @@
 
     python -m tests.backends.multiworker_job OUT_DIR MODE
 
-MODE: "train" (the uneven_tail scenario, verbose=1), "kill" (rank 1 SIGKILLs itself mid-epoch 2),
-"resume" (like train, with distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt). Every rank writes
-its final weights to OUT_DIR/rank{R}.npz.
+MODE: "train" (numpy arrays, 100 samples at global batch 12, verbose=1), "tf.data" and "PyDataset"
+(the same batches from a tf.data.Dataset / keras.utils.PyDataset), "kill" (rank 1 SIGKILLs itself
+mid-epoch 2), "resume" (like train, with distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt). Every
+worker is given the whole data set; every rank writes its final weights to OUT_DIR/rank{R}.npz.
 """
 
 import os
@@ -30,6 +31,19 @@ class KillRankOne(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch):
+        super().__init__()
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch)
+
+    def __getitem__(self, index):
+        part = slice(index * self.batch, (index + 1) * self.batch)
+        return self.x[part], self.y[part]
+
+
 def main(out_dir, mode):
     rank = distkeras.cluster.from_env().rank
     model = scenarios.build(keras)
@@ -41,7 +55,15 @@ def main(out_dir, mode):
         callbacks.append(BackupAndRestore(os.path.join(out_dir, "ckpt")))
     if mode == "kill":
         callbacks.append(KillRankOne())
-    model.fit(x, y, batch_size=12, epochs=EPOCHS, shuffle=False, verbose=1, callbacks=callbacks)
+    if mode == "tf.data":
+        import tensorflow as tf
+
+        data = {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(12)}
+    elif mode == "PyDataset":
+        data = {"x": Batches(x, y, 12)}
+    else:
+        data = {"x": x, "y": y, "batch_size": 12}
+    model.fit(epochs=EPOCHS, verbose=1, shuffle=False, callbacks=callbacks, **data)
     np.savez(os.path.join(out_dir, "rank{}.npz".format(rank)), *model.get_weights())
     print("describe", distkeras.describe(model))
 

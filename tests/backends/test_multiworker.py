@@ -28,11 +28,11 @@ def launch(out_dir, mode, timeout=600):
     return done, time.time() - started
 
 
-def single_process_weights():
+def single_process_weights(batch_size=12):
     model = scenarios.build(keras)
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
     x, y = scenarios.data(100)
-    model.fit(x, y, batch_size=12, epochs=4, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=batch_size, epochs=4, shuffle=False, verbose=0)
     return model.get_weights()
 
 
@@ -46,9 +46,12 @@ def assert_close(expected, actual):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
 
 
-def test_two_workers_train_as_one_process(tmp_path):
-    done, _ = launch(tmp_path, "train")
+@pytest.mark.parametrize("data", ["train", "tf.data", "PyDataset"])
+def test_two_workers_train_as_one_process(tmp_path, data):
+    done, _ = launch(tmp_path, data)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Every worker is given the whole data set; each batch (arrays' batch_size, a tf.data batch, a
+    # PyDataset item) is a global batch, split over the workers.
     expected = single_process_weights()
     r0, r1 = rank_weights(tmp_path, 0), rank_weights(tmp_path, 1)
     for a, b in zip(r0, r1):

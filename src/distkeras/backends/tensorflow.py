@@ -89,6 +89,7 @@ class TensorFlowAdapter(Adapter):
         if cluster.is_multi_worker:
             _reducible_step_logs(new, tf)
             keras3.chief_speaks_and_writes(new, cluster.rank)
+            _py_datasets_as_global_batches(new, tf)
         return new
 
     def _multi_worker_strategy(self, tf, cluster, devices):
@@ -221,6 +222,47 @@ def _reducible_step_logs(model, tf):
     for name in ("train_step", "test_step"):
         step = getattr(model, name)
         object.__setattr__(model, name, lambda data, _step=step: tf.nest.map_structure(vector, _step(data)))
+
+
+def _py_datasets_as_global_batches(model, tf):
+    """Give a ``keras.utils.PyDataset`` the meaning arrays and batched tf.data datasets have across workers.
+
+    Every worker is given the whole data; each item is one global batch, split over the workers.
+    tf.distribute does that for a dataset whose last op is ``batch(G)`` (it rebatches, then shards),
+    but a PyDataset reaches it as a generator whose elements it can only deal out whole, one per
+    worker. So the PyDataset is read as such a batched dataset: its items, unbatched, batched again by
+    the first item's size (the last item may be shorter, as with arrays).
+    """
+    keras = keras3.keras_module(model)
+    for name in ("fit", "evaluate", "predict"):
+        method = getattr(model, name)
+
+        def call(*args, _method=method, **kwargs):
+            data = args[0] if args else kwargs.get("x")
+            if isinstance(data, keras.utils.PyDataset):
+                dataset = _batched_dataset(tf, data)
+                args = (dataset,) + tuple(args[1:]) if args else args
+                if "x" in kwargs:
+                    kwargs["x"] = dataset
+            return _method(*args, **kwargs)
+
+        object.__setattr__(model, name, call)
+
+
+def _batched_dataset(tf, py_dataset):
+    first = py_dataset[0]
+    batch = len(tf.nest.flatten(first)[0])
+
+    def spec(value):
+        value = tf.convert_to_tensor(value)
+        return tf.TensorSpec((None,) + tuple(value.shape[1:]), value.dtype)
+
+    signature = tf.nest.map_structure(spec, first)
+    items = tf.data.Dataset.from_generator(
+        lambda: (py_dataset[i] for i in range(len(py_dataset))), output_signature=signature
+    )
+    # Items of equal size but the last: as many global batches as items.
+    return items.unbatch().batch(batch).apply(tf.data.experimental.assert_cardinality(len(py_dataset)))
 
 
 def _uses_default_compute_loss(model):
