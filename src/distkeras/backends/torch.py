@@ -1,0 +1,200 @@
+"""PyTorch adapter: one process per device, joined in a ``torch.distributed`` process group.
+
+Keras ships no distribution for its torch backend, so the adapter builds one around ``model.fit()``:
+
+- **Processes.** Every replica is a process owning one device (a GPU, or a share of the CPU). Under a
+  launcher (``torchrun``, ``distkeras launch``, anything that sets RANK / WORLD_SIZE / LOCAL_RANK /
+  LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT) each process is given to :meth:`TorchAdapter.distribute`
+  and joins the job; several hosts work the same way. A plain ``python script.py`` asking for N > 1
+  devices becomes rank 0 and starts the other N-1 processes by re-running the script
+  (:mod:`distkeras.backends.torch_launch`).
+- **Process group.** gloo on CPU, NCCL on GPU, rendezvous at MASTER_ADDR:MASTER_PORT. When that address
+  is a loopback one the job is on one host, and rank 0 listens on that address only.
+- **The model.** Recreated on this process' device (same class, weights, compile config, optimizer
+  state), rank 0's weights and optimizer state broadcast to every rank, then the training hooks of
+  :mod:`distkeras.backends.torch_trainer` installed: how batches are split, gradients averaged,
+  metrics aggregated, and what ranks other than 0 print and write.
+
+``describe()`` reports the processes as the replicas and the hosts as the workers.
+"""
+
+import datetime
+import ipaddress
+import os
+import socket
+import sys
+from typing import List
+
+from ..devices import Device
+from ..errors import DistKerasError, OptionError, TooLateError
+from . import keras3
+from .base import Adapter
+
+#: torch.distributed's own default: how long a collective (or the rendezvous) may wait.
+DEFAULT_TIMEOUT = 1800.0
+_BACKENDS = ("gloo", "nccl")
+
+#: The store of the job's rendezvous (wrapped in a "distkeras" prefix), once this process has joined.
+_store = None
+
+
+class TorchAdapter(Adapter):
+    name = "torch"
+    framework = "torch"
+    install_hint = "torch"
+    options = {
+        "timeout": "seconds a collective or the rendezvous may wait for the other processes (default 1800)",
+        "backend": "torch.distributed backend: " + ", ".join(_BACKENDS) + " (default: nccl on GPUs, gloo on CPU)",
+    }
+
+    def list_devices(self):
+        # type: () -> List[Device]
+        """The CUDA GPUs; without any, DISTKERAS_CPU_DEVICES CPU devices (one process each).
+
+        Without that variable a launched process reports as many CPU devices as its launcher started
+        processes on this host (LOCAL_WORLD_SIZE), and a plain process one.
+        """
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count():
+            return [Device("gpu", i) for i in range(torch.cuda.device_count())]
+        from ..api import CPU_DEVICES_ENV
+        from ..cluster import from_env
+
+        value = os.environ.get(CPU_DEVICES_ENV, "").strip()
+        count = int(value) if value.isdigit() and int(value) > 0 else from_env().local_world_size
+        return [Device("cpu", i) for i in range(count)]
+
+    def set_cpu_devices(self, count):
+        """Nothing to configure: CPU devices are processes, started by :meth:`distribute`. Too late only
+        inside a job that already runs with another number of processes on this host."""
+        distributed = sys.modules.get("torch.distributed")
+        if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+            return
+        from ..cluster import from_env
+
+        running = from_env().local_world_size
+        if count != running:
+            raise TooLateError(
+                "This process is one of {} PyTorch worker processes on this host, so the CPU can't be split into "
+                "{} devices now. Call distkeras.use_cpu_devices({}) (or set DISTKERAS_CPU_DEVICES={}) before "
+                "building any model and calling distkeras.distribute().".format(running, count, count, count)
+            )
+
+    def workers(self, cluster):
+        return max(1, cluster.world_size // max(1, cluster.local_world_size))
+
+    def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None):
+        import torch
+
+        from . import torch_launch, torch_trainer
+
+        timeout = _check_timeout(timeout)
+        listener = watcher = None
+        if not cluster.is_multi_worker:
+            cluster, listener, watcher = torch_launch.start_workers(len(devices), timeout)
+        elif cluster.local_world_size != len(devices):
+            raise DistKerasError(
+                "The launcher started {} process(es) on this host (LOCAL_WORLD_SIZE), and distribute() was given "
+                "{} device(s): {}. distkeras runs one process per device; make them equal (--nproc-per-node {} or "
+                "devices={}).".format(
+                    cluster.local_world_size, len(devices), ", ".join(map(str, devices)), len(devices),
+                    cluster.local_world_size,
+                )
+            )
+        else:
+            torch_launch.watch_parent()
+        device = devices[cluster.local_rank]
+        if device.kind == "gpu":
+            torch.cuda.set_device(device.index)
+        _join(cluster, device, _backend(backend, device), timeout, listener)
+        scope = "cuda:{}".format(device.index) if device.kind == "gpu" else "cpu"
+        keras = keras3.keras_module(model)
+        with keras.device(scope):
+            new = keras3.clone(model)
+            keras3.compile_like(new, model)
+        torch_trainer.broadcast_from_rank0(new)
+        replica = torch_trainer.Replica(
+            cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None
+        )
+        torch_trainer.install(new, replica)
+        return new
+
+
+def _check_timeout(timeout):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise OptionError("Expected a positive number of seconds for timeout. Received: timeout={!r}".format(timeout))
+    return float(timeout)
+
+
+def _backend(name, device):
+    if name is None:
+        return "nccl" if device.kind == "gpu" else "gloo"
+    if name not in _BACKENDS:
+        raise OptionError("Expected backend in {}. Received: backend={!r}".format(_BACKENDS, name))
+    if name == "nccl" and device.kind != "gpu":
+        raise OptionError("backend='nccl' needs GPUs; this process runs on {}. Use backend='gloo'.".format(device))
+    return name
+
+
+def is_loopback(host):
+    """True for an address that only this host can reach (127.0.0.0/8, ::1, "localhost")."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_interface():
+    for _, interface in socket.if_nameindex():
+        if interface.startswith("lo"):
+            return interface
+    return None
+
+
+def _join(cluster, device, backend, timeout, listener=None):
+    """Join (or check) the process group of ``cluster``; rendezvous at its coordinator."""
+    global _store
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (cluster.rank, cluster.world_size):
+            raise DistKerasError(
+                "This process already belongs to a torch.distributed group as rank {} of {}, but the launch "
+                "environment says rank {} of {}. Call distkeras.distribute() with the same devices in every "
+                "call of a job.".format(dist.get_rank(), dist.get_world_size(), cluster.rank, cluster.world_size)
+            )
+        return
+    if not cluster.coordinator:
+        raise DistKerasError(
+            "This process is rank {} of {} ({}), but no rendezvous address is set. Set MASTER_ADDR and "
+            "MASTER_PORT to rank 0's host and a free port, or start the job with torchrun.".format(
+                cluster.rank, cluster.world_size, cluster.source
+            )
+        )
+    host, _, port = cluster.coordinator.rpartition(":")
+    host = host.strip("[]")
+    wait = datetime.timedelta(seconds=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent already serves the store
+        store = dist.TCPStore(host, int(port), cluster.world_size, False, wait)
+    elif cluster.rank == 0:
+        if listener is None and is_loopback(host):
+            listener = socket.create_server((host, int(port)), backlog=128)
+        # The store takes over the listening socket (bound to the loopback address only, or bound by the
+        # self-launch before the other processes were told its port).
+        fd = {"master_listen_fd": listener.detach()} if listener is not None else {}
+        store = dist.TCPStore(host, int(port), cluster.world_size, True, wait, wait_for_workers=False, **fd)
+    else:
+        store = dist.TCPStore(host, int(port), cluster.world_size, False, wait)
+    if backend == "gloo" and is_loopback(host) and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        interface = _loopback_interface()
+        if interface:  # one host: keep gloo's connections on the loopback interface too
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    extra = {"device_id": torch.device("cuda", device.index)} if backend == "nccl" else {}
+    dist.init_process_group(
+        backend, store=store, rank=cluster.rank, world_size=cluster.world_size, timeout=wait, **extra
+    )
+    _store = dist.PrefixStore("distkeras", store)
