@@ -19,6 +19,7 @@ Keras ships no distribution for its torch backend, so the adapter builds one aro
 """
 
 import datetime
+import inspect
 import ipaddress
 import os
 import socket
@@ -36,6 +37,8 @@ _BACKENDS = ("gloo", "nccl")
 
 #: The store of the job's rendezvous (wrapped in a "distkeras" prefix), once this process has joined.
 _store = None
+#: The socket rank 0's store listens on, when distkeras bound it (kept open as long as the store).
+_listener = None
 
 
 class TorchAdapter(Adapter):
@@ -87,7 +90,7 @@ class TorchAdapter(Adapter):
     def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None):
         import torch
 
-        from . import torch_launch, torch_trainer
+        from . import torch_collectives, torch_launch, torch_trainer
 
         timeout = _check_timeout(timeout)
         listener = watcher = None
@@ -113,7 +116,7 @@ class TorchAdapter(Adapter):
         with keras.device(scope):
             new = keras3.clone(model)
             keras3.compile_like(new, model)
-        torch_trainer.broadcast_from_rank0(new)
+        torch_collectives.broadcast_from_rank0(new)
         replica = torch_trainer.Replica(
             cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None
         )
@@ -160,6 +163,11 @@ def _join(cluster, device, backend, timeout, listener=None):
     import torch
     import torch.distributed as dist
 
+    if not dist.is_available():
+        raise DistKerasError(
+            "This PyTorch build ({}) has no torch.distributed, which distkeras needs to run one process per "
+            "device. Install a standard PyTorch build (`pip install torch`).".format(torch.__version__)
+        )
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (cluster.rank, cluster.world_size):
             raise DistKerasError(
@@ -176,25 +184,37 @@ def _join(cluster, device, backend, timeout, listener=None):
             )
         )
     host, _, port = cluster.coordinator.rpartition(":")
-    host = host.strip("[]")
+    host, port = host.strip("[]"), int(port)
     wait = datetime.timedelta(seconds=timeout)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent already serves the store
-        store = dist.TCPStore(host, int(port), cluster.world_size, False, wait)
-    elif cluster.rank == 0:
+    if cluster.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # else torchrun serves it
         if listener is None and is_loopback(host):
-            listener = socket.create_server((host, int(port)), backlog=128)
-        # The store takes over the listening socket (bound to the loopback address only, or bound by the
-        # self-launch before the other processes were told its port).
-        fd = {"master_listen_fd": listener.detach()} if listener is not None else {}
-        store = dist.TCPStore(host, int(port), cluster.world_size, True, wait, wait_for_workers=False, **fd)
+            listener = socket.create_server((host, port), backlog=128)
+        store = _serve_store(dist, host, port, cluster.world_size, wait, listener)
     else:
-        store = dist.TCPStore(host, int(port), cluster.world_size, False, wait)
+        store = dist.TCPStore(host, port, cluster.world_size, False, wait)
     if backend == "gloo" and is_loopback(host) and not os.environ.get("GLOO_SOCKET_IFNAME"):
         interface = _loopback_interface()
         if interface:  # one host: keep gloo's connections on the loopback interface too
             os.environ["GLOO_SOCKET_IFNAME"] = interface
-    extra = {"device_id": torch.device("cuda", device.index)} if backend == "nccl" else {}
+    extra = {}
+    if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
+        extra["device_id"] = torch.device("cuda", device.index)
     dist.init_process_group(
         backend, store=store, rank=cluster.rank, world_size=cluster.world_size, timeout=wait, **extra
     )
     _store = dist.PrefixStore("distkeras", store)
+
+
+def _serve_store(dist, host, port, world_size, wait, listener):
+    """Rank 0's store; on ``listener`` (bound to the loopback address, or by the self-launch) when given."""
+    global _listener
+    if listener is not None:
+        try:
+            store = dist.TCPStore(
+                host, port, world_size, True, wait, wait_for_workers=False, master_listen_fd=listener.fileno()
+            )
+            _listener = listener
+            return store
+        except (TypeError, RuntimeError):  # a torch whose store can't take over a socket: it binds the port
+            listener.close()
+    return dist.TCPStore(host, port, world_size, True, wait, wait_for_workers=False)

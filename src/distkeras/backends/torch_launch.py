@@ -198,9 +198,10 @@ class Watcher(threading.Thread):
             if code != 0:
                 problems.append(_describe_exit(rank, child, code))
         _stop(self.children)
+        if problems and not self._failure:  # a failure the watcher saw is reported already
+            sys.stderr.write("distkeras: error: {}\n".format("; ".join(problems)))
         if problems or self._failure:
             sys.stdout.flush()
-            sys.stderr.write("distkeras: error: {}\n".format(self._failure or "; ".join(problems)))
             sys.stderr.flush()
             os._exit(1)
 

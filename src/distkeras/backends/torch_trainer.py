@@ -17,8 +17,8 @@ instance, so the class, the config and what ``save()`` writes stay the user's:
   samples in the step); the optimizer applies ``sum / sum(n_r)``, the gradient of the mean loss over the
   whole global batch, regularisation included, however unequal the shares. Gradient clipping and loss
   scaling then act on that average, as on one device. Exact for losses that average over the batch
-  (Keras' default reduction); a loss with ``reduction="sum"`` gets its gradient divided by the ranks'
-  sample count.
+  (Keras' default reduction); with ``reduction="sum"`` each rank's sum is weighted by its share, which
+  gives about 1/world of the one-device gradient.
 - ``_get_metrics_result_or_logs`` (a Keras private; :func:`install` checks that it exists): the metric
   states (totals, counts) are summed over the ranks, in sorted metric-name order, before the results
   are read, so epoch logs, validation logs and ``evaluate()`` are the global values. Per-batch progress
@@ -38,16 +38,13 @@ import collections
 import datetime
 import functools
 import inspect
-import math
 import os
-import random
 
 import keras
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..errors import DistKerasError, LaunchError
+from . import torch_collectives as collectives
 
 _PRIVATE_LOGS = "_get_metrics_result_or_logs"
 
@@ -113,59 +110,6 @@ def install(model, replica):
         object.__setattr__(model, name, hook)
 
 
-def broadcast_from_rank0(model):
-    """Give every rank rank 0's weights (all of them) and optimizer state."""
-    variables = list(model.variables)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "built", False):
-        variables += list(optimizer.variables)
-    groups = collections.OrderedDict()
-    for variable in variables:
-        groups.setdefault((variable.value.dtype, variable.value.device), []).append(variable)
-    for group in groups.values():
-        flat = torch.cat([v.value.detach().reshape(-1) for v in group])
-        dist.broadcast(flat, src=0)
-        _scatter(flat, group)
-
-
-def _numel(variable):
-    return int(math.prod(variable.shape))
-
-
-def _scatter(flat, variables):
-    offset = 0
-    for variable in variables:
-        size = _numel(variable)
-        variable.assign(flat[offset : offset + size].reshape(variable.shape).to(variable.value.dtype))
-        offset += size
-
-
-def average_gradients(grads, variables, count):
-    """The gradients averaged over the ranks, each rank weighted by its ``count`` of samples.
-
-    One all-reduce of ``[count * grad for every variable] + [has-gradient flags] + [count]``. A variable
-    without a gradient on any rank keeps None (Keras skips it, as on one device).
-    """
-    dtype = torch.float64 if any(g is not None and g.dtype == torch.float64 for g in grads) else torch.float32
-    device = next((g.device for g in grads if g is not None), variables[0].value.device)
-    pieces = [
-        torch.zeros(_numel(v), dtype=dtype, device=device) if g is None else g.detach().reshape(-1).to(dtype) * count
-        for g, v in zip(grads, variables)
-    ]
-    tail = torch.tensor([float(g is not None) for g in grads] + [float(count)], dtype=dtype, device=device)
-    flat = torch.cat(pieces + [tail])
-    dist.all_reduce(flat)
-    flags = flat[-len(tail) :].tolist()
-    total = flags[-1] or 1.0
-    averaged, offset = [], 0
-    for present, variable in zip(flags, variables):
-        size = _numel(variable)
-        piece = flat[offset : offset + size]
-        averaged.append((piece / total).reshape(variable.shape).to(variable.value.dtype) if present else None)
-        offset += size
-    return averaged
-
-
 def _wrap_optimizer(optimizer, replica):
     if optimizer is None or optimizer.__dict__.get("_distkeras_replica") is replica:
         return
@@ -178,7 +122,7 @@ def _wrap_optimizer(optimizer, replica):
         if not grads or len(grads) != len(variables):
             return apply(grads, trainable_variables)  # Keras' own checks and messages
         count = 1 if replica.count is None else replica.count
-        return apply(average_gradients(grads, variables, count), trainable_variables)
+        return apply(collectives.average_gradients(grads, variables, count), trainable_variables)
 
     object.__setattr__(optimizer, "apply", averaged_apply)
     object.__setattr__(optimizer, "_distkeras_replica", replica)
@@ -222,55 +166,18 @@ def _metric_variables(model):
     return ordered
 
 
-def _all_reduce_states(variables, replica):
-    """Replace each metric variable by its value over the job: summed ("sum", Keras' default for
-    metrics), averaged ("mean"), or rank 0's (anything else)."""
-    pieces = []
-    for variable in variables:
-        value = variable.value.detach().reshape(-1).to(torch.float64)
-        aggregation = getattr(variable, "aggregation", "sum")
-        if aggregation == "mean":
-            value = value / replica.world
-        elif aggregation != "sum":
-            value = value * float(replica.rank == 0)
-        pieces.append(value)
-    flat = torch.cat(pieces)
-    dist.all_reduce(flat)
-    _scatter(flat, variables)
-
-
-def _plain(value):
-    array = np.array(keras.ops.convert_to_numpy(value))
-    return float(array) if array.ndim == 0 and array.dtype.kind in "fiub" else array
-
-
-def _average_logs(logs, replica):
-    """A custom step's own logs (not the model's metrics): average the scalar ones over the ranks."""
-    plain = {k: _plain(v) for k, v in logs.items()}
-    names = sorted(k for k, v in plain.items() if isinstance(v, float))
-    if names:
-        flat = torch.tensor([plain[k] for k in names], dtype=torch.float64, device=_device())
-        dist.all_reduce(flat)
-        plain.update(zip(names, (flat / replica.world).tolist()))
-    return plain
-
-
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def _global_logs(model, local_logs, replica):
     def global_logs(logs):
         variables = _metric_variables(model)
         if not variables:
-            return _average_logs(logs, replica) if logs else logs
+            return collectives.average_logs(logs, replica.world) if logs else logs
         saved = [v.value.detach().clone() for v in variables]
         try:
-            _all_reduce_states(variables, replica)
+            collectives.all_reduce_states(variables, replica.rank, replica.world)
             result = local_logs(logs)
             if result is logs:  # a custom step's logs, which Keras passes through
-                return _average_logs(logs, replica)
-            return {name: _plain(value) for name, value in result.items()}
+                return collectives.average_logs(logs, replica.world)
+            return {name: collectives.plain(value) for name, value in result.items()}
         finally:  # the local states again: the global ones are never counted twice
             for variable, value in zip(variables, saved):
                 variable.assign(value)
@@ -278,18 +185,9 @@ def _global_logs(model, local_logs, replica):
     return global_logs
 
 
-def sync_random_state():
-    """Every rank takes rank 0's state of Python's, NumPy's and torch's global random generators."""
-    state = [random.getstate(), np.random.get_state(), torch.get_rng_state()]
-    dist.broadcast_object_list(state, src=0)
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.set_rng_state(state[2])
-
-
 class _SyncRandomState(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
-        sync_random_state()
+        collectives.sync_random_state()
 
 
 def _entry(method, replica, sync_random=False):
@@ -303,13 +201,15 @@ def _entry(method, replica, sync_random=False):
             bound.arguments["verbose"] = 0
         try:
             if sync_random:
-                sync_random_state()
+                collectives.sync_random_state()
                 callbacks = bound.arguments.get("callbacks")
                 if callbacks is None or isinstance(callbacks, (list, tuple)):
                     bound.arguments["callbacks"] = [_SyncRandomState()] + list(callbacks or [])
             return method(*bound.args, **bound.kwargs)
         except Exception as exc:
-            failure = replica.launch_failure(2.0) if replica.launch_failure else None
+            # A collective with a dead rank fails (RuntimeError) about when the watcher sees the exit.
+            wait = 2.0 if isinstance(exc, RuntimeError) else 0.0
+            failure = replica.launch_failure(wait) if replica.launch_failure else None
             if failure:
                 raise LaunchError(failure) from exc
             raise
