@@ -184,18 +184,21 @@ def test_two_hosts_of_two_processes():
 # ---- plain scripts that launch their own workers
 
 
-def run_script(tmp_path, source, *args, timeout=TIMEOUT):
-    """Run ``python script.py`` as a user would (no launcher variables); kill its process group afterwards."""
+def run_script(tmp_path, source, *args, timeout=TIMEOUT, from_stdin=False):
+    """Run ``python script.py`` (or ``python -``) as a user would, without launcher variables; kill its
+    process group afterwards. Returns (exit code, stdout, stderr)."""
     script = tmp_path / "script.py"
     script.write_text(source)
+    command = [sys.executable, "-" if from_stdin else str(script)] + [str(a) for a in args]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), ROOT])
     proc = subprocess.Popen(
-        [sys.executable, str(script)] + [str(a) for a in args], cwd=str(tmp_path), env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        command, cwd=str(tmp_path), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        # Returns once every process holding the output pipes is gone: rank 0 and the workers it started.
+        stdout, stderr = proc.communicate(source if from_stdin else "", timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
@@ -303,6 +306,13 @@ def test_workers_die_with_their_parent(tmp_path):
     if not gone(child):
         os.kill(child, signal.SIGKILL)
         pytest.fail("rank 1 (pid {}) outlived its parent by 30 s".format(child))
+
+
+def test_a_program_from_stdin_is_told_how_to_launch(tmp_path):
+    code, _, stderr = run_script(tmp_path, _TRAIN, tmp_path, from_stdin=True)
+    assert code != 0
+    assert "LaunchError" in stderr and "not a script file" in stderr
+    assert "torchrun --nproc-per-node 2 script.py" in stderr
 
 
 def test_distribute_inside_a_test_run_says_how_to_launch():
