@@ -27,7 +27,7 @@ import sys
 from typing import List
 
 from ..devices import Device
-from ..errors import DistKerasError, OptionError, TooLateError
+from ..errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
 from . import keras3
 from .base import Adapter
 
@@ -92,11 +92,14 @@ class TorchAdapter(Adapter):
 
         from . import torch_collectives, torch_launch, torch_trainer
 
+        # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
-        listener = watcher = None
-        if not cluster.is_multi_worker:
-            cluster, listener, watcher = torch_launch.start_workers(len(devices), timeout)
-        elif cluster.local_world_size != len(devices):
+        if len({d.kind for d in devices}) > 1:
+            raise DeviceSpecError(
+                "Expected devices of one kind: with PyTorch every replica is a process, and the processes of a job "
+                "all use GPUs or all use the CPU. Received: devices={}".format(", ".join(map(str, devices)))
+            )
+        if cluster.is_multi_worker and cluster.local_world_size != len(devices):
             raise DistKerasError(
                 "The launcher started {} process(es) on this host (LOCAL_WORLD_SIZE), and distribute() was given "
                 "{} device(s): {}. distkeras runs one process per device; make them equal (--nproc-per-node {} or "
@@ -105,17 +108,21 @@ class TorchAdapter(Adapter):
                     cluster.local_world_size,
                 )
             )
-        else:
-            torch_launch.watch_parent()
-        device = devices[cluster.local_rank]
+        device = devices[cluster.local_rank if cluster.is_multi_worker else 0]
+        backend = _backend(backend, device)
         if device.kind == "gpu":
             torch.cuda.set_device(device.index)
-        _join(cluster, device, _backend(backend, device), timeout, listener)
-        scope = "cuda:{}".format(device.index) if device.kind == "gpu" else "cpu"
         keras = keras3.keras_module(model)
-        with keras.device(scope):
+        with keras.device("cuda:{}".format(device.index) if device.kind == "gpu" else "cpu"):
             new = keras3.clone(model)
             keras3.compile_like(new, model)
+
+        listener = watcher = None
+        if cluster.is_multi_worker:
+            torch_launch.watch_parent()
+        else:  # a plain process: it becomes rank 0 of a job it starts
+            cluster, listener, watcher = torch_launch.start_workers(len(devices), timeout)
+        _join(cluster, device, backend, timeout, listener)
         torch_collectives.broadcast_from_rank0(new)
         replica = torch_trainer.Replica(
             cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None
