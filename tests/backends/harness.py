@@ -39,7 +39,7 @@ _jobs = {}
 
 
 def job(size, local_size=None):
-    """The worker processes of a ``size``-process job (started on first use, kept for the session)."""
+    """The worker processes of a ``size``-process job (started on first use, kept until the tests end)."""
     from tests.backends import workers
 
     key = (size, local_size or size)

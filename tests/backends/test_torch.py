@@ -316,6 +316,6 @@ def test_a_program_from_stdin_is_told_how_to_launch(tmp_path):
 
 
 def test_distribute_inside_a_test_run_says_how_to_launch():
-    # In this pytest process there is no launcher, and re-running the session per device would be wrong.
+    # In this pytest process there is no launcher, and re-running the test run per device would be wrong.
     with pytest.raises(distkeras.LaunchError, match=r"distkeras launch --nproc-per-node 2 script.py.*torchrun"):
         distkeras.distribute(scenarios.build(keras), devices=2)

@@ -18,7 +18,7 @@ The lifetimes are tied both ways, within bounded time:
 - When the parent's script ends, it waits for its children (at most the job's timeout) and exits
   non-zero if one of them failed.
 
-What can't be re-run — an interactive session, a notebook, a program read from standard input, a test
+What can't be re-run — an interactive interpreter, a notebook, a program read from standard input, a test
 run — gets a :class:`~distkeras.LaunchError` saying to start the job with ``distkeras launch`` or
 ``torchrun``. No framework import here.
 """
@@ -63,9 +63,9 @@ def script_command(count):
     argv = list(sys.argv)
     reason = None
     if os.environ.get("PYTEST_CURRENT_TEST"):
-        reason = "this is a test run, and re-running it would run the whole session once per device"
+        reason = "this is a test run, and re-running it would run every test once per device"
     elif not argv or argv[0] in ("", "-") or (getattr(main, "__file__", None) is None and argv[0] != "-c"):
-        reason = "this program is not a script file (an interactive session, a notebook or standard input)"
+        reason = "this program is not a script file (an interactive interpreter, a notebook or standard input)"
     if reason:
         raise LaunchError(
             "distribute() asked for {n} devices, and with PyTorch each device is a process of its own. This "
