@@ -144,13 +144,14 @@ def _adapter_for(model):
     return backends.get(backends.active_name(model))
 
 
-def _record(model, name, devices, cluster, distributed):
+def _record(model, adapter, devices, cluster, distributed):
+    workers = adapter.workers(cluster)
     info = {
-        "backend": name,
+        "backend": adapter.name,
         "devices": [str(d) for d in devices],
-        "replicas": len(devices) * cluster.world_size,
+        "replicas": len(devices) * workers,
         "rank": cluster.rank,
-        "workers": cluster.world_size,
+        "workers": workers,
         "distributed": distributed,
     }
     try:
@@ -202,16 +203,16 @@ def distribute(model, devices=None, **options):
     chosen = devices_lib.parse(devices, available)
     if len(chosen) == 1 and not cluster.is_multi_worker:
         logger.info("one device (%s): the model is returned unchanged, nothing to distribute", chosen[0])
-        _record(model, adapter.name, chosen, cluster, distributed=False)
+        _record(model, adapter, chosen, cluster, distributed=False)
         return model
     result = adapter.distribute(model, chosen, cluster, **options)
-    info = _record(result, adapter.name, chosen, cluster, distributed=True)
+    info = _record(result, adapter, chosen, cluster, distributed=True)
     logger.info(
         "%s backend, %d replica(s) on %s%s; fit()'s batch_size is the global batch, split evenly",
         adapter.name,
         info["replicas"],
         ", ".join(info["devices"]),
-        " x {} workers".format(cluster.world_size) if cluster.is_multi_worker else "",
+        " x {} workers".format(info["workers"]) if info["workers"] > 1 else "",
     )
     return result
 
@@ -233,7 +234,7 @@ def describe(model):
         return dict(known)
     cluster = cluster_lib.from_env()
     first = devices_lib.parse(1, adapter.list_devices())
-    return _record(model, adapter.name, first, cluster._replace(world_size=1), distributed=False)
+    return _record(model, adapter, first, cluster._replace(world_size=1, local_world_size=1), distributed=False)
 
 
 def global_batch_size(per_device, devices=None):
@@ -254,5 +255,5 @@ def global_batch_size(per_device, devices=None):
     else:
         adapter = backends.get(backends.active_name())
         chosen = devices_lib.parse(devices, adapter.list_devices())  # type: List[devices_lib.Device]
-        replicas = len(chosen) * cluster_lib.from_env().world_size
+        replicas = len(chosen) * adapter.workers(cluster_lib.from_env())
     return sharding.global_batch_size(per_device, replicas)

@@ -2,9 +2,11 @@
 
 Test modules start with ``from tests.backends.harness import BACKEND, keras``: that skips the module
 with a reason when the backend's framework is missing (never a silent pass), and splits the CPU into
-virtual devices before Keras starts, so multi-device tests run without GPUs.
+virtual devices before Keras starts, so multi-device tests run without GPUs. :func:`replicated` runs a
+test body where the backend keeps its replicas: in this process, or in worker processes for PyTorch.
 """
 
+import atexit
 import os
 
 import pytest
@@ -30,3 +32,36 @@ distkeras.use_cpu_devices(CPU_DEVICES)
 import keras  # noqa: E402
 
 assert keras.backend.backend() == BACKEND, (keras.backend.backend(), BACKEND)
+
+#: Backends whose replicas are processes: their multi-device tests run in worker processes.
+PROCESS_BACKENDS = ("torch",)
+_jobs = {}
+
+
+def job(size, local_size=None):
+    """The worker processes of a ``size``-process job (started on first use, kept until the tests end)."""
+    from tests.backends import workers
+
+    key = (size, local_size or size)
+    if key not in _jobs or not _jobs[key].alive:
+        _jobs[key] = workers.Job(size, local_size)
+    return _jobs[key]
+
+
+def replicated(devices, fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` where ``distribute(model, devices=devices)`` has its replicas; rank 0's result.
+
+    TensorFlow and JAX put replicas in this process, so ``fn`` runs here, as the test's own code would. On
+    PyTorch each replica is a process: ``fn`` runs on every rank of a ``devices``-process job started the
+    way a launcher starts one, and the result is rank 0's. ``fn`` must be a module-level function and
+    return plain data (arrays, numbers, dicts, classes, exceptions).
+    """
+    if BACKEND not in PROCESS_BACKENDS:
+        return fn(*args, **kwargs)
+    return job(devices).run(fn, *args, **kwargs)[0].result
+
+
+@atexit.register
+def _close_jobs():
+    for running in _jobs.values():
+        running.close()

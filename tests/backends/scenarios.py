@@ -5,8 +5,13 @@ same weights), distributes it over ``devices`` (1 = plain Keras, untouched), fit
 final weights and the history. Runnable as a script, for backends whose replicas are processes:
 
     python -m tests.backends.scenarios CASE DEVICES OUT.npz
+
+The other functions are the bodies of the multi-device tests in ``test_distribute.py``, which run them
+through ``harness.replicated()`` (in the test process, or on every rank of a PyTorch job) and check what
+they return. They return plain data, never a model.
 """
 
+import os
 import sys
 
 import numpy as np
@@ -52,6 +57,178 @@ def train(case, devices):
     x, y = data(samples)
     history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
     return [np.asarray(w) for w in model.get_weights()], history.history
+
+
+def sample_count():
+    """A metric counting the samples a step saw, summed over replicas."""
+    import keras
+
+    class SampleCount(keras.metrics.Metric):
+        def __init__(self, name="samples", **kwargs):
+            super().__init__(name=name, **kwargs)
+            self.count = self.add_variable(shape=(), initializer="zeros", name="count", aggregation="sum")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.count.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], self.count.dtype))
+
+        def result(self):
+            # A tensor, not the variable itself: JAX refuses a Keras variable as the output of a traced step.
+            return keras.ops.convert_to_tensor(self.count)
+
+    return SampleCount()
+
+
+def count_samples(devices):
+    """101 samples, global batch 10: the samples fit(), evaluate() and predict() saw."""
+    import keras
+
+    import distkeras
+
+    model = build(keras)
+    model.compile(optimizer="sgd", loss="mse", metrics=[sample_count()])
+    model = distkeras.distribute(model, devices=devices)
+    x, y = data(101)
+    history = model.fit(x, y, batch_size=10, epochs=2, verbose=0)
+    evaluated = model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)
+    return history.history["samples"], evaluated["samples"], model.predict(x, batch_size=10, verbose=0).shape
+
+
+def compile_config(devices):
+    """A model compiled with non-default settings, and what distribute() made of it."""
+    import keras
+
+    import distkeras
+
+    model = build(keras)
+    model.compile(
+        optimizer=keras.optimizers.Adam(learning_rate=0.0123, beta_1=0.8),
+        loss=keras.losses.Huber(delta=0.5),
+        metrics=["mae", keras.metrics.RootMeanSquaredError(name="rmse")],
+    )
+    dist = distkeras.distribute(model, devices=devices)
+    x, y = data(24)
+    return {
+        "class": type(model),
+        "dist_class": type(dist),
+        "weights": model.get_weights(),
+        "dist_weights": dist.get_weights(),
+        "optimizer_class": type(model.optimizer),
+        "dist_optimizer_class": type(dist.optimizer),
+        "learning_rate": float(keras.ops.convert_to_numpy(dist.optimizer.learning_rate)),
+        "beta_1": dist.optimizer.beta_1,
+        "logs": dist.evaluate(x, y, batch_size=12, verbose=0, return_dict=True),
+        "expected": model.evaluate(x, y, batch_size=12, verbose=0, return_dict=True),
+    }
+
+
+def compile_after_distribute(devices):
+    """An uncompiled model, distributed, then compiled and fitted: its first kernel afterwards."""
+    import numpy as np
+    import keras
+
+    import distkeras
+
+    model = build(keras)
+    fresh = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    fresh.set_weights(model.layers[-1].get_weights()[:1] * 0 + [np.ones((5, 3), "float32"), np.zeros(3, "float32")])
+    dist = distkeras.distribute(fresh, devices=devices)
+    dist.compile(optimizer="sgd", loss="mse")
+    x, y = data(24)
+    dist.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    return dist.get_weights()[0]
+
+
+def continue_training(devices):
+    """One epoch with momentum on one device, then one more on one device and, from the same start,
+    distributed: (single-device weights, the distributed optimizer's iterations, distributed weights)."""
+    import keras
+
+    import distkeras
+
+    x, y = data(96)
+
+    def start():
+        model = build(keras)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    single = start()
+    single.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    dist = distkeras.distribute(start(), devices=devices)
+    iterations = int(keras.ops.convert_to_numpy(dist.optimizer.iterations))
+    dist.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    return single.get_weights(), iterations, dist.get_weights()
+
+
+def describe(devices):
+    import keras
+
+    import distkeras
+
+    return distkeras.describe(distkeras.distribute(build(keras), devices=devices))
+
+
+def global_batch_sizes(devices):
+    """global_batch_size() of a model distributed over ``devices``, of devices=2, and of every device."""
+    import keras
+
+    import distkeras
+
+    dist = distkeras.distribute(build(keras), devices=devices)
+    return distkeras.global_batch_size(32, dist), distkeras.global_batch_size(32, devices=2), distkeras.global_batch_size(16)
+
+
+def fit_and_save(devices, directory):
+    """Fit a distributed model on 36 samples, save it as m.keras and m.weights.h5; its predictions."""
+    import keras
+
+    import distkeras
+
+    dist = distkeras.distribute(build(keras), devices=devices)
+    x, y = data(36)
+    dist.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    dist.save(os.path.join(directory, "m.keras"))
+    dist.save_weights(os.path.join(directory, "m.weights.h5"))
+    return dist.predict(x, verbose=0)
+
+
+def save_load_rounds(devices, directory, rounds=3):
+    """distribute, save, load, again: the loaded model's layer classes and weight count per round."""
+    import keras
+
+    import distkeras
+
+    model = build(keras)
+    seen = []
+    for round_ in range(rounds):
+        model = distkeras.distribute(model, devices=devices)
+        path = os.path.join(directory, "round{}.keras".format(round_))
+        model.save(path)
+        model = keras.saving.load_model(path)
+        seen.append(([type(l).__name__ for l in model.layers], len(model.weights)))
+    return seen
+
+
+def cpu_devices_after_start(devices, count):
+    """distribute() over ``devices`` (the backend has started), then ask for ``count`` CPU devices: the error."""
+    import keras
+
+    import distkeras
+    from distkeras.api import CPU_DEVICES_ENV
+
+    distkeras.distribute(build(keras), devices=devices)
+    before = os.environ.get(CPU_DEVICES_ENV)
+    try:
+        distkeras.use_cpu_devices(count)
+    except distkeras.DistKerasError as exc:
+        return exc
+    finally:  # use_cpu_devices() sets the variable before it fails; later tests need the old count
+        if before is None:
+            os.environ.pop(CPU_DEVICES_ENV, None)
+        else:
+            os.environ[CPU_DEVICES_ENV] = before
+    return None
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
 """The central contract, on whichever backend KERAS_BACKEND selects: data-parallel training on N devices
-is single-device training at the same global batch, and a saved model is the plain single-device model."""
+is single-device training at the same global batch, and a saved model is the plain single-device model.
+
+Multi-device bodies live in ``scenarios`` and run through ``harness.replicated(devices, ...)``: in this
+process for TensorFlow and JAX, on every rank of a ``devices``-process job for PyTorch (rank 0's result).
+The assertions stay here and are the same on every backend."""
 
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.backends.harness import BACKEND, CPU_DEVICES, keras  # noqa: F401 (skips if missing)
+from tests.backends.harness import BACKEND, CPU_DEVICES, keras, replicated  # noqa: F401 (skips if missing)
 from tests.backends import scenarios
 
 import distkeras
@@ -36,7 +41,7 @@ def single_device_runs():
 @pytest.mark.parametrize("devices", [2, 3])
 def test_data_parallel_equals_single_device(single_device_runs, case, devices):
     expected_weights, expected_history = single_device_runs[case]
-    weights, history = scenarios.train(case, devices)
+    weights, history = replicated(devices, scenarios.train, case, devices)
     assert_weights_close(expected_weights, weights)
     # The reported epoch loss is the global one, not one replica's.
     np.testing.assert_allclose(history["loss"], expected_history["loss"], rtol=1e-5)
@@ -48,81 +53,39 @@ def test_training_actually_moves_the_weights(single_device_runs):
     assert max(float(np.abs(a - b).max()) for a, b in zip(initial, trained)) > 1e-2
 
 
-class SampleCount(keras.metrics.Metric):
-    """Counts the samples a step saw, summed over replicas."""
-
-    def __init__(self, name="samples", **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.count = self.add_variable(shape=(), initializer="zeros", name="count", aggregation="sum")
-
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        self.count.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], self.count.dtype))
-
-    def result(self):
-        # A tensor, not the variable itself: JAX refuses a Keras variable as the output of a traced step.
-        return keras.ops.convert_to_tensor(self.count)
-
-
 def test_no_sample_is_dropped_when_sizes_divide_by_nothing():
     # 101 samples, global batch 10, 3 replicas: 101 divides by neither 10 nor 3.
-    model = scenarios.build(keras)
-    model.compile(optimizer="sgd", loss="mse", metrics=[SampleCount()])
-    model = distkeras.distribute(model, devices=3)
-    x, y = scenarios.data(101)
-    history = model.fit(x, y, batch_size=10, epochs=2, verbose=0)
-    assert history.history["samples"] == [101.0, 101.0]
-    assert model.evaluate(x, y, batch_size=10, verbose=0, return_dict=True)["samples"] == 101.0
-    assert model.predict(x, batch_size=10, verbose=0).shape == (101, 3)
+    fitted, evaluated, predicted_shape = replicated(3, scenarios.count_samples, 3)
+    assert fitted == [101.0, 101.0]
+    assert evaluated == 101.0
+    assert predicted_shape == (101, 3)
 
 
 def test_distributed_model_keeps_weights_and_compile_config():
-    model = scenarios.build(keras)
-    model.compile(
-        optimizer=keras.optimizers.Adam(learning_rate=0.0123, beta_1=0.8),
-        loss=keras.losses.Huber(delta=0.5),
-        metrics=["mae", keras.metrics.RootMeanSquaredError(name="rmse")],
-    )
-    dist = distkeras.distribute(model, devices=2)
-    assert type(dist) is type(model)
-    assert_weights_close(model.get_weights(), dist.get_weights())
-    assert type(dist.optimizer) is keras.optimizers.Adam
-    assert float(keras.ops.convert_to_numpy(dist.optimizer.learning_rate)) == pytest.approx(0.0123)
-    assert dist.optimizer.beta_1 == 0.8
-    x, y = scenarios.data(24)
-    logs = dist.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)
-    expected = model.evaluate(x, y, batch_size=12, verbose=0, return_dict=True)
+    got = replicated(2, scenarios.compile_config, 2)
+    assert got["dist_class"] is got["class"]
+    assert_weights_close(got["weights"], got["dist_weights"])
+    # The user's exact optimizer class (on the torch backend Keras' Adam() is a torch-specific subclass).
+    assert got["dist_optimizer_class"] is got["optimizer_class"]
+    assert issubclass(got["dist_optimizer_class"], keras.optimizers.Adam)
+    assert got["learning_rate"] == pytest.approx(0.0123)
+    assert got["beta_1"] == 0.8
+    logs, expected = got["logs"], got["expected"]
     assert set(logs) == {"loss", "mae", "rmse"}
     for name in logs:  # same loss (Huber with delta 0.5, not the default 1.0) and same metrics
         assert logs[name] == pytest.approx(expected[name], rel=1e-5)
 
 
 def test_uncompiled_model_can_be_compiled_after_distribute():
-    model = scenarios.build(keras)
-    fresh = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
-    fresh.set_weights(model.layers[-1].get_weights()[:1] * 0 + [np.ones((5, 3), "float32"), np.zeros(3, "float32")])
-    dist = distkeras.distribute(fresh, devices=2)
-    dist.compile(optimizer="sgd", loss="mse")
-    x, y = scenarios.data(24)
-    dist.fit(x, y, batch_size=12, epochs=1, verbose=0)
-    assert not np.allclose(dist.get_weights()[0], 1.0)
+    kernel = replicated(2, scenarios.compile_after_distribute, 2)
+    assert not np.allclose(kernel, 1.0)
 
 
 def test_optimizer_state_carries_over():
     # Train 1 epoch on one device with momentum, then continue: distributed continuation == single.
-    x, y = scenarios.data(96)
-
-    def start():
-        model = scenarios.build(keras)
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
-        model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
-        return model
-
-    single = start()
-    single.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
-    dist = distkeras.distribute(start(), devices=2)
-    assert int(keras.ops.convert_to_numpy(dist.optimizer.iterations)) == 8
-    dist.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
-    assert_weights_close(single.get_weights(), dist.get_weights())
+    single, iterations, dist = replicated(2, scenarios.continue_training, 2)
+    assert iterations == 8
+    assert_weights_close(single, dist)
 
 
 def test_one_device_returns_the_model_unchanged(capfd):
@@ -133,8 +96,7 @@ def test_one_device_returns_the_model_unchanged(capfd):
 
 
 def test_describe():
-    dist = distkeras.distribute(scenarios.build(keras), devices=["cpu:0", "/device:CPU:2"])
-    assert distkeras.describe(dist) == {
+    assert replicated(2, scenarios.describe, ["cpu:0", "/device:CPU:2"]) == {
         "backend": BACKEND,
         "devices": ["cpu:0", "cpu:2"],
         "replicas": 2,
@@ -145,10 +107,10 @@ def test_describe():
 
 
 def test_global_batch_size():
-    dist = distkeras.distribute(scenarios.build(keras), devices=3)
-    assert distkeras.global_batch_size(32, dist) == 96
-    assert distkeras.global_batch_size(32, devices=2) == 64
-    assert distkeras.global_batch_size(16) == 16 * CPU_DEVICES
+    of_model, of_two, of_all = replicated(3, scenarios.global_batch_sizes, 3)
+    assert of_model == 96
+    assert of_two == 64
+    assert of_all == 16 * CPU_DEVICES
 
 
 _RELOAD = """
@@ -175,11 +137,8 @@ def test_saved_model_loads_in_plain_keras_without_distkeras(tmp_path, reload_bac
 
     if not backends.is_installed({"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}[target]):
         pytest.skip("{} is not installed".format(target))
-    dist = distkeras.distribute(scenarios.build(keras), devices=2)
-    x, y = scenarios.data(36)
-    dist.fit(x, y, batch_size=12, epochs=1, verbose=0)
-    dist.save(tmp_path / "m.keras")
-    dist.save_weights(tmp_path / "m.weights.h5")
+    expected = replicated(2, scenarios.fit_and_save, 2, str(tmp_path))
+    x, _ = scenarios.data(36)
     np.save(tmp_path / "x.npy", x)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
     env.update(KERAS_BACKEND=target, PYTHONPATH="")
@@ -191,20 +150,14 @@ def test_saved_model_loads_in_plain_keras_without_distkeras(tmp_path, reload_bac
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"distkeras": False, "class": "Sequential", "layers": ["Dense", "Dense"]}
-    expected = dist.predict(x, verbose=0)
     np.testing.assert_allclose(np.load(tmp_path / "p1.npy"), expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.load(tmp_path / "p2.npy"), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_save_load_distribute_rounds_never_nest(tmp_path):
-    model = scenarios.build(keras)
-    for round_ in range(3):
-        model = distkeras.distribute(model, devices=2)
-        path = tmp_path / "round{}.keras".format(round_)
-        model.save(path)
-        model = keras.saving.load_model(path)
-        assert [type(l).__name__ for l in model.layers] == ["Dense", "Dense"]
-        assert len(model.weights) == 4
+    for layers, weights in replicated(2, scenarios.save_load_rounds, 2, str(tmp_path)):
+        assert layers == ["Dense", "Dense"]
+        assert weights == 4
     assert os.path.getsize(tmp_path / "round2.keras") <= os.path.getsize(tmp_path / "round0.keras") * 1.05
 
 
@@ -249,6 +202,6 @@ def test_not_a_model():
 
 
 def test_use_cpu_devices_after_start_is_too_late():
-    scenarios.build(keras).predict(scenarios.data(2)[0], verbose=0)  # the backend has surely started now
-    with pytest.raises(distkeras.TooLateError, match="before building any model"):
-        distkeras.use_cpu_devices(CPU_DEVICES + 2)
+    error = replicated(2, scenarios.cpu_devices_after_start, 2, CPU_DEVICES + 2)
+    assert isinstance(error, distkeras.TooLateError)
+    assert re.search("before building any model", str(error))

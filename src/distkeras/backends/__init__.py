@@ -21,11 +21,12 @@ from ..errors import BackendError, BackendUnavailableError
 REGISTRY = {
     "tensorflow": "distkeras.backends.tensorflow:TensorFlowAdapter",
     "jax": "distkeras.backends.jax:JaxAdapter",
+    "torch": "distkeras.backends.torch:TorchAdapter",
     "mxnet": "distkeras.backends.mxnet:MXNetAdapter",
 }
 
 #: Backends distkeras will serve but whose adapter is not in this version yet.
-PLANNED = {"torch": "torch", "cntk": "cntk"}
+PLANNED = {"cntk": "cntk"}
 
 #: Backends Keras has that distkeras deliberately does not serve, and why.
 UNSUPPORTED = {

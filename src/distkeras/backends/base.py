@@ -49,6 +49,15 @@ class Adapter(abc.ABC):
         ``jax.distributed``) start here, usually through ``backends.when_imported``. Default: nothing.
         """
 
+    def workers(self, cluster):
+        # type: (Cluster) -> int
+        """How many workers of ``cluster`` each drive the devices given to :meth:`distribute`.
+
+        One per process of the job by default. An adapter whose replicas are processes (one per device,
+        as PyTorch's) counts the hosts instead: there the processes of one host together are one worker.
+        """
+        return cluster.world_size
+
     def check_options(self, options):
         # type: (Dict[str, object]) -> None
         """Reject options this adapter doesn't know, naming the ones it does."""

@@ -1,0 +1,227 @@
+"""PyTorch adapter: one process per device, joined in a ``torch.distributed`` process group.
+
+Keras ships no distribution for its torch backend, so the adapter builds one around ``model.fit()``:
+
+- **Processes.** Every replica is a process owning one device (a GPU, or a share of the CPU). Under a
+  launcher (``torchrun``, ``distkeras launch``, anything that sets RANK / WORLD_SIZE / LOCAL_RANK /
+  LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT) each process is given to :meth:`TorchAdapter.distribute`
+  and joins the job; several hosts work the same way. A plain ``python script.py`` asking for N > 1
+  devices becomes rank 0 and starts the other N-1 processes by re-running the script
+  (:mod:`distkeras.backends.torch_launch`).
+- **Process group.** gloo on CPU, NCCL on GPU, rendezvous at MASTER_ADDR:MASTER_PORT. When that address
+  is a loopback one the job is on one host, and rank 0 listens on that address only.
+- **The model.** Recreated on this process' device (same class, weights, compile config, optimizer
+  state), rank 0's weights and optimizer state broadcast to every rank, then the training hooks of
+  :mod:`distkeras.backends.torch_trainer` installed: how batches are split, gradients averaged,
+  metrics aggregated, and what ranks other than 0 print and write.
+
+``describe()`` reports the processes as the replicas and the hosts as the workers.
+"""
+
+import datetime
+import inspect
+import ipaddress
+import os
+import socket
+import sys
+from typing import List
+
+from ..devices import Device
+from ..errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
+from . import keras3
+from .base import Adapter
+
+#: torch.distributed's own default: how long a collective (or the rendezvous) may wait.
+DEFAULT_TIMEOUT = 1800.0
+_BACKENDS = ("gloo", "nccl")
+
+#: The store of the job's rendezvous (wrapped in a "distkeras" prefix), once this process has joined.
+_store = None
+#: The socket rank 0's store listens on, when distkeras bound it (kept open as long as the store).
+_listener = None
+
+
+class TorchAdapter(Adapter):
+    name = "torch"
+    framework = "torch"
+    install_hint = "torch"
+    options = {
+        "timeout": "seconds a collective or the rendezvous may wait for the other processes (default 1800)",
+        "backend": "torch.distributed backend: " + ", ".join(_BACKENDS) + " (default: nccl on GPUs, gloo on CPU)",
+    }
+
+    def list_devices(self):
+        # type: () -> List[Device]
+        """The CUDA GPUs; without any, DISTKERAS_CPU_DEVICES CPU devices (one process each).
+
+        Without that variable a launched process reports as many CPU devices as its launcher started
+        processes on this host (LOCAL_WORLD_SIZE), and a plain process one.
+        """
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count():
+            return [Device("gpu", i) for i in range(torch.cuda.device_count())]
+        from ..api import CPU_DEVICES_ENV
+        from ..cluster import from_env
+
+        value = os.environ.get(CPU_DEVICES_ENV, "").strip()
+        count = int(value) if value.isdigit() and int(value) > 0 else from_env().local_world_size
+        return [Device("cpu", i) for i in range(count)]
+
+    def set_cpu_devices(self, count):
+        """Nothing to configure: CPU devices are processes, started by :meth:`distribute`. Too late only
+        inside a job that already runs with another number of processes on this host."""
+        distributed = sys.modules.get("torch.distributed")
+        if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+            return
+        from ..cluster import from_env
+
+        running = from_env().local_world_size
+        if count != running:
+            raise TooLateError(
+                "This process is one of {} PyTorch worker processes on this host, so the CPU can't be split into "
+                "{} devices now. Call distkeras.use_cpu_devices({}) (or set DISTKERAS_CPU_DEVICES={}) before "
+                "building any model and calling distkeras.distribute().".format(running, count, count, count)
+            )
+
+    def workers(self, cluster):
+        return max(1, cluster.world_size // max(1, cluster.local_world_size))
+
+    def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None):
+        import torch
+
+        from . import torch_collectives, torch_launch, torch_trainer
+
+        # Everything that can fail on what the user gave fails here, before any process is started.
+        timeout = _check_timeout(timeout)
+        if len({d.kind for d in devices}) > 1:
+            raise DeviceSpecError(
+                "Expected devices of one kind: with PyTorch every replica is a process, and the processes of a job "
+                "all use GPUs or all use the CPU. Received: devices={}".format(", ".join(map(str, devices)))
+            )
+        if cluster.is_multi_worker and cluster.local_world_size != len(devices):
+            raise DistKerasError(
+                "The launcher started {} process(es) on this host (LOCAL_WORLD_SIZE), and distribute() was given "
+                "{} device(s): {}. distkeras runs one process per device; make them equal (--nproc-per-node {} or "
+                "devices={}).".format(
+                    cluster.local_world_size, len(devices), ", ".join(map(str, devices)), len(devices),
+                    cluster.local_world_size,
+                )
+            )
+        device = devices[cluster.local_rank if cluster.is_multi_worker else 0]
+        backend = _backend(backend, device)
+        if device.kind == "gpu":
+            torch.cuda.set_device(device.index)
+        keras = keras3.keras_module(model)
+        with keras.device("cuda:{}".format(device.index) if device.kind == "gpu" else "cpu"):
+            new = keras3.clone(model)
+            keras3.compile_like(new, model)
+
+        listener = watcher = None
+        if cluster.is_multi_worker:
+            torch_launch.watch_parent()
+        else:  # a plain process: it becomes rank 0 of a job it starts
+            cluster, listener, watcher = torch_launch.start_workers(len(devices), timeout)
+        _join(cluster, device, backend, timeout, listener)
+        torch_collectives.broadcast_from_rank0(new)
+        replica = torch_trainer.Replica(
+            cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None
+        )
+        torch_trainer.install(new, replica)
+        return new
+
+
+def _check_timeout(timeout):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise OptionError("Expected a positive number of seconds for timeout. Received: timeout={!r}".format(timeout))
+    return float(timeout)
+
+
+def _backend(name, device):
+    if name is None:
+        return "nccl" if device.kind == "gpu" else "gloo"
+    if name not in _BACKENDS:
+        raise OptionError("Expected backend in {}. Received: backend={!r}".format(_BACKENDS, name))
+    if name == "nccl" and device.kind != "gpu":
+        raise OptionError("backend='nccl' needs GPUs; this process runs on {}. Use backend='gloo'.".format(device))
+    return name
+
+
+def is_loopback(host):
+    """True for an address that only this host can reach (127.0.0.0/8, ::1, "localhost")."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_interface():
+    for _, interface in socket.if_nameindex():
+        if interface.startswith("lo"):
+            return interface
+    return None
+
+
+def _join(cluster, device, backend, timeout, listener=None):
+    """Join (or check) the process group of ``cluster``; rendezvous at its coordinator."""
+    global _store
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise DistKerasError(
+            "This PyTorch build ({}) has no torch.distributed, which distkeras needs to run one process per "
+            "device. Install a standard PyTorch build (`pip install torch`).".format(torch.__version__)
+        )
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (cluster.rank, cluster.world_size):
+            raise DistKerasError(
+                "This process already belongs to a torch.distributed group as rank {} of {}, but the launch "
+                "environment says rank {} of {}. Call distkeras.distribute() with the same devices in every "
+                "call of a job.".format(dist.get_rank(), dist.get_world_size(), cluster.rank, cluster.world_size)
+            )
+        return
+    if not cluster.coordinator:
+        raise DistKerasError(
+            "This process is rank {} of {} ({}), but no rendezvous address is set. Set MASTER_ADDR and "
+            "MASTER_PORT to rank 0's host and a free port, or start the job with torchrun.".format(
+                cluster.rank, cluster.world_size, cluster.source
+            )
+        )
+    host, _, port = cluster.coordinator.rpartition(":")
+    host, port = host.strip("[]"), int(port)
+    wait = datetime.timedelta(seconds=timeout)
+    if cluster.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # else torchrun serves it
+        if listener is None and is_loopback(host):
+            listener = socket.create_server((host, port), backlog=128)
+        store = _serve_store(dist, host, port, cluster.world_size, wait, listener)
+    else:
+        store = dist.TCPStore(host, port, cluster.world_size, False, wait)
+    if backend == "gloo" and is_loopback(host) and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        interface = _loopback_interface()
+        if interface:  # one host: keep gloo's connections on the loopback interface too
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    extra = {}
+    if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
+        extra["device_id"] = torch.device("cuda", device.index)
+    dist.init_process_group(
+        backend, store=store, rank=cluster.rank, world_size=cluster.world_size, timeout=wait, **extra
+    )
+    _store = dist.PrefixStore("distkeras", store)
+
+
+def _serve_store(dist, host, port, world_size, wait, listener):
+    """Rank 0's store; on ``listener`` (bound to the loopback address, or by the self-launch) when given."""
+    global _listener
+    if listener is not None:
+        try:
+            store = dist.TCPStore(
+                host, port, world_size, True, wait, wait_for_workers=False, master_listen_fd=listener.fileno()
+            )
+            _listener = listener
+            return store
+        except (TypeError, RuntimeError):  # a torch whose store can't take over a socket: it binds the port
+            listener.close()
+    return dist.TCPStore(host, port, world_size, True, wait, wait_for_workers=False)
