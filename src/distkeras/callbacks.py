@@ -18,7 +18,6 @@ Keras 3 only (a callback on ``keras.callbacks.Callback``).
 import json
 import os
 import shutil
-import tempfile
 
 import keras
 
@@ -28,10 +27,12 @@ MANIFEST = "checkpoint.json"
 
 
 def _atomic_write(path, write):
-    """Call ``write(temp_path)``, flush it to disk, then rename it to ``path`` (atomic on POSIX)."""
+    """Call ``write(temp_path)``, flush it to disk, then rename it to ``path`` (atomic on POSIX).
+
+    The temporary name is fixed (``.tmp-<name>``), so every rank of a job names the same file: on
+    PyTorch the other ranks wait for rank 0 to have written exactly that path."""
     folder, name = os.path.split(path)
-    handle, temp = tempfile.mkstemp(prefix=".tmp-", suffix="-" + name, dir=folder)
-    os.close(handle)
+    temp = os.path.join(folder, ".tmp-" + name)
     try:
         write(temp)
         with open(temp, "rb+") as f:
@@ -88,9 +89,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         name = "epoch-{:05d}.weights.h5".format(epoch + 1)
         if not self._writer:
-            # Every rank takes part in saving (collective reads, on JAX); distribute() made this
-            # model's save_weights write to a throwaway folder on ranks other than 0.
-            self.model.save_weights(os.path.join(self.backup_dir, name))
+            # Every rank takes part in saving (collective reads on JAX; PyTorch's ranks wait for rank 0's
+            # file); distribute() made save_weights keep no file on ranks other than 0.
+            self.model.save_weights(os.path.join(self.backup_dir, ".tmp-" + name))
             return
         os.makedirs(self.backup_dir, exist_ok=True)
         previous = self._manifest()
