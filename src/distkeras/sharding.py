@@ -123,6 +123,22 @@ def shard(data, rank=None, workers=None, mode="block"):
     return _apply(data, lambda a: a[start:end])
 
 
+def num_samples(data):
+    # type: (object) -> int
+    """The number of samples in ``data``: an array-like, or a tuple/list/dict of them of equal lengths.
+
+    Raises:
+        ShardError: arrays of different lengths.
+    """
+    return _length(data)
+
+
+def select(data, index):
+    """The samples ``index`` picks (a slice, or an array of sample indices) from ``data``: any structure
+    :func:`shard` takes, e.g. ``(x, y)``."""
+    return _apply(data, lambda a: a[index])
+
+
 def global_batch_size(per_device, replicas):
     # type: (int, int) -> int
     """``per_device * replicas``, checked: the global batch to pass to ``fit()``."""

@@ -4,7 +4,9 @@ Nothing here imports a framework. The active backend is read, in order, from the
 Keras package), from an already-imported ``keras``, from ``KERAS_BACKEND``, from Keras' config file
 (``$KERAS_HOME/keras.json`` or ``~/.keras/keras.json``), else the installed Keras' default — the order
 Keras itself uses. That default is ``"tensorflow"``, except for keras-mxnet (Keras 2.2.4.3), which
-installs itself as ``keras`` and defaults to ``"mxnet"``. Part of the Python 3.6-compatible core.
+installs itself as ``keras`` and defaults to ``"mxnet"``. Keras 2.3.1, the last multi-backend Keras,
+runs CNTK when ``KERAS_BACKEND`` or ``keras.json`` says ``"cntk"``; its models are ``keras.engine``
+classes and report their backend through ``keras.backend.backend()``. Part of the Python 3.6-compatible core.
 """
 
 import importlib
@@ -22,10 +24,11 @@ REGISTRY = {
     "tensorflow": "distkeras.backends.tensorflow:TensorFlowAdapter",
     "jax": "distkeras.backends.jax:JaxAdapter",
     "mxnet": "distkeras.backends.mxnet:MXNetAdapter",
+    "cntk": "distkeras.backends.cntk:CNTKAdapter",
 }
 
 #: Backends distkeras will serve but whose adapter is not in this version yet.
-PLANNED = {"torch": "torch", "cntk": "cntk"}
+PLANNED = {"torch": "torch"}
 
 #: Backends Keras has that distkeras deliberately does not serve, and why.
 UNSUPPORTED = {
@@ -126,6 +129,11 @@ def active_name(model=None):
     if configured:
         return _check_name(configured, "keras.json")
     return _installed_keras_default()
+
+
+def loaded():
+    """The adapters created so far in this process (those that may have started something to stop)."""
+    return list(_adapters.values())
 
 
 def get(name):
