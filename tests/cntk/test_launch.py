@@ -17,7 +17,8 @@ WORKER = """
     x, y = toy.data(20)
     model = distkeras.distribute(toy.model(seed=toy.rank()))
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    print("rank", os.environ["OMPI_COMM_WORLD_RANK"], "of", os.environ["OMPI_COMM_WORLD_SIZE"], os.environ["KERAS_BACKEND"])
+    sys.stdout.write("rank {} of {} {}\\n".format(os.environ["OMPI_COMM_WORLD_RANK"], os.environ["OMPI_COMM_WORLD_SIZE"],
+                                                  os.environ["KERAS_BACKEND"]))  # one write: the ranks share a pipe
     toy.report(weights=model.get_weights())
 """
 

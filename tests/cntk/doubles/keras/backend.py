@@ -93,31 +93,20 @@ class Node(object):
     def eval(self, feed=None):
         return self._forward_backward(feed or {}, [self], ())[0][self]
 
-    def __add__(self, other):
-        return _op("plus", self, other)
-
-    def __radd__(self, other):
-        return _op("plus", other, self)
-
-    def __sub__(self, other):
-        return _op("minus", self, other)
-
-    def __rsub__(self, other):
-        return _op("minus", other, self)
-
-    def __mul__(self, other):
-        return _op("element_times", self, other)
-
-    def __rmul__(self, other):
-        return _op("element_times", other, self)
-
-    def __truediv__(self, other):
-        return _op("element_divide", self, other)
-
     def __neg__(self):
         return _op("negate", self)
 
     __hash__ = object.__hash__
+
+
+def _operator(kind, reflected=False):
+    """A CNTK-style operator overload: ``x + y`` is ``plus(x, y)``, ``2 * x`` is ``element_times(2, x)``."""
+    return (lambda self, other: _op(kind, other, self)) if reflected else (lambda self, other: _op(kind, self, other))
+
+
+for _name, _kind in (("add", "plus"), ("sub", "minus"), ("mul", "element_times"), ("truediv", "element_divide")):
+    setattr(Node, "__{}__".format(_name), _operator(_kind))
+    setattr(Node, "__r{}__".format(_name), _operator(_kind, reflected=True))
 
 
 class _Leaf(Node):
