@@ -1,24 +1,19 @@
 """CNTK adapter: Keras 2.3.1 on CNTK 2.7, one device per process, the processes being MPI ranks.
 
-CNTK's recipe (SCENARIOS.md, scenario 1) makes Keras build its train function, wraps the learner of its
-CNTK Trainer in ``data_parallel_distributed_learner``, installs a new Trainer and partitions the data
-by ``Communicator.rank()``. The adapter does that, and closes the recipe's gaps:
+CNTK's recipe (SCENARIOS.md, scenario 1) makes Keras build its train function, wraps its CNTK Trainer's
+learner in ``data_parallel_distributed_learner``, installs a new Trainer, partitions the data by
+``Communicator.rank()`` and finalizes MPI at the end. The adapter does that and closes the recipe's gaps:
 
-- **Sum, not mean.** CNTK's ``DataParallelDistributedLearner::Update`` sums the workers' gradients, and
-  the training loss and evaluation values it reports, in place (``AggregateInPlace``). Keras' learner is
-  a ``universal_learner`` running Keras' optimizer graph (keras 2.3.1 ``cntk_backend.Function``), so the
-  learning rate lives in that graph, and dividing it by the worker count W would be exact for SGD only:
-  RMSprop, Adam or Adagrad steps hardly depend on the gradients' scale, epsilon and clipping do. Instead
-  the loss each worker's trainer optimises is Keras' loss times 1/W: the summed gradient is the mean of
-  the workers' ones, for any optimizer and with regularization losses, and the summed loss is the mean.
-- **The global batch.** ``fit()`` on arrays gives each worker its part of every global batch
-  (``sharding.batch_rows``), so each step is the one a single process takes at the same batch size.
-- **Metrics.** Keras 2.3.1's metrics are stateful; after every step the workers' metric states are
-  summed, so every worker reports, and its callbacks see, the global values.
-- **Different initial weights.** CNTK does not synchronise weights. Every worker takes rank 0's weights
-  and optimizer state through :meth:`CNTKAdapter.all_sum`, an all-reduce built from the same learner.
-- **Shutdown.** Without ``Communicator.finalize()`` mpiexec fails the job: it runs at exit, or in
-  ``distkeras.shutdown()``.
+- **Sum, not mean.** ``DataParallelDistributedLearner::Update`` (CNTK 2.7) sums the workers' gradients,
+  and the loss and evaluation values they report, in place. Keras' learner is a ``universal_learner``
+  running Keras' optimizer graph (keras 2.3.1 ``cntk_backend.Function``), which holds the learning rate;
+  dividing that by the W workers would be exact for SGD only (RMSprop or Adam steps hardly depend on the
+  gradients' scale). Instead each worker's trainer optimises Keras' loss times 1/W: the summed gradient
+  and loss are the mean ones, for any optimizer, regularization included.
+- **The global batch.** ``fit()`` gives each worker its part of every global batch (``sharding.batch_rows``).
+- **Metrics.** Keras 2.3.1's metrics are stateful; the workers' states are summed after every step.
+- **Initial weights.** CNTK does not synchronise them; every worker takes rank 0's weights and optimizer
+  state through :meth:`CNTKAdapter.all_sum`, an all-reduce built from the same distributed learner.
 
 Only rank 0 prints and saves; ``evaluate`` and ``predict`` run whole on every worker, with equal results.
 Python 3.6 compatible: CNTK 2.7 runs on CPython 3.5/3.6 only.
@@ -122,13 +117,14 @@ class CNTKAdapter(Adapter):
         ``sum(v * x)`` has gradient ``x`` for its variable ``v``, the learner sums the workers' ``x``,
         and the function's update assigns that sum to ``v`` (exactly: no arithmetic but the sum).
         """
+        import numpy as np
         from keras import backend as K
 
         size = len(vector)
         if size == 0:
             return vector
         if size not in self._sums:
-            total = K.variable(_zeros(size), name="distkeras_sum")
+            total = K.variable(np.zeros(size, "float32"), name="distkeras_sum")
             part = K.placeholder(shape=(None, size), name="distkeras_part")
             loss = K.sum(total * part)
             function = K.function([part], [loss], updates=[(total, K.gradients(loss, [total])[0])])
@@ -139,7 +135,8 @@ class CNTKAdapter(Adapter):
         return K.get_value(total)
 
     def shutdown(self):
-        """``Communicator.finalize()``, once, if this process started MPI; no collective may follow."""
+        """``Communicator.finalize()``, once, if this process started MPI (mpiexec fails a job that doesn't);
+        registered to run at exit. No collective may follow."""
         if self._started_mpi and not self._finalized:
             from cntk.train.distributed import Communicator
 
@@ -157,17 +154,11 @@ def _check_options(bits, after):
             "end up with different models.".format(after))
 
 
-def _zeros(size):
-    import numpy as np
-
-    return np.zeros(size, dtype="float32")
-
-
 def _flat(arrays, rank, base=None):
     """``arrays`` as one float32 vector on rank 0; elsewhere that minus ``base`` (a vector), or zeros."""
     import numpy as np
 
-    flat = np.concatenate([np.ravel(a).astype("float32") for a in arrays]) if len(arrays) else _zeros(0)
+    flat = np.concatenate([np.ravel(a).astype("float32") for a in arrays]) if len(arrays) else np.zeros(0, "float32")
     if rank == 0:
         return flat
     return flat - base if base is not None else np.zeros_like(flat)

@@ -59,8 +59,8 @@ class Trainer(object):
         return list(self._learners)
 
     def train_minibatch(self, arguments, outputs=None, device=None):
-        """Optimize model parameters using the ``arguments`` minibatch; an empty map signifies the end of
-        local training data. Returns whether updates happened, and with ``outputs`` also their values."""
+        """Optimize model parameters using the ``arguments`` minibatch. Returns whether updates happened,
+        and with ``outputs`` also their values."""
         parameters = [p for learner in self._learners for p in learner.parameters]
         fetch = [self._loss] + ([self._evaluation] if self._evaluation is not None else []) + list(outputs or ())
         if arguments:
@@ -71,12 +71,8 @@ class Trainer(object):
             samples = len(next(iter(arguments.values())))
             loss = np.asarray(values[self._loss], dtype="float32")
             evaluation = np.asarray(values[self._evaluation] if self._evaluation is not None else 0.0, dtype="float32")
-        elif not self._distributed:
-            return (False, {}) if outputs else False  # TrainLocalMinibatch: nothing to train with
-        else:
-            values, samples = {}, 0
-            gradients = {p: np.zeros_like(p.value) for p in parameters}
-            loss, evaluation = np.zeros((), "float32"), np.zeros((), "float32")
+        else:  # CNTK: the end of this worker's data; distributed, it joins the sums with zeros (not modelled)
+            raise NotImplementedError("the CNTK double does not model empty minibatches")
         info = _MinibatchInfo(samples, loss, evaluation)
         updated = False
         for learner in self._learners:
