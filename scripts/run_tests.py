@@ -3,6 +3,9 @@
 Suites: the pure core (no framework needed), then tests/backends once per live Keras backend with
 KERAS_BACKEND set, then tests/mxnet with the Python of the keras-mxnet environment (.venv-mxnet, made by
 scripts/mxnet-env.sh): keras-mxnet installs its own `keras`, so it can't share an environment with Keras 3.
+Then tests/cntk: the CNTK adapter against test doubles of CNTK 2.7 and Keras 2.3.1, which its worker
+processes import in place of the real ones (tests/cntk/doubles); its test on a real CNTK runs only where
+DISTKERAS_CNTK_PYTHON names a Python with CNTK 2.7 and Keras 2.3.1.
 Prints one closing line, "tests: N passed, N failed, N skipped", and exits non-zero if any suite failed
 or errored. Extra arguments go to every pytest run (e.g. -k, -x).
 """
@@ -29,6 +32,7 @@ SUITES = [
         ["tests/mxnet"],
         os.path.join(MXNET_VENV, "bin", "python"),
     ),
+    ("cntk", {}, ["tests/cntk"], None),
 ]
 
 

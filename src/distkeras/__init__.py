@@ -8,7 +8,7 @@ the shims keras-mxnet needs on Python >= 3.10 (see :mod:`distkeras.shims`). Part
 3.6-compatible core.
 """
 
-from .api import describe, distribute, global_batch_size, use_cpu_devices
+from .api import describe, distribute, global_batch_size, shutdown, use_cpu_devices
 from .cluster import Cluster
 from .devices import Device
 from .errors import (
@@ -45,6 +45,7 @@ __all__ = [
     "global_batch_size",
     "shard",
     "shard_bounds",
+    "shutdown",
     "use_cpu_devices",
 ]
 

@@ -202,6 +202,8 @@ def distribute(model, devices=None, **options):
         _check_virtual_cpus(available, adapter.name)
     chosen = devices_lib.parse(devices, available)
     if len(chosen) == 1 and not cluster.is_multi_worker:
+        if cluster.source != "single":
+            logger.warning("this %s job has one worker: it trains alone on %s, as without a launcher", cluster.source, chosen[0])
         logger.info("one device (%s): the model is returned unchanged, nothing to distribute", chosen[0])
         _record(model, adapter, chosen, cluster, distributed=False)
         return model
@@ -215,6 +217,22 @@ def distribute(model, devices=None, **options):
         " x {} workers".format(info["workers"]) if info["workers"] > 1 else "",
     )
     return result
+
+
+def shutdown():
+    # type: () -> None
+    """End this process' part in a multi-worker job: each adapter in use stops what it started.
+
+    With the CNTK backend this is ``Communicator.finalize()``, without which mpiexec reports the job as
+    failed; distkeras also calls it at exit, so call it yourself only to finish early. No training or
+    other collective operation may follow. Calling it again, or without a job, does nothing.
+
+    Example:
+        >>> model.fit(x, y, batch_size=64)
+        >>> distkeras.shutdown()
+    """
+    for adapter in backends.loaded():
+        adapter.shutdown()
 
 
 def describe(model):

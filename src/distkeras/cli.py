@@ -35,7 +35,8 @@ def _launch(args):
                                      "mpiexec -n N --hostfile hosts python script.py")
         if args.nproc_per_node == 1:
             print("distkeras launch: warning: one MPI rank; CNTK trains it as a local learner", file=sys.stderr)
-        commands, envs, ranks = [launch.mpiexec_command(script, args.nproc_per_node)], [dict(os.environ)], ["mpi"]
+        env = dict(os.environ, KERAS_BACKEND="cntk", PYTHONUNBUFFERED="1")
+        commands, envs, ranks = [launch.mpiexec_command(script, args.nproc_per_node)], [env], ["mpi"]
     else:
         commands, envs, ranks = launch.plan(
             script, args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank, coordinator=args.coordinator,

@@ -5,13 +5,14 @@ Two ways to split N samples over W workers, both disjoint and together covering 
 - ``"block"`` (the default, and the CNTK recipe's arithmetic): rank r takes ``[r*N//W, (r+1)*N//W)``.
   Shard sizes differ by at most one.
 - ``"interleave"``: rank r takes ``x[r::W]``. With a per-rank batch of G/W, global step k then uses
-  exactly the samples one process would use at batch G, which is what adapters use inside ``fit()``.
+  exactly the samples one process would use at batch G, which is what adapters use inside ``fit()``;
+  :func:`batch_rows` adds the rule for a short last batch.
 
 Pure Python; works on anything sliceable (numpy arrays, lists) and on tuples/lists/dicts of them.
 Part of the Python 3.6-compatible core.
 """
 
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 from .errors import ShardError
 
@@ -121,6 +122,59 @@ def shard(data, rank=None, workers=None, mode="block"):
         return _apply(data, lambda a: a[rank::workers])
     start, end = shard_bounds(n, rank, workers)
     return _apply(data, lambda a: a[start:end])
+
+
+def num_samples(data):
+    # type: (object) -> int
+    """The number of samples in ``data``: an array-like, or a tuple/list/dict of them of equal lengths.
+
+    Raises:
+        ShardError: arrays of different lengths.
+    """
+    return _length(data)
+
+
+def select(data, index):
+    """The samples ``index`` picks (a slice, or an array of sample indices) from ``data``: any structure
+    :func:`shard` takes, e.g. ``(x, y)``."""
+    return _apply(data, lambda a: a[index])
+
+
+def batch_rows(n, batch, rank, workers):
+    # type: (int, int, int, int) -> Tuple[List[int], Optional[List[float]]]
+    """The rows of ``n`` that worker ``rank`` trains on in batches of ``batch // workers``, and their weights.
+
+    Global batch k is rows ``k*batch`` to ``(k+1)*batch - 1``, and worker r takes those that are r modulo
+    ``workers`` (``shard(..., mode="interleave")``): its step k is its part of global batch k. Of a last
+    batch of R < ``batch`` rows it takes its part the same way, topped up to ``ceil(R / workers)`` rows with
+    copies of that batch's first row weighted 0, its own rows then weighing ``workers * ceil(R / workers) / R``.
+    So every worker takes the same number of steps, of the same sizes, and a loss averaged over a worker's
+    rows with these weights, then over the workers, is the loss of the global batch.
+
+    Returns:
+        ``(rows, weights)``: row indices in training order, and one weight per row, or None when all are 1
+        (``n`` minus whole batches is a multiple of ``workers``).
+
+    Raises:
+        ShardError: ``batch`` is not a multiple of ``workers``, or bad ints.
+
+    Example:
+        >>> batch_rows(13, 6, 1, 2)   # last batch: row 12 alone, so worker 1 gets a copy weighted 0
+        ([1, 3, 5, 7, 9, 11, 12], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    """
+    _check(n, rank, workers)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1 or batch % workers:
+        lower = batch - batch % workers if isinstance(batch, int) and batch > workers else workers
+        raise ShardError("Expected a global batch size that {} workers split evenly (a multiple of {}). Received: "
+                         "batch_size={!r}. Pass e.g. {} or {}.".format(workers, workers, batch, lower, lower + workers))
+    full = n - n % batch
+    rows = list(shard(range(full), rank, workers, mode="interleave"))
+    tail = list(shard(range(full, n), rank, workers, mode="interleave"))
+    if (n - full) % workers == 0:
+        return rows + tail, None
+    size = -(-(n - full) // workers)
+    padding = size - len(tail)
+    return rows + tail + [full] * padding, [1.0] * len(rows) + [workers * size / float(n - full)] * len(tail) + [0.0] * padding
 
 
 def global_batch_size(per_device, replicas):

@@ -1,7 +1,8 @@
 """Shims that let keras-mxnet 2.2.4.3 (the last multi-backend Keras 2 for MXNet) run on today's Python and h5py.
 
 keras-mxnet was released for Python 3.5-3.7 and h5py 2. ``import distkeras`` applies these shims when
-the active Keras backend is ``"mxnet"``, so import distkeras *before* keras:
+the active Keras backend is ``"mxnet"`` or ``"cntk"`` (Keras 2.3.1, which on Python 3.6 needs only the
+h5py one), so import distkeras *before* keras:
 
 - Python 3.10 removed the ``collections.Iterable``-style aliases of ``collections.abc`` (keras'
   callbacks module imports ``from collections import Iterable``): they are put back.
@@ -26,7 +27,7 @@ from . import backends
 from .errors import BackendError
 
 #: Keras backends whose Keras is the multi-backend Keras 2 these shims are for.
-LEGACY_BACKENDS = ("mxnet",)
+LEGACY_BACKENDS = ("mxnet", "cntk")
 
 #: Keras 2 keeps HDF5 attributes below this size (``saving.HDF5_OBJECT_HEADER_LIMIT``); a larger
 #: fixed-length attribute can't be written, so larger values keep h5py 3's variable-length form.

@@ -130,3 +130,18 @@ def test_import_distkeras_imports_no_framework(backend, tmp_path):
     assert done.returncode == 0, done.stderr
     heavy, _ = done.stdout.rsplit(" ", 1)
     assert heavy == "[]", "import distkeras imported {} with KERAS_BACKEND={}".format(heavy, backend)
+
+
+def test_shutdown_asks_the_adapters_in_use_and_starts_none(monkeypatch):
+    stopped = []
+
+    class _Stopping(_Toy):
+        def shutdown(self):
+            stopped.append(self)
+
+    quiet, stopping = _Toy(), _Stopping()
+    monkeypatch.setattr(backends, "_adapters", {"quiet": quiet, "stopping": stopping})
+    monkeypatch.setattr(backends, "get", lambda name: pytest.fail("shutdown() must not load an adapter"))
+    distkeras.shutdown()
+    assert stopped == [stopping]
+    assert "shutdown" in distkeras.__all__

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from distkeras import ShardError, shard, shard_bounds
-from distkeras.sharding import global_batch_size, shard_size
+from distkeras.sharding import batch_rows, global_batch_size, num_samples, select, shard_size
 
 
 def test_block_bounds_match_the_cntk_recipe_for_every_size_up_to_1000_by_16():
@@ -64,3 +64,60 @@ def test_global_batch_size():
     assert global_batch_size(32, 3) == 96
     with pytest.raises(ValueError):
         global_batch_size(0, 2)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 5, 12, 13, 36, 37, 41])
+@pytest.mark.parametrize("batch_per_worker", [1, 2, 3])
+def test_every_worker_takes_the_same_steps_and_the_loss_weights_add_up_to_the_global_batch(n, workers, batch_per_worker):
+    batch = batch_per_worker * workers
+    plans = [batch_rows(n, batch, rank, workers) for rank in range(workers)]
+    steps = [[(rows[i:i + batch_per_worker], None if w is None else w[i:i + batch_per_worker])
+              for i in range(0, len(rows), batch_per_worker)] for rows, w in plans]
+    assert len(set(len(s) for s in steps)) == 1, "workers take different numbers of steps: a hang"
+    assert len(steps[0]) == -(-n // batch)
+    for k in range(len(steps[0])):
+        sizes = [len(s[k][0]) for s in steps]
+        assert len(set(sizes)) == 1, "step {}: batch sizes {} differ between workers".format(k, sizes)
+        global_rows = list(range(k * batch, min((k + 1) * batch, n)))
+        # Each worker's loss is a mean over its rows, weighed 1/workers by the trainer: the gradient the
+        # workers sum weighs a row (weight w) w / (workers * size); one process weighs it 1 / len(global batch).
+        contribution = {}
+        for rows, weights in (s[k] for s in steps):
+            for i, row in enumerate(rows):
+                weight = 1.0 if weights is None else weights[i]
+                contribution[row] = contribution.get(row, 0.0) + weight / (workers * sizes[0])
+        contribution = {row: c for row, c in contribution.items() if c}
+        assert sorted(contribution) == global_rows
+        assert np.allclose(list(contribution.values()), 1.0 / len(global_rows))
+
+
+def test_full_batches_are_interleaved_and_need_no_weights():
+    assert batch_rows(12, 6, 1, 3) == ([1, 4, 7, 10], None)
+    assert batch_rows(14, 6, 0, 2) == ([0, 2, 4, 6, 8, 10, 12], None)  # last batch: rows 12, 13, one each
+
+
+def test_a_short_last_batch_is_topped_up_with_zero_weight_rows():
+    assert batch_rows(13, 6, 0, 2) == ([0, 2, 4, 6, 8, 10, 12], [1.0] * 6 + [2.0])  # last batch: row 12 alone
+    assert batch_rows(13, 6, 1, 2) == ([1, 3, 5, 7, 9, 11, 12], [1.0] * 6 + [0.0])
+    # 5 rows (one short batch) over 3 workers: 2, 2 and 1 + a copy of row 0 weighted 0; real rows weigh 3 * 2 / 5
+    assert [batch_rows(5, 6, r, 3) for r in range(3)] == [([0, 3], [1.2, 1.2]), ([1, 4], [1.2, 1.2]), ([2, 0], [1.2, 0.0])]
+
+
+
+@pytest.mark.parametrize("batch", [10, 0, True, 6.0])
+def test_batch_rows_need_a_batch_the_workers_divide(batch):
+    with pytest.raises(ShardError, match="Expected a global batch size that 3 workers split evenly"):
+        batch_rows(40, batch, 0, 3)
+    with pytest.raises(ShardError, match=r"Received: batch_size=10\. Pass e\.g\. 9 or 12\."):
+        batch_rows(40, 10, 0, 3)
+
+
+def test_num_samples_and_select_take_any_structure():
+    data = {"a": np.arange(5), "b": [np.arange(5) * 2, np.arange(5) * 3]}
+    assert num_samples(data) == 5
+    picked = select(data, [4, 0])
+    assert picked["a"].tolist() == [4, 0] and picked["b"][1].tolist() == [12, 0]
+    assert select((np.arange(5),), slice(3, None))[0].tolist() == [3, 4]
+    with pytest.raises(ShardError, match="same number of samples"):
+        num_samples((np.arange(3), np.arange(4)))

@@ -4,7 +4,9 @@ Nothing here imports a framework. The active backend is read, in order, from the
 Keras package), from an already-imported ``keras``, from ``KERAS_BACKEND``, from Keras' config file
 (``$KERAS_HOME/keras.json`` or ``~/.keras/keras.json``), else the installed Keras' default — the order
 Keras itself uses. That default is ``"tensorflow"``, except for keras-mxnet (Keras 2.2.4.3), which
-installs itself as ``keras`` and defaults to ``"mxnet"``. Part of the Python 3.6-compatible core.
+installs itself as ``keras`` and defaults to ``"mxnet"``. Keras 2.3.1, the last multi-backend Keras,
+runs CNTK when ``KERAS_BACKEND`` or ``keras.json`` says ``"cntk"``; its models are ``keras.engine``
+classes and report their backend through ``keras.backend.backend()``. Part of the Python 3.6-compatible core.
 """
 
 import importlib
@@ -23,10 +25,8 @@ REGISTRY = {
     "jax": "distkeras.backends.jax:JaxAdapter",
     "torch": "distkeras.backends.torch:TorchAdapter",
     "mxnet": "distkeras.backends.mxnet:MXNetAdapter",
+    "cntk": "distkeras.backends.cntk:CNTKAdapter",
 }
-
-#: Backends distkeras will serve but whose adapter is not in this version yet.
-PLANNED = {"cntk": "cntk"}
 
 #: Backends Keras has that distkeras deliberately does not serve, and why.
 UNSUPPORTED = {
@@ -47,17 +47,8 @@ def is_installed(module):
         return False
 
 
-#: The order messages list backends in, whichever of them have their adapter in this version.
-_ORDER = ("tensorflow", "jax", "torch", "mxnet", "cntk")
-
-
-def _known():
-    names = list(REGISTRY) + [name for name in PLANNED if name not in REGISTRY]
-    return sorted(names, key=lambda name: _ORDER.index(name) if name in _ORDER else len(_ORDER))
-
-
 def _check_name(name, where):
-    if name in REGISTRY or name in PLANNED:
+    if name in REGISTRY:
         return name
     if name in UNSUPPORTED:
         raise BackendError(
@@ -66,7 +57,7 @@ def _check_name(name, where):
         )
     raise BackendError(
         "Unknown Keras backend {!r} (from {}). Expected one of: {}. Set KERAS_BACKEND to one of them.".format(
-            name, where, ", ".join(_known())
+            name, where, ", ".join(REGISTRY)
         )
     )
 
@@ -129,6 +120,11 @@ def active_name(model=None):
     return _installed_keras_default()
 
 
+def loaded():
+    """The adapters created so far in this process (those that may have started something to stop)."""
+    return list(_adapters.values())
+
+
 def get(name):
     """The adapter for backend ``name``, importing its module on first use.
 
@@ -137,11 +133,6 @@ def get(name):
         BackendUnavailableError: the backend's framework is not installed.
     """
     _check_name(name, "the caller")
-    if name not in REGISTRY:
-        raise BackendError(
-            "The {!r} backend is not implemented in this version of distkeras; implemented: {}.".format(
-                name, ", ".join(REGISTRY))
-        )
     if name not in _adapters:
         module_name, _, class_name = REGISTRY[name].partition(":")
         cls = getattr(importlib.import_module(module_name), class_name)

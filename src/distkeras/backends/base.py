@@ -58,6 +58,11 @@ class Adapter(abc.ABC):
         """
         return cluster.world_size
 
+    def shutdown(self):
+        # type: () -> None
+        """Called by :func:`distkeras.shutdown`: stop what the adapter started for a multi-worker job
+        (CNTK finalizes MPI). No collective operation may follow. Default: nothing."""
+
     def check_options(self, options):
         # type: (Dict[str, object]) -> None
         """Reject options this adapter doesn't know, naming the ones it does."""

@@ -1,0 +1,317 @@
+"""CNTK adapter: Keras 2.3.1 on CNTK 2.7, one device per process, the processes being MPI ranks.
+
+CNTK's recipe (SCENARIOS.md, scenario 1) makes Keras build its train function, wraps its CNTK Trainer's
+learner in ``data_parallel_distributed_learner``, installs a new Trainer, partitions the data by
+``Communicator.rank()`` and finalizes MPI at the end. The adapter does that and closes the recipe's gaps:
+
+- **Sum, not mean.** ``DataParallelDistributedLearner::Update`` (CNTK 2.7) sums the workers' gradients,
+  and the loss and evaluation values they report, in place. Keras' learner is a ``universal_learner``
+  running Keras' optimizer graph (keras 2.3.1 ``cntk_backend.Function``), which holds the learning rate;
+  dividing that by the W workers would be exact for SGD only (RMSprop or Adam steps hardly depend on the
+  gradients' scale). Instead each worker's trainer optimises Keras' loss times 1/W: the summed gradient
+  and loss are the mean ones, for any optimizer, regularization included.
+- **The global batch.** ``fit()`` gives each worker its part of every global batch (``sharding.batch_rows``).
+- **Metrics.** Keras 2.3.1's metrics are stateful; the workers' states are summed after every step.
+- **Initial weights.** CNTK does not synchronise them; every worker takes rank 0's weights and optimizer
+  state through :meth:`CNTKAdapter.all_sum`, an all-reduce built from the same distributed learner.
+
+Only rank 0 prints and saves; ``evaluate`` and ``predict`` run whole on every worker, with equal results.
+Python 3.6 compatible: CNTK 2.7 runs on CPython 3.5/3.6 only.
+"""
+
+import atexit
+import functools
+import inspect
+import logging
+
+from .. import sharding
+from ..devices import Device
+from ..errors import ClusterError, DeviceSpecError, ModelError, OptionError, ShardError
+from . import keras3
+from .base import Adapter
+
+logger = logging.getLogger("distkeras")
+
+#: How CNTK 2.7 refuses quantization without 1-bit SGD: ``QuantizedMPICommunicator``'s LogicError,
+#: which its SWIG layer raises as RuntimeError.
+_NO_QUANTIZATION = ("1BitSGD", "not supported for this build")
+
+
+class CNTKAdapter(Adapter):
+    name = "cntk"
+    framework = "cntk"
+    install_hint = "cntk==2.7 keras==2.3.1 (CPython 3.5/3.6, Open MPI 1.10)"
+    options = {
+        "num_quantization_bits": "bits per gradient value in the all-reduce, 1..32 (default 32; fewer: quantized SGD)",
+        "distributed_after": "samples each worker trains alone before aggregation starts; only 0 (the default)",
+    }
+
+    def __init__(self):
+        self._started_mpi = False
+        self._finalized = False
+        self._sums = {}  # vector length -> (Keras function, its variable): the all-reduce helpers
+
+    def list_devices(self):
+        """The one device CNTK computes on in this process (``cntk.device.use_default_device()``)."""
+        import cntk
+
+        device = cntk.device.use_default_device()
+        return [Device("cpu", 0)] if device.type() == 0 else [Device("gpu", device.id())]
+
+    def set_cpu_devices(self, count):
+        if count != 1:
+            raise DeviceSpecError(
+                "CNTK computes on one device per process, so the CPU can't be split into {0} devices. Run {0} "
+                "processes instead: distkeras launch --backend cntk --nproc-per-node {0} script.py".format(count))
+
+    def distribute(self, model, devices, cluster, num_quantization_bits=32, distributed_after=0):
+        """Make ``model`` train data-parallel over the job's MPI ranks (in place; it is returned).
+
+        Args:
+            model: a built Keras 2.3.1 model, compiled or not.
+            devices: this process' one device (:meth:`list_devices`).
+            cluster: the job, as the MPI launcher's variables describe it.
+            num_quantization_bits: bits per gradient value in CNTK's all-reduce, 1..32.
+            distributed_after: must be 0: with more, CNTK trains each worker alone for that many samples
+                and does not synchronise their weights when aggregation starts.
+
+        Returns:
+            ``model``; every worker now holds rank 0's weights.
+
+        Raises:
+            OptionError: a bad option, or fewer than 32 bits on a CNTK build without 1-bit SGD.
+            ClusterError: CNTK's MPI disagrees with the launch environment about rank or size.
+            ModelError: the model has nothing to train.
+        """
+        _check_options(num_quantization_bits, distributed_after)
+        from cntk.train.distributed import Communicator
+
+        rank, workers = Communicator.rank(), Communicator.num_workers()  # starts MPI: finalize at exit
+        if not self._started_mpi:
+            atexit.register(self.shutdown)
+            self._started_mpi = True
+        if (rank, workers) != (cluster.rank, cluster.world_size):
+            raise ClusterError(
+                "The launch environment ({}) says rank {} of {}, but CNTK's MPI says rank {} of {}. Start the "
+                "workers with `distkeras launch --backend cntk --nproc-per-node N` or with mpiexec.".format(
+                    cluster.source, cluster.rank, cluster.world_size, rank, workers))
+        if workers == 1:
+            logger.warning("one CNTK worker: the distributed learner trains it alone, as local training would")
+        if getattr(model, "_distkeras_cntk", None) is not None:
+            return model
+        model._distkeras_cntk = _Replica(self, rank, workers, num_quantization_bits)
+        weights = model.get_weights()
+        model.set_weights(_unflat(self.all_sum(_flat(weights, rank)), weights))
+        keras3.chief_speaks_and_writes(model, rank)
+        model._make_train_function = functools.partial(_make_train_function, model, model._make_train_function)
+        model.fit = functools.partial(_fit, model, model.fit)
+        if getattr(model, "optimizer", None) is not None:
+            model._make_train_function()
+        return model
+
+    def all_sum(self, vector):
+        """The sum over all workers of ``vector`` (1-D, float32): the same array on every worker.
+
+        Every worker must call it, in the same order as every other collective. CNTK 2.7's Python API
+        has no all-reduce, but its data-parallel learner sums gradients: a Keras function whose loss is
+        ``sum(v * x)`` has gradient ``x`` for its variable ``v``, the learner sums the workers' ``x``,
+        and the function's update assigns that sum to ``v`` (exactly: no arithmetic but the sum).
+        """
+        import numpy as np
+        from keras import backend as K
+
+        size = len(vector)
+        if size == 0:
+            return vector
+        if size not in self._sums:
+            total = K.variable(np.zeros(size, "float32"), name="distkeras_sum")
+            part = K.placeholder(shape=(None, size), name="distkeras_part")
+            loss = K.sum(total * part)
+            function = K.function([part], [loss], updates=[(total, K.gradients(loss, [total])[0])])
+            _distribute_trainer(function, 32)
+            self._sums[size] = (function, total)
+        function, total = self._sums[size]
+        function([vector.reshape(1, size)])
+        return K.get_value(total)
+
+    def shutdown(self):
+        """``Communicator.finalize()``, once, if this process started MPI (mpiexec fails a job that doesn't);
+        registered to run at exit. No collective may follow."""
+        if self._started_mpi and not self._finalized:
+            from cntk.train.distributed import Communicator
+
+            self._finalized = True
+            Communicator.finalize()
+
+
+def _check_options(bits, after):
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 32:
+        raise OptionError("Expected num_quantization_bits as an int in 1..32. Received: num_quantization_bits={!r}".format(bits))
+    if after != 0 or isinstance(after, bool):
+        raise OptionError(
+            "Expected distributed_after=0. Received: distributed_after={!r}. With more, CNTK trains each worker alone "
+            "for that many samples and does not synchronise their weights when aggregation starts, so the workers "
+            "end up with different models.".format(after))
+
+
+def _flat(arrays, rank, base=None):
+    """``arrays`` as one float32 vector on rank 0; elsewhere that minus ``base`` (a vector), or zeros."""
+    import numpy as np
+
+    flat = np.concatenate([np.ravel(a).astype("float32") for a in arrays]) if len(arrays) else np.zeros(0, "float32")
+    if rank == 0:
+        return flat
+    return flat - base if base is not None else np.zeros_like(flat)
+
+
+def _unflat(flat, like):
+    """``flat`` cut into arrays shaped and typed like those of ``like``: the inverse of :func:`_flat`."""
+    arrays, start = [], 0
+    for array in like:
+        arrays.append(flat[start:start + array.size].reshape(array.shape).astype(array.dtype))
+        start += array.size
+    return arrays
+
+
+def _distribute_trainer(function, bits):
+    """Give Keras' ``function`` a ``cntk.Trainer(model, criterion, parameter_learners)`` with its trainer's
+    model, loss and evaluation functions and its learners wrapped in data-parallel ones. Keras' Function
+    (keras 2.3.1 ``cntk_backend``) calls ``self.trainer.train_minibatch`` in every step."""
+    import cntk
+    from cntk.train.distributed import data_parallel_distributed_learner
+
+    trainer = function.trainer
+    if trainer is None:
+        raise ModelError("The model has no trainable weights, so there is nothing to train data-parallel.")
+    learners = list(trainer.parameter_learners)
+    if len(learners) > 1:
+        logger.warning("the CNTK trainer has %d learners; each is wrapped in its own data-parallel learner", len(learners))
+    wrapped = []
+    for learner in learners:
+        try:
+            wrapped.append(data_parallel_distributed_learner(learner, distributed_after=0, num_quantization_bits=bits))
+        except RuntimeError as exc:
+            if bits == 32 or not any(text in str(exc) for text in _NO_QUANTIZATION):
+                raise
+            raise OptionError(
+                "num_quantization_bits={} needs a CNTK build with 1-bit SGD, and this one has none (CNTK says: {}). "
+                "Use num_quantization_bits=32, or install a CNTK build with 1-bit SGD.".format(bits, str(exc).strip()))
+    evaluation = trainer.evaluation_function
+    criterion = (trainer.loss_function,) if evaluation is None else (trainer.loss_function, evaluation)
+    function.trainer = cntk.Trainer(trainer.model, criterion, wrapped)
+
+
+class _Replica(object):
+    """One model's data-parallel state on this worker."""
+
+    def __init__(self, adapter, rank, workers, bits):
+        self.adapter, self.rank, self.workers, self.bits = adapter, rank, workers, bits
+
+    def broadcast(self, variables):
+        """Give Keras ``variables`` rank 0's values on every worker."""
+        from keras import backend as K
+
+        values = K.batch_get_value(variables)
+        K.batch_set_value(list(zip(variables, _unflat(self.adapter.all_sum(_flat(values, self.rank)), values))))
+
+
+def _make_train_function(model, make):
+    """Keras' ``_make_train_function``, with the worker's loss weighed 1/workers and the trainer distributed."""
+    state = model._distkeras_cntk
+    if isinstance(getattr(model, "train_function", None), _Step):
+        return
+    model.train_function = None  # one Keras made before distribute() has the plain loss: make it anew
+    total_loss = model.total_loss
+    model.total_loss = total_loss * (1.0 / state.workers)  # the trainer's loss; evaluate() keeps Keras' own
+    try:
+        make()
+    finally:
+        model.total_loss = total_loss
+    _distribute_trainer(model.train_function, state.bits)
+    model.train_function = _Step(model.train_function, state, [w for m in model._get_training_eval_metrics() for w in m.weights])
+    state.broadcast(model.optimizer.weights)
+
+
+class _Step(object):
+    """Keras' train function on one worker, reporting global values: after each step the workers' metric
+    states are summed (each adds what its step added), and the evaluation value CNTK summed over the
+    workers (equal, as their states are) is divided by their number."""
+
+    def __init__(self, function, state, metric_states):
+        self.function, self.state, self.metric_states = function, state, metric_states
+
+    def __call__(self, inputs):
+        from keras import backend as K
+
+        state = self.state
+        before = K.batch_get_value(self.metric_states)
+        outputs = list(self.function(inputs))
+        if self.metric_states and state.workers > 1:
+            after = K.batch_get_value(self.metric_states)
+            total = state.adapter.all_sum(_flat(after, state.rank, base=_flat(before, 0)))
+            K.batch_set_value(list(zip(self.metric_states, _unflat(total, after))))
+        if self.function.trainer.evaluation_function is not None and len(outputs) > 1:
+            outputs[1] = outputs[1] / state.workers
+        return outputs
+
+
+def _parts(data):
+    """The arrays in ``data``: an array, or a list/tuple/dict of them (one per input or output)."""
+    if isinstance(data, dict):
+        return list(data.values())
+    return list(data) if isinstance(data, (list, tuple)) else [data]
+
+
+def _weighted(sample_weight, weights, rows, outputs):
+    """The user's sample weights (None, an array, or one per output) for ``rows``, times ``weights``."""
+    if weights is None:
+        return None if sample_weight is None else sharding.select(sample_weight, rows)
+    if sample_weight is None:
+        return weights if outputs == 1 else [weights] * outputs
+    chosen = sharding.select(sample_weight, rows)
+    scaled = [a * weights.reshape((-1,) + (1,) * (a.ndim - 1)) for a in _parts(chosen)]
+    return dict(zip(chosen, scaled)) if isinstance(chosen, dict) else scaled if isinstance(chosen, (list, tuple)) else scaled[0]
+
+
+def _fit(model, fit, *args, **kwargs):
+    """Keras' ``fit``, each worker on its ``sharding.batch_rows``; generators and tensors pass through."""
+    import numpy as np
+
+    state = model._distkeras_cntk
+    bound = inspect.signature(fit).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    data = [given["x"], given["y"], given["sample_weight"]]
+    arrays = [a for part in data if part is not None for a in _parts(part)]
+    if given["steps_per_epoch"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
+        return fit(*bound.args, **bound.kwargs)  # each worker trains on what it is given, weighed 1/workers
+    batch = given["batch_size"] or 32
+    n = sharding.num_samples([part for part in data if part is not None])
+    split = given["validation_split"]
+    if given["validation_data"] is None and 0.0 < split < 1.0:  # as Keras 2.3.1 splits: the last rows
+        cut = int(n * (1.0 - split))
+        given["validation_data"] = tuple(sharding.select(part, slice(cut, None)) for part in data if part is not None)
+        data, n = [None if part is None else sharding.select(part, slice(0, cut)) for part in data], cut
+    if state.workers > 1:
+        _check_same_everywhere(state, n, batch, given["epochs"])
+    rows, weights = sharding.batch_rows(n, batch, state.rank, state.workers)
+    weights = None if weights is None else np.asarray(weights, dtype="float32")
+    given.update(x=sharding.select(data[0], rows), y=None if data[1] is None else sharding.select(data[1], rows),
+                 sample_weight=_weighted(data[2], weights, rows, len(getattr(model, "outputs", [None]))),
+                 batch_size=batch // state.workers, validation_split=0.0)
+    return fit(*bound.args, **bound.kwargs)
+
+
+def _check_same_everywhere(state, n, batch, epochs):
+    """Raise on every worker if their ``fit()`` calls differ in samples, batch size or epochs: they would
+    take different numbers of steps, and the job would hang in the first step one of them skips."""
+    import numpy as np
+
+    mine = np.zeros((state.workers, 4), "float32")
+    mine[state.rank] = (n // 4096, n % 4096, batch, epochs)  # float32 holds each part exactly
+    everyone = state.adapter.all_sum(mine.ravel()).reshape(state.workers, 4)
+    if (everyone != everyone[0]).any():
+        raise ShardError(
+            "Every worker must call fit() with the same full arrays, batch_size and epochs (distkeras shards the "
+            "data itself). Received (samples, batch_size, epochs) by rank: {}.".format(", ".join(
+                "{}: ({}, {}, {})".format(r, int(a) * 4096 + int(b), int(c), int(d)) for r, (a, b, c, d) in enumerate(everyone))))

@@ -1,0 +1,244 @@
+"""What the CNTK adapter does to Keras' trainer, with whom it talks, and how a job ends.
+
+Worker processes import the doubles (tests/cntk/doubles): the CNTK double records the calls it gets and
+logs every ``Communicator.finalize()``; the fake mpiexec fails a job whose ranks started MPI and did not
+finalize it, as Open MPI does under CNTK 2.7.
+"""
+
+from tests.cntk.harness import run
+
+WRAP = """
+    import logging, cntk, distkeras
+    from cntk.train import distributed
+    from distkeras import backends
+    from tests.cntk import toy
+    made = []
+    original = cntk.Trainer.__init__
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+    cntk.Trainer.__init__ = record
+    logging.getLogger("distkeras").addHandler(logging.FileHandler("log.txt"))
+    adapter = backends.get("cntk")
+    model = toy.model(seed=1)
+    model = adapter.distribute(model, adapter.list_devices(), distkeras.cluster.SINGLE, num_quantization_bits={bits})
+    new = model.train_function.function.trainer
+    old = [t for t in made if t.loss_function is new.loss_function and t is not new]
+    wrapped = [call for call in distributed._calls if call[0] is old[0].parameter_learners[0]]
+    toy.report(
+        olds=len(old), same_model=new.model is old[0].model, same_loss=new.loss_function is old[0].loss_function,
+        same_evaluation=new.evaluation_function is old[0].evaluation_function and new.evaluation_function is not None,
+        inner=[l._learner is o for l, o in zip(new.parameter_learners, old[0].parameter_learners)],
+        kinds=[type(l).__name__ for l in new.parameter_learners], arguments=[kw for _, kw in wrapped],
+        log=open("log.txt").read())
+"""
+
+
+def test_the_learner_is_wrapped_and_the_trainer_rebuilt_with_the_same_functions(tmp_path):
+    job = run(tmp_path, WRAP.format(bits=8))
+    assert job.returncode == 0, job
+    got = job.results[0]
+    assert got["olds"] == 1 and got["same_model"] and got["same_loss"] and got["same_evaluation"]
+    assert got["kinds"] == ["DistributedLearner"] and got["inner"] == [True]
+    assert got["arguments"] == [{"distributed_after": 0, "num_quantization_bits": 8, "use_async_buffered_parameter_update": False}]
+    assert "one CNTK worker: the distributed learner trains it alone" in got["log"]
+
+
+def test_one_bit_sgd_on_a_build_without_it_is_an_option_error(tmp_path):
+    body = """
+        import distkeras
+        from distkeras import backends
+        from tests.cntk import toy
+        adapter = backends.get("cntk")
+        try:
+            adapter.distribute(toy.model(seed=1), adapter.list_devices(), distkeras.cluster.SINGLE, num_quantization_bits=1)
+        except distkeras.OptionError as exc:
+            toy.report(error=str(exc))
+    """
+    job = run(tmp_path, body, FAKE_CNTK_NO_1BIT="1")
+    assert job.returncode == 0, job
+    assert job.results[0]["error"] == (
+        "num_quantization_bits=1 needs a CNTK build with 1-bit SGD, and this one has none (CNTK says: Quantized MPI "
+        "Communicator is not supported for this build. The 1BitSGD build is needed, see CNTK wiki for details.). "
+        "Use num_quantization_bits=32, or install a CNTK build with 1-bit SGD.")
+
+
+def test_several_learners_are_each_wrapped_with_a_warning(tmp_path):
+    body = """
+        import logging, cntk, distkeras, keras
+        from distkeras.backends.cntk import _distribute_trainer
+        from tests.cntk import toy
+        logging.getLogger("distkeras").addHandler(logging.FileHandler("log.txt"))
+        model = toy.model(seed=1, metrics=())
+        model._make_train_function()
+        function = model.train_function
+        (learner,) = function.trainer.parameter_learners
+        first, second = learner.parameters[:2], learner.parameters[2:]
+        split = [cntk.cntk_py.universal_learner(p, [learner._gradients[learner.parameters.index(q)] for q in p],
+                                                learner._update_function) for p in (first, second)]
+        function.trainer = cntk.Trainer(function.trainer.model, (function.trainer.loss_function,), split)
+        _distribute_trainer(function, 32)
+        toy.report(inner=[l._learner is s for l, s in zip(function.trainer.parameter_learners, split)], log=open("log.txt").read())
+    """
+    job = run(tmp_path, body)
+    assert job.returncode == 0, job
+    assert job.results[0]["inner"] == [True, True]
+    assert "the CNTK trainer has 2 learners; each is wrapped in its own data-parallel learner" in job.results[0]["log"]
+
+
+def test_a_launch_environment_cntk_disagrees_with_is_a_cluster_error(tmp_path):
+    body = """
+        import distkeras
+        from distkeras import backends, cluster
+        from tests.cntk import toy
+        adapter = backends.get("cntk")
+        claimed = cluster.Cluster(rank=1, world_size=2, local_rank=1, local_world_size=2, coordinator=None, source="torchrun")
+        try:
+            adapter.distribute(toy.model(seed=1), adapter.list_devices(), claimed)
+        except distkeras.ClusterError as exc:
+            toy.report(error=str(exc))
+    """
+    job = run(tmp_path, body)
+    assert job.returncode == 0, job
+    assert job.results[0]["error"].startswith("The launch environment (torchrun) says rank 1 of 2, but CNTK's MPI says rank 0 of 1.")
+
+
+def test_the_device_is_the_one_cntk_uses(tmp_path):
+    body = """
+        import distkeras
+        from distkeras import backends
+        from tests.cntk import toy
+        toy.report(devices=[str(d) for d in backends.get("cntk").list_devices()])
+    """
+    assert run(tmp_path / "cpu", body).results[0]["devices"] == ["cpu:0"]
+    assert run(tmp_path / "gpu", body, FAKE_CNTK_GPU="1").results[0]["devices"] == ["gpu:1"]
+
+
+def test_every_worker_starts_from_rank_0s_weights_and_distributing_twice_changes_nothing(tmp_path):
+    body = """
+        import distkeras
+        from tests.cntk import toy
+        model = toy.model(seed=10 + toy.rank())
+        mine = model.get_weights()
+        model = distkeras.distribute(model)
+        once = model.get_weights()
+        again = distkeras.distribute(model)
+        toy.report(mine=mine, once=once, same=again is model, twice=again.get_weights(), described=distkeras.describe(model))
+    """
+    job = run(tmp_path, body, workers=3)
+    assert job.returncode == 0, job
+    first = job.results[0]
+    assert first["mine"] != job.results[1]["mine"]
+    for result in job.results.values():
+        assert result["once"] == first["mine"] and result["twice"] == first["mine"] and result["same"]
+    assert [r["described"]["rank"] for r in job.results.values()] == [0, 1, 2]
+    assert first["described"] == {"backend": "cntk", "devices": ["cpu:0"], "replicas": 3, "rank": 0, "workers": 3, "distributed": True}
+
+
+def test_only_rank_0_prints_and_saves(tmp_path):
+    body = """
+        import os, distkeras
+        from tests.cntk import toy
+        x, y = toy.data(24)
+        model = distkeras.distribute(toy.model(seed=1))
+        with toy.Capture() as printed:
+            model.fit(x, y, batch_size=6, epochs=2)
+            model.evaluate(x, y)
+        model.save("model.{}.json".format(toy.rank()))
+        model.save_weights("weights.{}.json".format(toy.rank()))
+        toy.report(printed=printed.getvalue())
+    """
+    job = run(tmp_path, body, workers=2)
+    assert job.returncode == 0, job
+    assert "Epoch 1/2" in job.results[0]["printed"] and "evaluate" in job.results[0]["printed"]
+    assert job.results[1]["printed"] == ""
+    assert sorted(f.name for f in tmp_path.iterdir() if f.name.startswith(("model.", "weights."))) == ["model.0.json", "weights.0.json"]
+
+
+def test_the_saved_model_is_the_plain_one(tmp_path):
+    body = """
+        import keras, distkeras
+        from tests.cntk import toy
+        x, y = toy.data(24)
+        model = distkeras.distribute(toy.model(seed=1))
+        model.fit(x, y, batch_size=6, verbose=0)
+        model.save("model.json")
+        if toy.rank() == 0:
+            loaded = keras.models.load_model("model.json")
+            toy.report(same=(loaded.predict(x) == model.predict(x)).all(), kind=type(loaded).__name__)
+    """
+    job = run(tmp_path, body, workers=2)
+    assert job.returncode == 0, job
+    assert job.results == {0: {"same": True, "kind": "Sequential"}}
+
+
+def test_finalize_runs_once_at_exit(tmp_path):
+    body = """
+        import distkeras
+        from tests.cntk import toy
+        x, y = toy.data(12)
+        distkeras.distribute(toy.model(seed=1)).fit(x, y, batch_size=4, verbose=0)
+    """
+    job = run(tmp_path, body, workers=2)
+    assert job.returncode == 0, job
+    assert sorted(line for line in job.stderr.splitlines() if "finalize" in line) == ["fake MPI: rank 0 finalize",
+                                                                                     "fake MPI: rank 1 finalize"]
+
+
+def test_shutdown_finalizes_once_and_the_exit_does_not_again(tmp_path):
+    body = """
+        import sys, distkeras
+        from tests.cntk import toy
+        x, y = toy.data(12)
+        distkeras.distribute(toy.model(seed=1)).fit(x, y, batch_size=4, verbose=0)
+        distkeras.shutdown()
+        sys.stderr.write("rank {} after shutdown\\n".format(toy.rank()))
+        distkeras.shutdown()
+    """
+    job = run(tmp_path, body, workers=2)
+    assert job.returncode == 0, job
+    lines = job.stderr.splitlines()
+    for rank in (0, 1):
+        mine = [line for line in lines if line in ("fake MPI: rank {} finalize".format(rank), "rank {} after shutdown".format(rank))]
+        assert mine == ["fake MPI: rank {} finalize".format(rank), "rank {} after shutdown".format(rank)]
+
+
+def test_shutdown_without_a_job_does_nothing(tmp_path):
+    job = run(tmp_path, "import distkeras\ndistkeras.shutdown()\n")
+    assert job.returncode == 0 and "finalize" not in job.stderr, job
+
+
+def test_the_fake_mpiexec_fails_a_job_that_never_finalizes_as_open_mpi_does(tmp_path):
+    body = """
+        from cntk.train.distributed import Communicator
+        Communicator.rank()
+    """
+    job = run(tmp_path, body, workers=2)
+    assert job.returncode == 1 and "exiting improperly" in job.stderr, job
+
+
+def test_one_worker_under_mpiexec_returns_the_model_with_a_warning(tmp_path):
+    body = """
+        import distkeras
+        from tests.cntk import toy
+        model = toy.model(seed=1)
+        toy.report(same=distkeras.distribute(model) is model, described=distkeras.describe(model))
+    """
+    job = run(tmp_path, body, workers=1)
+    assert job.returncode == 0, job
+    assert job.results[0]["same"] and job.results[0]["described"]["distributed"] is False
+    assert "distkeras: this mpi job has one worker: it trains alone on cpu:0, as without a launcher" in job.stderr
+
+
+def test_a_keras_2_model_on_cntk_is_recognised_without_keras_backend(tmp_path):
+    body = """
+        import os
+        from distkeras import backends
+        from tests.cntk import toy
+        model = toy.model(seed=1)
+        del os.environ["KERAS_BACKEND"]
+        toy.report(package=backends.keras_package(model), backend=backends.active_name(model))
+    """
+    job = run(tmp_path, body)
+    assert job.returncode == 0, job
+    assert job.results[0] == {"package": "keras", "backend": "cntk"}

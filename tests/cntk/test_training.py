@@ -1,0 +1,226 @@
+"""N workers (processes under the fake mpiexec) train as one process does at the same global batch.
+
+Against the doubles (tests/cntk/doubles): CNTK's distributed learner sums gradients, loss and evaluation
+values over the workers, as measured on CNTK 2.7, and the Keras stand-in trains as Keras 2.3.1 does. What
+is tested is distkeras' part: the loss weights that turn the sum into the global batch's mean, the
+broadcast of rank 0's weights, the sums of the metric states, and the sharding of fit()'s arrays.
+"""
+
+import numpy as np
+import pytest
+
+from tests.cntk.harness import run
+
+TRAIN = """
+    import numpy as np, distkeras
+    from tests.cntk import toy
+    x, y = toy.data({n})
+    model = toy.model(seed=100 + toy.rank(), optimizer="{optimizer}", l2={l2})   # every rank starts elsewhere
+    {distribute}
+    history = model.fit(x, y, batch_size={batch}, epochs=3, shuffle=False, verbose=0{fit})
+    toy.report(weights=model.get_weights(), history=history.history, optimizer=[w.value for w in model.optimizer.weights],
+               evaluation=model.evaluate(x, y, batch_size=8, verbose=0))
+"""
+
+
+def train(tmp_path, workers=None, n=37, batch=6, optimizer="rmsprop", l2=0.01, fit=""):
+    distribute = "model = distkeras.distribute(model)" if workers else "pass"
+    job = run(tmp_path / str(workers), TRAIN.format(n=n, batch=batch, optimizer=optimizer, l2=l2, fit=fit, distribute=distribute),
+              workers=workers)
+    assert job.returncode == 0, job
+    assert sorted(job.results) == list(range(workers or 1))
+    return job.results
+
+
+def one_process(tmp_path, **kwargs):
+    """The reference: plain Keras, one process, rank 0's initial weights."""
+    return train(tmp_path, None, **kwargs)[0]
+
+
+def close(a, b, tol=2e-6):
+    return all(np.allclose(np.asarray(x, dtype=float), np.asarray(y, dtype=float), rtol=tol, atol=tol, equal_nan=True)
+               for x, y in zip(a, b)) and len(a) == len(b)
+
+
+@pytest.mark.parametrize("optimizer", ["rmsprop", "sgd"])
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_end_with_the_weights_of_one_process_at_the_same_global_batch(tmp_path, workers, optimizer):
+    want = one_process(tmp_path, n=36, optimizer=optimizer)
+    got = train(tmp_path, workers, n=36, optimizer=optimizer)
+    for rank, result in got.items():
+        assert result["weights"] == got[0]["weights"], "rank {} ended with other weights than rank 0".format(rank)
+        assert result["optimizer"] == got[0]["optimizer"]
+        assert result["history"] == got[0]["history"], "ranks reported different losses or metrics"
+    assert close(got[0]["weights"], want["weights"])
+    assert close(got[0]["optimizer"], want["optimizer"])
+    assert sorted(got[0]["history"]) == ["loss", "mean_absolute_error"]
+    for key in ("loss", "mean_absolute_error"):  # the global values, not the workers' sum
+        assert close(got[0]["history"][key], want["history"][key], tol=1e-5), key
+    assert close(got[0]["evaluation"], want["evaluation"], tol=1e-5)
+
+
+@pytest.mark.parametrize("n,workers", [(37, 2), (37, 3), (41, 3), (8, 3), (2, 3)])
+def test_a_short_last_batch_trains_as_one_process_does_and_never_hangs(tmp_path, n, workers):
+    """37 rows at batch 6: the last batch has 1 row; one worker trains on it, the others take a zero-weight row."""
+    want = one_process(tmp_path, n=n)
+    got = train(tmp_path, workers, n=n)
+    assert all(result["weights"] == got[0]["weights"] for result in got.values())
+    assert close(got[0]["weights"], want["weights"])
+    assert close(got[0]["history"]["mean_absolute_error"], want["history"]["mean_absolute_error"], tol=1e-5)
+
+
+def test_the_epoch_loss_is_the_one_process_loss_when_the_last_batch_splits_evenly(tmp_path):
+    want = one_process(tmp_path, n=40)  # last batch: 4 rows, 2 per worker
+    got = train(tmp_path, 2, n=40)
+    assert close(got[0]["history"]["loss"], want["history"]["loss"], tol=1e-5)
+
+
+def test_validation_split_takes_the_last_rows_before_sharding(tmp_path):
+    want = one_process(tmp_path, fit=", validation_split=0.25")
+    got = train(tmp_path, 3, fit=", validation_split=0.25")
+    assert close(got[0]["weights"], want["weights"])
+    assert got[0]["history"]["val_loss"] == got[2]["history"]["val_loss"]
+    assert close(got[0]["history"]["val_loss"], want["history"]["val_loss"], tol=1e-5)
+
+
+def test_sample_weights_follow_their_rows(tmp_path):
+    fit = ", sample_weight=np.linspace(0.1, 2, len(x)).astype('float32')"
+    want = one_process(tmp_path, fit=fit)
+    got = train(tmp_path, 2, fit=fit)
+    assert close(got[0]["weights"], want["weights"])
+
+
+def test_without_the_weights_the_double_sums_like_cntk(tmp_path):
+    """The CNTK recipe by hand, no distkeras: 2 workers at lr 0.025 on 32 rows each train as one process
+    at lr 0.05 on 64 rows, and the loss Keras reports is twice the workers' (measured on CNTK 2.7)."""
+    body = """
+        import numpy as np, cntk, keras
+        from cntk.train.distributed import Communicator, data_parallel_distributed_learner
+        from tests.cntk import toy
+        x, y = toy.data(64)
+        workers = Communicator.num_workers()
+        np.random.seed(5)
+        model = keras.models.Sequential([keras.layers.Dense(2)], input_dim=3)
+        model.compile(keras.optimizers.SGD(learning_rate=0.05 / workers))
+        model._make_train_function()
+        trainer = model.train_function.trainer
+        learner = data_parallel_distributed_learner(trainer.parameter_learners[0], num_quantization_bits=32, distributed_after=0)
+        model.train_function.trainer = cntk.Trainer(trainer.model, (trainer.loss_function,), [learner])
+        mine = slice(Communicator.rank() * 64 // workers, (Communicator.rank() + 1) * 64 // workers)
+        local = model.evaluate(x[mine], y[mine], verbose=0)
+        reported = model.train_on_batch(x[mine], y[mine])
+        toy.report(weights=model.get_weights(), local=local, reported=reported)
+        Communicator.finalize()
+    """
+    alone = run(tmp_path / "1", body)
+    pair = run(tmp_path / "2", body, workers=2)
+    assert alone.returncode == 0 and pair.returncode == 0, (alone, pair)
+    assert close(pair.results[0]["weights"], alone.results[0]["weights"], tol=3e-7)
+    assert pair.results[0]["weights"] == pair.results[1]["weights"]
+    both = pair.results[0]["local"] + pair.results[1]["local"]
+    assert np.isclose(pair.results[0]["reported"], both, rtol=1e-6) and np.isclose(pair.results[1]["reported"], both, rtol=1e-6)
+
+
+def test_train_on_batch_with_equal_batches_is_one_step_on_their_union(tmp_path):
+    body = """
+        import numpy as np, distkeras
+        from tests.cntk import toy
+        x, y = toy.data(12)
+        model = toy.model(seed=3)
+        if {workers}:
+            model = distkeras.distribute(model)
+            mine = slice(toy.rank() * 6, toy.rank() * 6 + 6)
+        else:
+            mine = slice(0, 12)
+        losses = [model.train_on_batch(x[mine], y[mine]) for _ in range(3)]
+        toy.report(weights=model.get_weights(), losses=losses)
+    """
+    want = run(tmp_path / "1", body.format(workers=0)).results[0]
+    got = run(tmp_path / "2", body.format(workers=2), workers=2).results
+    assert close(got[0]["weights"], want["weights"]) and got[0]["weights"] == got[1]["weights"]
+    assert close(got[1]["losses"], want["losses"], tol=1e-5)
+
+
+def test_shuffled_training_keeps_the_workers_identical(tmp_path):
+    body = """
+        import numpy as np, distkeras
+        from tests.cntk import toy
+        np.random.seed(toy.rank())  # every worker shuffles its own shard its own way
+        x, y = toy.data(41)
+        model = distkeras.distribute(toy.model(seed=toy.rank()))
+        history = model.fit(x, y, batch_size=6, epochs=4, verbose=0)
+        toy.report(weights=model.get_weights(), history=history.history)
+    """
+    job = run(tmp_path, body, workers=3)
+    assert job.returncode == 0, job
+    assert job.results[0] == job.results[1] == job.results[2]
+    assert job.results[0]["history"]["loss"][-1] < job.results[0]["history"]["loss"][0]
+
+
+def test_recompiling_a_distributed_model_keeps_it_distributed(tmp_path):
+    body = """
+        import keras, distkeras
+        from tests.cntk import toy
+        x, y = toy.data(24)
+        model = toy.model(seed=100 + toy.rank())
+        if {workers}:
+            model = distkeras.distribute(model)
+        model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+        model.compile(keras.optimizers.SGD(learning_rate=0.1), metrics=["mae"])
+        model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+        toy.report(weights=model.get_weights())
+    """
+    want = run(tmp_path / "1", body.format(workers=0)).results[0]
+    got = run(tmp_path / "2", body.format(workers=2), workers=2).results
+    assert got[0]["weights"] == got[1]["weights"] and close(got[0]["weights"], want["weights"])
+
+
+def test_workers_that_pass_different_data_get_an_error_instead_of_a_hang(tmp_path):
+    body = """
+        import distkeras
+        from tests.cntk import toy
+        x, y = toy.data(40)
+        model = distkeras.distribute(toy.model(seed=1))
+        mine = slice(toy.rank() * 40 // 3, (toy.rank() + 1) * 40 // 3)   # the CNTK recipe's own sharding
+        try:
+            model.fit(x[mine], y[mine], batch_size=6, verbose=0)
+        except distkeras.ShardError as exc:
+            toy.report(error=str(exc))
+    """
+    job = run(tmp_path, body, workers=3)
+    assert job.returncode == 0, job
+    for result in job.results.values():
+        assert ("Every worker must call fit() with the same full arrays, batch_size and epochs (distkeras shards the "
+                "data itself). Received (samples, batch_size, epochs) by rank: 0: (13, 6, 1), 1: (13, 6, 1), "
+                "2: (14, 6, 1).") == result["error"]
+
+
+def test_a_global_batch_the_workers_do_not_divide_is_refused_on_every_worker(tmp_path):
+    body = """
+        import distkeras
+        from tests.cntk import toy
+        x, y = toy.data(40)
+        model = distkeras.distribute(toy.model(seed=1))
+        try:
+            model.fit(x, y, batch_size=10, verbose=0)
+        except distkeras.ShardError as exc:
+            toy.report(error=str(exc))
+    """
+    job = run(tmp_path, body, workers=3)
+    assert job.returncode == 0, job
+    assert [r["error"] for r in job.results.values()] == [
+        "Expected a global batch size that 3 workers split evenly (a multiple of 3). Received: batch_size=10. Pass e.g. 9 or 12."] * 3
+
+
+def test_evaluate_and_predict_give_every_worker_the_same_results(tmp_path):
+    body = """
+        import distkeras
+        from tests.cntk import toy
+        x, y = toy.data(20)
+        model = distkeras.distribute(toy.model(seed=toy.rank()))
+        model.fit(x, y, batch_size=4, verbose=0)
+        toy.report(evaluation=model.evaluate(x, y, verbose=0), prediction=model.predict(x))
+    """
+    job = run(tmp_path, body, workers=2)
+    assert job.returncode == 0, job
+    assert job.results[0] == job.results[1]
