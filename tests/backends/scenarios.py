@@ -2,9 +2,7 @@
 
 ``train(case, devices)`` builds the scenario's model from a fixed seed (so every run starts from the
 same weights), distributes it over ``devices`` (1 = plain Keras, untouched), fits it and returns the
-final weights and the history. Runnable as a script, for backends whose replicas are processes:
-
-    python -m tests.backends.scenarios CASE DEVICES OUT.npz
+final weights and the history.
 
 The other functions are the bodies of the multi-device tests in ``test_distribute.py``, which run them
 through ``harness.replicated()`` (in the test process, or on every rank of a PyTorch job) and check what
@@ -12,7 +10,6 @@ they return. They return plain data, never a model.
 """
 
 import os
-import sys
 
 import numpy as np
 
@@ -52,7 +49,7 @@ def train(case, devices):
 
     samples, batch, epochs, regularizer = CASES[case]
     model = build(keras, regularizer)
-    if devices > 1 or distkeras.cluster.from_env().is_multi_worker:
+    if devices > 1:
         model = distkeras.distribute(model, devices=devices)
     x, y = data(samples)
     history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
@@ -230,12 +227,3 @@ def cpu_devices_after_start(devices, count):
             os.environ[CPU_DEVICES_ENV] = before
     return None
 
-
-if __name__ == "__main__":
-    name, count, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    weights, history = train(name, count)
-    from distkeras import cluster
-
-    np.savez(out.replace(".npz", ".rank{}.npz".format(cluster.from_env().rank)), *weights)
-    if cluster.from_env().rank == 0:  # in a multi-process run, every rank trains; rank 0 writes
-        np.savez(out, *weights, **{"history_" + k: np.asarray(v) for k, v in history.items()})

@@ -248,11 +248,14 @@ def test_model_parallel_with_nothing_to_shard():
         distkeras.distribute(model, devices=3, strategy="model")
 
 
-def test_multi_worker_is_a_clear_error(monkeypatch):
+def test_multi_worker_without_jax_distributed_is_a_clear_error(monkeypatch):
+    # This process started as a single process; the variables of a 2-process job appear only now, after
+    # JAX started, so jax.distributed can't run (test_multiworker.py covers a real 2-process job).
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAX_PROCESS_ID", "1")
-    with pytest.raises(distkeras.DistKerasError, match="rank 1 of 2 workers .* multi-worker JAX training is not"):
-        distkeras.distribute(scenarios.build(keras), devices=2)
+    with pytest.raises(distkeras.TooLateError, match="worker 1 of 2 .*jax.distributed is not running.*Import distkeras "
+                                                     "before JAX runs its first computation"):
+        distkeras.distribute(scenarios.build(keras), devices=3)
 
 
 # ---- the CPU device split

@@ -19,7 +19,8 @@ STOP_TIMEOUT = 10
 
 
 def launch(out_dir, mode, timeout=600):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
+    # Each worker gets one CPU device: nothing of this test process' virtual-device set-up is passed on.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_") and k != "XLA_FLAGS"}
     env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND=BACKEND)
     command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "2", "--backend", BACKEND,
                "--stop-timeout", str(STOP_TIMEOUT), "-m", "tests.backends.multiworker_job", str(out_dir), mode]

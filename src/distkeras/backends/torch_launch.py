@@ -62,7 +62,8 @@ def script_command(count):
     main = sys.modules.get("__main__")
     argv = list(sys.argv)
     reason = None
-    if os.environ.get("PYTEST_CURRENT_TEST"):
+    # PYTEST_CURRENT_TEST is inherited by scripts a test starts: only a process running pytest counts.
+    if os.environ.get("PYTEST_CURRENT_TEST") and "_pytest" in sys.modules:
         reason = "this is a test run, and re-running it would run every test once per device"
     elif not argv or argv[0] in ("", "-") or (getattr(main, "__file__", None) is None and argv[0] != "-c"):
         reason = "this program is not a script file (an interactive interpreter, a notebook or standard input)"
