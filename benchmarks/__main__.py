@@ -33,7 +33,7 @@ def main(argv=None):
         args.command_line = "python -m benchmarks " + " ".join(shlex.quote(a) for a in argv)
         return run.main(args)
     with open(args.results) as handle:
-        results = json.load(handle)
+        results = report.add_scaling_against_one_device(json.load(handle))
     for path in report.write(results, args.out or os.path.dirname(os.path.abspath(args.results))):
         print("wrote " + path)
     return 0

@@ -28,6 +28,24 @@ def _ok(runs):
     return [r for r in runs if not r.get("error")]
 
 
+def add_scaling_against_one_device(results):
+    """Give every run on N > 1 devices ``scaling_efficiency_vs_one_device_run``: each variant's samples/s
+    ÷ (N × a's in the one-device run of the same backend and workload), where there is one.
+
+    The worker's own ``scaling_efficiency`` divides by a measured in the same process instead: the same
+    conditions, but on JAX's virtual CPU devices a then runs on one device's share of the cores.
+    """
+    ones = {(r["backend"], r["workload"]): r for r in _ok(results["runs"]) if r["devices"] == 1}
+    for run in _ok(results["runs"]):
+        one = ones.get((run["backend"], run["workload"]))
+        if run["devices"] == 1 or one is None:
+            continue
+        base = run["devices"] * one["variants"]["plain"]["samples_per_s"]["median"]
+        run["scaling_efficiency_vs_one_device_run"] = {
+            key: figures["samples_per_s"]["median"] / base for key, figures in run["variants"].items()}
+    return results
+
+
 def _rate(figures):
     s = figures["samples_per_s"]
     return "{:,.0f} ({:,.0f}–{:,.0f})".format(s["median"], s["min"], s["max"])
@@ -61,7 +79,7 @@ def _machine_lines(results):
 def throughput_table(results):
     lines = [
         "| backend | workload | N | a: plain, 1 device | b: distkeras | c: native | d: make_parallel | b/c | b/d "
-        "| scaling efficiency b / c / d |",
+        "| scaling efficiency b / c / d: vs N=1 run (vs a, same process) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in results["runs"]:
@@ -70,12 +88,16 @@ def throughput_table(results):
             lines.append(head + "| failed: {} |".format(run["error"].splitlines()[0]) + " |" * 7)
             continue
         cells = [_rate(run["variants"][k]) if k in run["variants"] else "—" for k in KEYS]
-        efficiency = run["scaling_efficiency"]
-        eff = " / ".join("{:.2f}".format(efficiency[k]) if k in efficiency else "—" for k in KEYS[1:])
+        eff = "{} ({})".format(_efficiencies(run.get("scaling_efficiency_vs_one_device_run", {})),
+                               _efficiencies(run["scaling_efficiency"]))
         lines.append(head + "| " + " | ".join(cells + [_ratio(run["ratios"], "distkeras/native"),
                                                        _ratio(run["ratios"], "distkeras/make_parallel"),
                                                        eff if run["devices"] > 1 else "—"]) + " |")
     return lines
+
+
+def _efficiencies(efficiency):
+    return " / ".join("{:.2f}".format(efficiency[k]) if k in efficiency else "—" for k in KEYS[1:])
 
 
 def setup_table(results):
@@ -119,7 +141,8 @@ def markdown(results):
     parts += ["", "### Throughput (samples/s)", "",
               "Median of {} timed windows (min–max), the variants' windows alternated in one process per N. "
               "b/c, b/d: ratio of the medians [range of the per-round ratios]. Scaling efficiency: samples/s ÷ "
-              "(N × a's samples/s in the same process).".format(windows), ""]
+              "(N × a's samples/s), a from the N=1 run and, in brackets, a measured alongside in the same "
+              "process.".format(windows), ""]
     parts += throughput_table(results)
     parts += ["", "### Start-up and memory (each variant in a fresh process)", ""]
     parts += setup_table(results)

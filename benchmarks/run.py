@@ -9,6 +9,7 @@ start, so every (backend, device count) pair is a process of its own. For each p
 """
 
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -38,6 +39,8 @@ def add_arguments(parser):
                              "nvidia-smi lists one")
     parser.add_argument("--split-gpu", type=int, default=None, metavar="MB",
                         help="TensorFlow only: split GPU 0 into N logical GPUs of MB MiB each")
+    parser.add_argument("--distribute-options", default=None, metavar="JSON",
+                        help='keyword arguments for distkeras.distribute in b, e.g. \'{"exact_loss_scaling": false}\'')
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one worker may take (default 3600)")
     parser.add_argument("--out", default="bench-results", help="folder for results.json, results.md, throughput.png")
 
@@ -55,6 +58,12 @@ def check(args):
     counts = _csv(args.devices)
     if not counts or not all(c.isdigit() and int(c) >= 1 for c in counts):
         return "--devices must be comma-separated positive ints, e.g. 1,2,4. Received: {!r}".format(args.devices)
+    if args.distribute_options is not None:
+        try:
+            if not isinstance(json.loads(args.distribute_options), dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            return "--distribute-options must be a JSON object ({}). Received: {!r}".format(exc, args.distribute_options)
     unknown = [w for w in _csv(args.workloads) if w not in workloads.NAMES]
     if unknown:
         return "unknown workload(s) {}; expected some of {}".format(", ".join(unknown), ", ".join(workloads.NAMES))
@@ -73,8 +82,6 @@ def _environment(backend, devices, platform):
 
 def _run_worker(label, worker_args, env, timeout):
     """Run one worker; return (its JSON result, or None, and the tail of its output on failure)."""
-    import json
-
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         command = [sys.executable, "-m", "benchmarks.worker", *worker_args, "--out", out]
@@ -121,7 +128,8 @@ def main(args):
         "machine": dict(machine.describe(ROOT), load_average={"before": machine.load_average()}),
         "settings": {"backends": chosen, "devices": counts, "workloads": _csv(args.workloads), "width": args.width,
                      "batch": args.batch, "steps": args.steps, "windows": args.windows, "warmup": args.warmup,
-                     "platform": platform, "split_gpu_mb": args.split_gpu},
+                     "platform": platform, "split_gpu_mb": args.split_gpu,
+                     "distribute_options": json.loads(args.distribute_options or "{}")},
         "runs": [], "setup": [], "skipped": [],
     }
     started = time.time()
@@ -137,6 +145,7 @@ def main(args):
     results["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     results["seconds"] = time.time() - started
     results["machine"]["load_average"]["after"] = machine.load_average()
+    report.add_scaling_against_one_device(results)
     paths = report.write(results, args.out)
     for problem in results["skipped"]:
         print("benchmarks: skipped {}: {}".format(problem["backend"], problem["reason"]), file=sys.stderr)
@@ -149,6 +158,7 @@ def _measure(results, backend, name, counts, platform, args):
     common = ["--workload", name, "--width", str(args.width), "--steps", str(args.steps)]
     common += ["--batch", str(args.batch)] if args.batch else []
     common += ["--split-gpu-mb", str(args.split_gpu)] if args.split_gpu else []
+    common += ["--distribute-options", args.distribute_options] if args.distribute_options else []
     for devices in counts:
         label = "{} {} N={}".format(backend, name, devices)
         print("benchmarks: {}: throughput".format(label), file=sys.stderr, flush=True)

@@ -108,20 +108,22 @@ def plain(workload, devices):
     return fit_variant("plain", model, 1, workload.per_device_batch, marks)
 
 
-def distributed(workload, devices):
-    """b: the plain model handed to ``distkeras.distribute``; ``marks["distribute"]`` is the call."""
+def distributed(workload, devices, options=None):
+    """b: the plain model handed to ``distkeras.distribute`` (with ``options``, the adapter's keyword
+    arguments); ``marks["distribute"]`` is the call."""
     import distkeras
     import keras
 
     marks = {"setup": time.perf_counter()}
     model = workload.build(keras)
     marks["distribute"] = time.perf_counter()
-    model = distkeras.distribute(model, devices=devices)
+    model = distkeras.distribute(model, devices=devices, **(options or {}))
     return fit_variant("distkeras", model, devices, workload.per_device_batch * devices, marks)
 
 
-def setup(key, workload, devices, plan):
-    """Set up variant ``key`` with the backend module ``plan`` (see :mod:`benchmarks.backends`).
+def setup(key, workload, devices, plan, options=None):
+    """Set up variant ``key`` with the backend module ``plan`` (see :mod:`benchmarks.backends`);
+    ``options`` go to ``distkeras.distribute`` (variant b).
 
     Raises:
         NotImplementedError: the backend has no way to build this variant (its reason as the message).
@@ -129,7 +131,7 @@ def setup(key, workload, devices, plan):
     if key == "plain":
         return plain(workload, devices)
     if key == "distkeras":
-        return distributed(workload, devices)
+        return distributed(workload, devices, options)
     build = getattr(plan, key, None)
     if build is None:
         raise NotImplementedError(getattr(plan, "MISSING", {}).get(key, "not written for this backend"))

@@ -41,6 +41,8 @@ def parse_args(argv):
     parser.add_argument("--windows", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--split-gpu-mb", type=int, default=None)
+    parser.add_argument("--distribute-options", type=json.loads, default={},
+                        help="JSON object of keyword arguments for distkeras.distribute (variant b)")
     parser.add_argument("--out", required=True)
     return parser.parse_args(argv)
 
@@ -98,7 +100,7 @@ def throughput(context):
     made, not_run, first_steps = [], {}, {}
     for key in keys:
         try:
-            variant = variants.setup(key, context.workload, args.devices, context.plan)
+            variant = variants.setup(key, context.workload, args.devices, context.plan, args.distribute_options)
         except NotImplementedError as exc:
             not_run[key] = str(exc)
             log("{}: not run ({})".format(key, exc))
@@ -172,11 +174,10 @@ def setup(context):
     from . import measure, variants
 
     args = context.args
-    pool = context.pool(args.devices * context.workload.per_device_batch if args.variant != "plain"
-                        else context.workload.per_device_batch)
+    pool = context.pool(args.devices * context.workload.per_device_batch)  # before the baseline: data is not counted
     with measure.PeakMemory() as memory:
         try:
-            variant = variants.setup(args.variant, context.workload, args.devices, context.plan)
+            variant = variants.setup(args.variant, context.workload, args.devices, context.plan, args.distribute_options)
         except NotImplementedError as exc:
             return {"variant": args.variant, "not_run": str(exc)}
         first = context.first_step(variant)
