@@ -1,0 +1,54 @@
+"""Per-backend parts of the benchmark: one module per Keras backend, imported only in that backend's worker.
+
+What is written once (variants a and b, timing, memory, reports) lives outside this package. A backend
+module provides the rest:
+
+``native(workload, devices) -> Variant``  (required)
+    c: the data-parallel training a user would write by hand for this backend, without distkeras,
+    as a :class:`benchmarks.variants.Variant` (``benchmarks.variants.fit_variant`` wraps a model).
+``make_parallel(workload, devices) -> Variant``  (optional)
+    d: the split-the-batch / replica-per-device / concatenate-the-outputs recipe. Absent: d is not
+    run, and ``MISSING["make_parallel"]`` says why.
+``copy_bandwidth(nbytes) -> float`` and ``allreduce_seconds(shapes, devices) -> [float]``  (optional)
+    The communication microbenchmarks: bytes/s of a device-0 to device-1 copy, and the time of one
+    all-reduce of arrays of the model's variable shapes over ``devices`` devices, by the mechanism the
+    data-parallel step uses.
+``device_peak_bytes(devices) -> list | None``  (optional)
+    Peak accelerator memory per device since the process started (None where the backend has none).
+``prepare(devices, options)``  (optional)
+    Runs in the worker before Keras starts (TensorFlow: split one GPU into logical GPUs).
+
+Adding a backend is a module with ``native()`` and a line in :data:`PLANS`. PyTorch is next; its
+``native()`` is a hand-written ``torch.distributed`` loop (benchmarks/README.md says what else its
+one-process-per-device replicas ask of the worker).
+"""
+
+import importlib
+
+#: Keras backend -> the module holding its part of the benchmark.
+PLANS = {
+    "tensorflow": "benchmarks.backends.tensorflow",
+    "jax": "benchmarks.backends.jax",
+}
+
+
+def covered(backend):
+    """True when the benchmark has a module for ``backend``."""
+    return backend in PLANS
+
+
+def get(backend):
+    """The module of ``backend`` (imports its framework).
+
+    Raises:
+        KeyError: no module for ``backend`` yet.
+    """
+    return importlib.import_module(PLANS[backend])
+
+
+def uncovered_reason(backend):
+    """Why ``backend`` is not benchmarked, for the results' ``skipped`` list."""
+    if backend == "torch":
+        return ("no PyTorch module in benchmarks/backends yet: it needs the distkeras PyTorch adapter (branch "
+                "'torch') and a native() written as a torch.distributed loop; see benchmarks/README.md")
+    return "no benchmarks/backends module for {!r}; covered: {}".format(backend, ", ".join(PLANS))

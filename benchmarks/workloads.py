@@ -1,0 +1,132 @@
+"""The three workloads: what model is trained, on what data, at what batch size per device.
+
+Each workload builds a compiled Keras model with the active backend and makes a small pool of batches
+that the timed windows cycle through, so memory does not grow with the length of a window.
+
+- ``mlp``: the 41,157,101-parameter MLP of the make_parallel article (8000 -> 4000 tanh -> 2000 relu ->
+  500 relu -> 300 relu -> 1 sigmoid, Adam, binary cross-entropy, random data, 2048 samples per device).
+  ``width`` scales every layer but the output (0.1 gives 800 -> 400 -> 200 -> 50 -> 30 -> 1), for CPUs.
+- ``cnn``: the keras-mxnet CIFAR-10 tutorial's CNN (two conv blocks of 32 and 64 filters with
+  max-pooling and dropout, Dense 512, softmax, RMSprop), synthetic 32x32x3 images, 32 per device.
+- ``digits``: the MLP of ``distkeras demo`` on scikit-learn's bundled digits (real data), 32 per device.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, List, Tuple
+
+import numpy as np
+
+#: The make_parallel article's layer widths (the output layer, 1 unit, is not scaled).
+MLP_WIDTHS = (8000, 4000, 2000, 500, 300)
+MLP_ACTIVATIONS = ("tanh", "relu", "relu", "relu")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark model and its data.
+
+    Attributes:
+        name: ``mlp``, ``cnn`` or ``digits``.
+        description: a line for tables, naming the shape actually built.
+        per_device_batch: samples per device per step; the global batch on N devices is N times it.
+        loss: the compiled loss, by Keras name (hand-written training loops use it too).
+        build: ``build(keras)`` returns the compiled, built model, created in the caller's scope.
+        batches: ``batches(rng, batch_size, count)`` returns ``count`` (x, y) pairs of ``batch_size`` samples.
+    """
+
+    name: str
+    description: str
+    per_device_batch: int
+    loss: str
+    build: Callable
+    batches: Callable[[np.random.Generator, int, int], List[Tuple[np.ndarray, np.ndarray]]]
+
+
+def mlp_widths(width):
+    """The MLP's input and hidden widths at scale ``width`` (1.0 = the article's)."""
+    if width <= 0:
+        raise ValueError("Expected width > 0. Received: width={!r}".format(width))
+    return tuple(max(1, int(round(units * width))) for units in MLP_WIDTHS)
+
+
+def mlp_parameters(width):
+    """Parameter count of the MLP at ``width`` (41,157,101 at 1.0)."""
+    sizes = mlp_widths(width) + (1,)
+    return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+
+
+def _mlp(width):
+    inputs, *hidden = mlp_widths(width)
+
+    def build(keras):
+        layers = [keras.Input(shape=(inputs,))]
+        layers += [keras.layers.Dense(units, activation=act) for units, act in zip(hidden, MLP_ACTIVATIONS)]
+        layers.append(keras.layers.Dense(1, activation="sigmoid"))
+        model = keras.Sequential(layers, name="mlp")
+        model.compile(optimizer=keras.optimizers.Adam(), loss="binary_crossentropy")
+        return model
+
+    def batches(rng, size, count):
+        return [(rng.random((size, inputs), dtype=np.float32), (rng.random((size, 1)) > 0.5).astype(np.float32))
+                for _ in range(count)]
+
+    shape = "-".join(str(n) for n in (inputs, *hidden, 1))
+    return Workload("mlp", "MLP {} ({:,} params)".format(shape, mlp_parameters(width)), 2048,
+                    "binary_crossentropy", build, batches)
+
+
+def _cnn():
+    def build(keras):
+        layers = keras.layers
+        model = keras.Sequential([
+            keras.Input(shape=(32, 32, 3)),
+            layers.Conv2D(32, (3, 3), padding="same", activation="relu"),
+            layers.Conv2D(32, (3, 3), activation="relu"),
+            layers.MaxPooling2D(pool_size=(2, 2)),
+            layers.Dropout(0.25),
+            layers.Conv2D(64, (3, 3), padding="same", activation="relu"),
+            layers.Conv2D(64, (3, 3), activation="relu"),
+            layers.MaxPooling2D(pool_size=(2, 2)),
+            layers.Dropout(0.25),
+            layers.Flatten(),
+            layers.Dense(512, activation="relu"),
+            layers.Dropout(0.5),
+            layers.Dense(10, activation="softmax"),
+        ], name="cifar10_cnn")
+        model.compile(optimizer=keras.optimizers.RMSprop(learning_rate=1e-4), loss="sparse_categorical_crossentropy")
+        return model
+
+    def batches(rng, size, count):
+        return [(rng.random((size, 32, 32, 3), dtype=np.float32), rng.integers(0, 10, size=(size,)).astype(np.int32))
+                for _ in range(count)]
+
+    return Workload("cnn", "CIFAR-10 CNN, 32x32x3 synthetic (1,250,858 params)", 32,
+                    "sparse_categorical_crossentropy", build, batches)
+
+
+def _digits():
+    from distkeras import demo
+
+    def batches(rng, size, count):
+        (x, y), _ = demo.load_digits()
+        order = rng.permutation(len(x))
+        picks = np.resize(order, size * count).reshape(count, size)  # cycles through the training set
+        return [(x[p], y[p]) for p in picks]
+
+    return Workload("digits", "digits MLP 64-128-64-10 (17,226 params), scikit-learn digits", 32,
+                    "sparse_categorical_crossentropy", demo.build_model, batches)
+
+
+#: Workload names, in the order tables list them.
+NAMES = ("mlp", "cnn", "digits")
+
+
+def get(name, width=1.0):
+    """The workload called ``name``; ``width`` scales the MLP only."""
+    if name == "mlp":
+        return _mlp(width)
+    if name == "cnn":
+        return _cnn()
+    if name == "digits":
+        return _digits()
+    raise ValueError("Expected a workload in {}. Received: {!r}".format(NAMES, name))
