@@ -116,8 +116,8 @@ def test_a_worker_that_ignores_sigterm_is_killed_after_the_stop_timeout(tmp_path
 def test_sigint_is_forwarded_to_every_worker(tmp_path):
     process = distkeras_launch(tmp_path, """
         import os, time
-        print("ready", flush=True)
         try:
+            print("ready", flush=True)  # inside the try: SIGINT may come as soon as this line is out
             time.sleep(600)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
