@@ -166,9 +166,11 @@ def plot(results, path):
     import matplotlib.pyplot as plt
 
     runs = _ok(results["runs"])
-    panels = sorted({(r["backend"], r["workload"]) for r in runs}) or [("no results", "")]
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for axis, (backend, workload) in zip(axes[0], panels):
+    rows = sorted({r["backend"] for r in runs}) or ["no results"]
+    columns = sorted({r["workload"] for r in runs}) or [""]
+    figure, axes = plt.subplots(len(rows), len(columns), figsize=(4.0 * len(columns), 3.0 * len(rows)),
+                                squeeze=False)
+    for axis, (backend, workload) in zip(axes.flat, [(b, w) for b in rows for w in columns]):
         mine = sorted((r for r in runs if (r["backend"], r["workload"]) == (backend, workload)),
                       key=lambda r: r["devices"])
         for key in KEYS:
@@ -192,7 +194,7 @@ def plot(results, path):
         axis.set_ylabel("samples/s")
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7, loc="upper left")
+    axes[0][0].legend(fontsize=7, loc="best")
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
