@@ -11,6 +11,7 @@ start, so every (backend, device count) pair is a process of its own. For each p
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ import time
 from . import backends, machine, report, variants, workloads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_LINE = re.compile(r"^(?:\[rank 0\] )?bench: (.*)")
 FRAMEWORKS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
 
@@ -80,11 +82,11 @@ def _environment(backend, devices, platform):
     return env
 
 
-def _run_worker(label, worker_args, env, timeout):
+def _run_worker(label, worker_args, env, timeout, backend, devices, variant=None):
     """Run one worker; return (its JSON result, or None, and the tail of its output on failure)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        command = [sys.executable, "-m", "benchmarks.worker", *worker_args, "--out", out]
+        command = backends.worker_command(sys.executable, backend, devices, variant) + [*worker_args, "--out", out]
         started = time.time()
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True)
@@ -93,8 +95,9 @@ def _run_worker(label, worker_args, env, timeout):
         lines = []
         for line in process.stdout:
             lines.append(line.rstrip())
-            if line.startswith("bench: "):
-                print("  [{}] {}".format(label, line[7:].rstrip()), file=sys.stderr, flush=True)
+            said = BENCH_LINE.match(line)  # a worker's own line, or rank 0's under distkeras launch
+            if said:
+                print("  [{}] {}".format(label, said.group(1).rstrip()), file=sys.stderr, flush=True)
         code = process.wait()
         timer.cancel()
         if code == 0 and os.path.exists(out):
@@ -164,7 +167,8 @@ def _measure(results, backend, name, counts, platform, args):
         print("benchmarks: {}: throughput".format(label), file=sys.stderr, flush=True)
         worker = common + ["--mode", "throughput", "--devices", str(devices), "--windows", str(args.windows),
                            "--warmup", str(args.warmup)]
-        result, error = _run_worker(label, worker, _environment(backend, devices, platform), args.timeout)
+        result, error = _run_worker(label, worker, _environment(backend, devices, platform), args.timeout, backend,
+                                    devices)
         results["runs"].append(result or {"backend": backend, "workload": name, "devices": devices, "error": error})
         # Set-up figures, each variant in a fresh process: a once (on one device), b, c, d per N > 1.
         keys = ["plain"] if devices == counts[0] else []
@@ -173,6 +177,6 @@ def _measure(results, backend, name, counts, platform, args):
             count = 1 if key == "plain" else devices
             worker = common + ["--mode", "setup", "--variant", key, "--devices", str(count)]
             result, error = _run_worker("{} {}".format(label, key), worker, _environment(backend, count, platform),
-                                        args.timeout)
+                                        args.timeout, backend, count, key)
             results["setup"].append(dict(result or {"variant": key, "error": error}, backend=backend, workload=name,
                                          devices=count))

@@ -128,11 +128,16 @@ def setup(key, workload, devices, plan, options=None):
     Raises:
         NotImplementedError: the backend has no way to build this variant (its reason as the message).
     """
-    if key == "plain":
-        return plain(workload, devices)
-    if key == "distkeras":
-        return distributed(workload, devices, options)
-    build = getattr(plan, key, None)
-    if build is None:
-        raise NotImplementedError(getattr(plan, "MISSING", {}).get(key, "not written for this backend"))
-    return build(workload, devices)
+    def build():
+        if key == "plain":
+            return plain(workload, devices)
+        if key == "distkeras":
+            return distributed(workload, devices, options)
+        make = getattr(plan, key, None)
+        if make is None:
+            raise NotImplementedError(getattr(plan, "MISSING", {}).get(key, "not written for this backend"))
+        return make(workload, devices)
+
+    # A backend of one process per device decides which of its processes set a variant up and train it.
+    hook = getattr(plan, "setup_variant", None)
+    return hook(key, workload, devices, build) if hook is not None else build()

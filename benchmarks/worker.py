@@ -26,7 +26,8 @@ COPY_BYTES = (1 << 20, 1 << 30)
 
 
 def log(message):
-    print("bench: " + message, file=sys.stderr, flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # one process per device (PyTorch): rank 0 speaks for the job
+        print("bench: " + message, file=sys.stderr, flush=True)
 
 
 def parse_args(argv):
@@ -147,7 +148,7 @@ def communication(context, made, figures):
     plan, devices = context.plan, context.args.devices
     if not (hasattr(plan, "copy_bandwidth") and hasattr(plan, "allreduce_seconds")):
         return None
-    model = next(v.model for v in made if v.key == "plain")
+    model = next(v.model for v in made if v.model is not None)  # off rank 0, a (PyTorch) has none
     shapes = [tuple(int(d) for d in w.shape) for w in model.trainable_weights]
     param_bytes = sum(math.prod(shape) for shape in shapes) * 4
     copy_bytes = min(max(param_bytes, COPY_BYTES[0]), COPY_BYTES[1])
@@ -204,8 +205,9 @@ def main(argv=None):
     result.update(throughput(context) if args.mode == "throughput" else setup(context))
     result["load_average"] = {"before": before, "after": machine.load_average()}
     result["seconds"] = time.time() - started
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    if getattr(context.plan, "reports", lambda: True)():
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=1)
     return 0
 
 

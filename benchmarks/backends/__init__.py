@@ -18,9 +18,11 @@ module provides the rest:
 ``prepare(devices, options)``  (optional)
     Runs in the worker before Keras starts (TensorFlow: split one GPU into logical GPUs).
 
-Adding a backend is a module with ``native()`` and a line in :data:`PLANS`. PyTorch is next; its
-``native()`` is a hand-written ``torch.distributed`` loop (benchmarks/README.md says what else its
-one-process-per-device replicas ask of the worker).
+``setup_variant(key, workload, devices, build) -> Variant`` and ``reports() -> bool``  (optional)
+    For a backend of one process per device (:data:`PROCESS_PER_DEVICE`): which of the job's processes
+    set a variant up and train it (``build()`` sets it up), and whether this process writes the results.
+
+Adding a backend is a module with ``native()`` and a line in :data:`PLANS`.
 """
 
 import importlib
@@ -29,7 +31,13 @@ import importlib
 PLANS = {
     "tensorflow": "benchmarks.backends.tensorflow",
     "jax": "benchmarks.backends.jax",
+    "torch": "benchmarks.backends.torch",
 }
+
+#: Backends whose N devices are N processes: their N-device workers run under ``distkeras launch``, except
+#: for the variants one process runs alone (:data:`ONE_PROCESS`).
+PROCESS_PER_DEVICE = ("torch",)
+ONE_PROCESS = ("plain", "make_parallel")
 
 
 def covered(backend):
@@ -48,7 +56,12 @@ def get(backend):
 
 def uncovered_reason(backend):
     """Why ``backend`` is not benchmarked, for the results' ``skipped`` list."""
-    if backend == "torch":
-        return ("no PyTorch module in benchmarks/backends yet: it needs the distkeras PyTorch adapter (branch "
-                "'torch') and a native() written as a torch.distributed loop; see benchmarks/README.md")
     return "no benchmarks/backends module for {!r}; covered: {}".format(backend, ", ".join(PLANS))
+
+
+def worker_command(python, backend, devices, variant=None):
+    """The command line of a worker for ``devices`` devices (``variant``: a setup worker's variant)."""
+    if backend in PROCESS_PER_DEVICE and devices > 1 and variant not in ONE_PROCESS:
+        return [python, "-m", "distkeras", "launch", "--nproc-per-node", str(devices), "--backend", backend,
+                "--stop-timeout", "10", "-m", "benchmarks.worker"]
+    return [python, "-m", "benchmarks.worker"]

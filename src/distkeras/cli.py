@@ -23,7 +23,9 @@ def _launch(args):
     if script and script[0] == "--":
         script = script[1:]
     if args.module:
-        script = ["-m", args.module] + script
+        if not script:
+            raise launch.LaunchError("-m needs a module to run: distkeras launch --nproc-per-node N -m pkg.module [args]")
+        script = ["-m"] + script
     if backend == "cntk":
         import shutil
 
@@ -84,8 +86,9 @@ def build_parser():
     launch.add_argument("--backend", default=None, help="Keras backend (default: KERAS_BACKEND, keras.json, tensorflow)")
     launch.add_argument("--stop-timeout", type=float, default=30.0,
                         help="seconds between SIGTERM and SIGKILL when stopping workers after a failure (default 30)")
-    launch.add_argument("-m", dest="module", default=None, help="run a module, as python -m does")
-    launch.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args with -m)")
+    # A flag, with the module as SCRIPT: `-m pkg.mod --flag` then hands --flag to the module, as python -m does.
+    launch.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module, run as python -m SCRIPT")
+    launch.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...], or with -m: module [args...]")
     launch.set_defaults(func=_launch)
 
     info = commands.add_parser("info", help="print the active backend, its devices and the cluster environment")

@@ -112,7 +112,28 @@ def failed_save(devices, directory):
     return None
 
 
+def threads_after_distribute(devices, omp):
+    """torch's threads in this rank after distribute(), from as many as the machine has cores."""
+    import torch
+
+    os.environ.pop("OMP_NUM_THREADS", None)
+    if omp:
+        os.environ["OMP_NUM_THREADS"] = str(omp)
+    torch.set_num_threads(os.cpu_count())
+    distkeras.distribute(scenarios.build(keras), devices=devices)
+    return torch.get_num_threads(), len(os.sched_getaffinity(0))
+
+
 # ---- jobs of worker processes
+
+
+def test_cpu_processes_share_the_cores():
+    """N processes on one CPU: cores // N threads each, not N times the cores; OMP_NUM_THREADS is kept."""
+    for threads, cores in (o.result for o in job(2).run(threads_after_distribute, 2, None, timeout=TIMEOUT)):
+        assert threads == max(1, cores // 2)
+    for threads, cores in (o.result for o in job(2).run(threads_after_distribute, 2, 3, timeout=TIMEOUT)):
+        assert threads == os.cpu_count()
+
 
 
 def test_every_rank_ends_with_identical_weights():

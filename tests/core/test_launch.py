@@ -191,3 +191,22 @@ def test_plan_is_pure_and_checks_its_arguments():
         launch.plan(["t.py"], 0)
     with pytest.raises(LaunchError, match="Expected a script"):
         launch.plan([], 2)
+
+
+def test_a_module_gets_its_own_options(tmp_path):
+    """`-m pkg.module --flag value`: the options after the module are the module's, as with python -m."""
+    (tmp_path / "shout.py").write_text("import sys\nprint(sys.argv[1:])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, str(tmp_path)]), KERAS_HOME=str(tmp_path))
+    env.pop("KERAS_BACKEND", None)
+    command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "2", "--backend", "tensorflow",
+               "-m", "shout", "--workload", "x", "-v"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["[rank 0] ['--workload', 'x', '-v']", "[rank 1] ['--workload', 'x', '-v']"]
+
+
+def test_a_module_flag_without_a_module_is_an_error(tmp_path):
+    env = dict(os.environ, PYTHONPATH=SRC, KERAS_HOME=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "2", "-m"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and "-m needs a module" in done.stderr

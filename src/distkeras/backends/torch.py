@@ -2,7 +2,8 @@
 
 Keras ships no distribution for its torch backend, so the adapter builds one around ``model.fit()``:
 
-- **Processes.** Every replica is a process owning one device (a GPU, or a share of the CPU). Under a
+- **Processes.** Every replica is a process owning one device (a GPU, or a share of the CPU: on N CPU
+  devices each process gets cores // N threads, unless OMP_NUM_THREADS says otherwise). Under a
   launcher (``torchrun``, ``distkeras launch``, anything that sets RANK / WORLD_SIZE / LOCAL_RANK /
   LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT) each process is given to :meth:`TorchAdapter.distribute`
   and joins the job; several hosts work the same way. A plain ``python script.py`` asking for N > 1
@@ -112,6 +113,8 @@ class TorchAdapter(Adapter):
         backend = _backend(backend, device)
         if device.kind == "gpu":
             torch.cuda.set_device(device.index)
+        else:
+            share_cpu_threads(torch, len(devices))
         keras = keras3.keras_module(model)
         with keras.device("cuda:{}".format(device.index) if device.kind == "gpu" else "cpu"):
             new = keras3.clone(model)
@@ -129,6 +132,22 @@ class TorchAdapter(Adapter):
         )
         torch_trainer.install(new, replica)
         return new
+
+
+def share_cpu_threads(torch, processes):
+    """Give each of this host's ``processes`` CPU replicas its share of the cores, as threads.
+
+    torch gives every process as many threads as the machine has cores, so N processes would run N times
+    as many threads as cores, and training slows down (torchrun sets OMP_NUM_THREADS=1 for the same
+    reason). A process' threads are only ever lowered, to ``cores // processes`` (at least 1), and
+    OMP_NUM_THREADS, when set, is the user's choice and is kept.
+    """
+    if processes <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // processes)
+    if torch.get_num_threads() > share:
+        torch.set_num_threads(share)
 
 
 def _check_timeout(timeout):
