@@ -17,6 +17,9 @@ module provides the rest:
     Peak accelerator memory per device since the process started (None where the backend has none).
 ``prepare(devices, options)``  (optional)
     Runs in the worker before Keras starts (TensorFlow: split one GPU into logical GPUs).
+``fit_variant(key, model, devices, global_batch, marks)`` and ``set_random_seed(seed)``  (optional)
+    For a Keras without ``PyDataset``, async callbacks or ``keras.utils.set_random_seed`` (keras-mxnet,
+    Keras 2): how a, b (and the module's own variants) feed and time ``fit``, and how the worker seeds.
 
 Adding a backend is a module with ``native()`` and a line in :data:`PLANS`. PyTorch is next; its
 ``native()`` is a hand-written ``torch.distributed`` loop (benchmarks/README.md says what else its
@@ -29,6 +32,7 @@ import importlib
 PLANS = {
     "tensorflow": "benchmarks.backends.tensorflow",
     "jax": "benchmarks.backends.jax",
+    "mxnet": "benchmarks.backends.mxnet",
 }
 
 
