@@ -2,6 +2,7 @@
 
     python -m benchmarks run [options]          measure; write results.json, results.md, throughput.png
     python -m benchmarks report results.json    write the table and plot again from a results file
+    python -m benchmarks report a.json b.json --out DIR    one table and plot from several results files
 
 See benchmarks/README.md.
 """
@@ -20,9 +21,11 @@ def build_parser():
     commands = parser.add_subparsers(dest="command", required=True)
     measure = commands.add_parser("run", help="measure, with one worker process per backend and device count")
     run.add_arguments(measure)
-    again = commands.add_parser("report", help="write results.md and throughput.png again from a results.json")
-    again.add_argument("results", help="a results.json written by `run`")
-    again.add_argument("--out", default=None, help="folder for the files (default: the results file's folder)")
+    again = commands.add_parser("report", help="write results.md and throughput.png again from a results.json, "
+                                               "or from several merged into one")
+    again.add_argument("results", nargs="+", help="results.json files written by `run` (several: merged, e.g. a "
+                                                  "Keras 3 run and a keras-mxnet run)")
+    again.add_argument("--out", default=None, help="folder for the files (default, for one results file: its folder)")
     return parser
 
 
@@ -32,9 +35,17 @@ def main(argv=None):
     if args.command == "run":
         args.command_line = "python -m benchmarks " + " ".join(shlex.quote(a) for a in argv)
         return run.main(args)
-    with open(args.results) as handle:
-        results = report.add_scaling_against_one_device(json.load(handle))
-    for path in report.write(results, args.out or os.path.dirname(os.path.abspath(args.results))):
+    folders = {os.path.dirname(os.path.abspath(path)) for path in args.results}
+    if len(args.results) > 1 and (args.out is None or os.path.abspath(args.out) in folders):
+        print("benchmarks: error: merging {} results files needs --out, a folder other than theirs".format(
+            len(args.results)), file=sys.stderr)
+        return 2
+    sources = []
+    for path in args.results:
+        with open(path) as handle:
+            sources.append(json.load(handle))
+    results = report.add_scaling_against_one_device(sources[0] if len(sources) == 1 else report.merge(sources))
+    for path in report.write(results, args.out or folders.pop()):
         print("wrote " + path)
     return 0
 

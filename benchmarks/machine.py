@@ -6,7 +6,8 @@ import subprocess
 from importlib import metadata
 
 #: Distributions whose versions the results record (those not installed are left out).
-PACKAGES = ("distkeras", "keras", "tensorflow", "tensorflow-cpu", "jax", "jaxlib", "torch", "numpy", "scikit-learn")
+PACKAGES = ("distkeras", "keras", "tensorflow", "tensorflow-cpu", "jax", "jaxlib", "torch", "mxnet", "keras-mxnet",
+            "numpy", "scikit-learn")
 
 
 def load_average():

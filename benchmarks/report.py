@@ -24,6 +24,24 @@ def write(results, out_dir):
     return paths
 
 
+def merge(sources):
+    """One results object from several ``run`` results, e.g. a Keras 3 run and a keras-mxnet one (each
+    needs its own Python environment): runs, set-up figures and skipped backends added up, each
+    source's command, machine and settings kept in ``sources`` (the tables list every one's). A
+    backend skipped in one source and measured in another is not listed as skipped."""
+    keys = ("command", "started", "finished", "machine", "settings")
+    merged = {"schema": 1, "sources": [{k: s.get(k) for k in keys} for s in sources],
+              "settings": dict(sources[0]["settings"]), "runs": [], "setup": [], "skipped": []}
+    for source in sources:
+        merged["runs"] += source["runs"]
+        merged["setup"] += source["setup"]
+    measured = {r["backend"] for r in merged["runs"]}
+    merged["skipped"] = [s for source in sources for s in source["skipped"] if s["backend"] not in measured]
+    windows = sorted({s["settings"]["windows"] for s in sources})
+    merged["settings"]["windows"] = windows[0] if len(windows) == 1 else "/".join(str(w) for w in windows)
+    return merged
+
+
 def _ok(runs):
     return [r for r in runs if not r.get("error")]
 
@@ -137,7 +155,9 @@ def communication_table(results):
 
 def markdown(results):
     windows = results["settings"]["windows"]
-    parts = _machine_lines(results)
+    parts = []
+    for source in results.get("sources", [results]):  # several after merge()
+        parts += ([""] if parts else []) + _machine_lines(source)
     parts += ["", "### Throughput (samples/s)", "",
               "Median of {} timed windows (min–max), the variants' windows alternated in one process per N. "
               "b/c, b/d: ratio of the medians [range of the per-round ratios]. Scaling efficiency: samples/s ÷ "

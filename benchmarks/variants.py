@@ -99,18 +99,18 @@ def fit_variant(key, model, devices, global_batch, marks, scope=None):
     return Variant(key, devices, global_batch, train, marks, model)
 
 
-def plain(workload, devices):
+def plain(workload, devices, fit=fit_variant):
     """a: the workload's model on the backend's default device, at the per-device batch."""
     import keras
 
     marks = {"setup": time.perf_counter()}
     model = workload.build(keras)
-    return fit_variant("plain", model, 1, workload.per_device_batch, marks)
+    return fit("plain", model, 1, workload.per_device_batch, marks)
 
 
-def distributed(workload, devices, options=None):
+def distributed(workload, devices, options=None, fit=fit_variant):
     """b: the plain model handed to ``distkeras.distribute`` (with ``options``, the adapter's keyword
-    arguments); ``marks["distribute"]`` is the call."""
+    arguments); ``marks["distribute"]`` is the call. ``fit``: as :func:`fit_variant`."""
     import distkeras
     import keras
 
@@ -118,7 +118,7 @@ def distributed(workload, devices, options=None):
     model = workload.build(keras)
     marks["distribute"] = time.perf_counter()
     model = distkeras.distribute(model, devices=devices, **(options or {}))
-    return fit_variant("distkeras", model, devices, workload.per_device_batch * devices, marks)
+    return fit("distkeras", model, devices, workload.per_device_batch * devices, marks)
 
 
 def setup(key, workload, devices, plan, options=None):
@@ -128,11 +128,13 @@ def setup(key, workload, devices, plan, options=None):
     Raises:
         NotImplementedError: the backend has no way to build this variant (its reason as the message).
     """
+    fit = getattr(plan, "fit_variant", fit_variant)  # a plan may feed and time fit() its own way (Keras 2)
+
     def build():
         if key == "plain":
-            return plain(workload, devices)
+            return plain(workload, devices, fit)
         if key == "distkeras":
-            return distributed(workload, devices, options)
+            return distributed(workload, devices, options, fit)
         make = getattr(plan, key, None)
         if make is None:
             raise NotImplementedError(getattr(plan, "MISSING", {}).get(key, "not written for this backend"))

@@ -1,7 +1,8 @@
 """The three workloads: what model is trained, on what data, at what batch size per device.
 
 Each workload builds a compiled Keras model with the active backend and makes a small pool of batches
-that the timed windows cycle through, so memory does not grow with the length of a window.
+that the timed windows cycle through, so memory does not grow with the length of a window. The models
+build with Keras 3 and with Keras 2 (keras-mxnet 2.2.4.3).
 
 - ``mlp``: the 41,157,101-parameter MLP of the make_parallel article (8000 -> 4000 tanh -> 2000 relu ->
   500 relu -> 300 relu -> 1 sigmoid, Adam, binary cross-entropy, random data, 2048 samples per device).
@@ -55,16 +56,38 @@ def mlp_parameters(width):
     return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
 
 
+def _keras2(keras):
+    """True for Keras 2 (keras-mxnet 2.2.4.3)."""
+    return keras.__version__.startswith("2.")
+
+
+def _sequential(keras, shape, layers, name):
+    """A Sequential of ``layers`` on inputs of ``shape``.
+
+    Keras 3: after ``keras.Input``. Keras 2: the first layer is made again from its configuration with
+    the input shape, the Keras 2 spelling (``input_shape=``): a Sequential that starts with an explicit
+    ``InputLayer`` clones into an unbuilt model in Keras 2.2.4, and ``distkeras.distribute`` clones.
+    """
+    if not _keras2(keras):
+        return keras.models.Sequential([keras.Input(shape=shape)] + layers, name=name)
+    first = type(layers[0]).from_config(dict(layers[0].get_config(), batch_input_shape=(None,) + tuple(shape)))
+    return keras.models.Sequential([first] + layers[1:], name=name)
+
+
+def _dense_stack(keras, name, inputs, layers, optimizer, loss, metrics=None):
+    """A compiled Sequential of Dense ``layers`` ((units, activation) pairs) on ``inputs`` features."""
+    dense = [keras.layers.Dense(units, activation=activation) for units, activation in layers]
+    model = _sequential(keras, (inputs,), dense, name)
+    model.compile(optimizer=optimizer, loss=loss, metrics=metrics)
+    return model
+
+
 def _mlp(width):
     inputs, *hidden = mlp_widths(width)
 
     def build(keras):
-        layers = [keras.Input(shape=(inputs,))]
-        layers += [keras.layers.Dense(units, activation=act) for units, act in zip(hidden, MLP_ACTIVATIONS)]
-        layers.append(keras.layers.Dense(1, activation="sigmoid"))
-        model = keras.Sequential(layers, name="mlp")
-        model.compile(optimizer=keras.optimizers.Adam(), loss="binary_crossentropy")
-        return model
+        layers = list(zip(hidden, MLP_ACTIVATIONS)) + [(1, "sigmoid")]
+        return _dense_stack(keras, "mlp", inputs, layers, keras.optimizers.Adam(), "binary_crossentropy")
 
     def batches(rng, size, count):
         return [(rng.random((size, inputs), dtype=np.float32), (rng.random((size, 1)) > 0.5).astype(np.float32))
@@ -78,8 +101,7 @@ def _mlp(width):
 def _cnn():
     def build(keras):
         layers = keras.layers
-        model = keras.Sequential([
-            keras.Input(shape=(32, 32, 3)),
+        model = _sequential(keras, (32, 32, 3), [
             layers.Conv2D(32, (3, 3), padding="same", activation="relu"),
             layers.Conv2D(32, (3, 3), activation="relu"),
             layers.MaxPooling2D(pool_size=(2, 2)),
@@ -92,8 +114,9 @@ def _cnn():
             layers.Dense(512, activation="relu"),
             layers.Dropout(0.5),
             layers.Dense(10, activation="softmax"),
-        ], name="cifar10_cnn")
-        model.compile(optimizer=keras.optimizers.RMSprop(learning_rate=1e-4), loss="sparse_categorical_crossentropy")
+        ], "cifar10_cnn")
+        # The learning rate by position: Keras 2 calls it lr, Keras 3 learning_rate.
+        model.compile(optimizer=keras.optimizers.RMSprop(1e-4), loss="sparse_categorical_crossentropy")
         return model
 
     def batches(rng, size, count):
@@ -113,8 +136,15 @@ def _digits():
         picks = np.resize(order, size * count).reshape(count, size)  # cycles through the training set
         return [(x[p], y[p]) for p in picks]
 
+    def build(keras):
+        if not _keras2(keras):
+            return demo.build_model(keras)
+        layers = [(128, "relu"), (64, "relu"), (10, "softmax")]  # demo.build_model's, which takes Keras 3 only
+        return _dense_stack(keras, "digits_mlp", 64, layers, keras.optimizers.Adam(1e-3),
+                            "sparse_categorical_crossentropy", ["accuracy"])
+
     return Workload("digits", "digits MLP 64-128-64-10 (17,226 params), scikit-learn digits", 32,
-                    "sparse_categorical_crossentropy", demo.build_model, batches)
+                    "sparse_categorical_crossentropy", build, batches)
 
 
 #: Workload names, in the order tables list them.

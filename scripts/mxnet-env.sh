@@ -7,8 +7,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/venv.sh"
 PYTHON_MXNET="${PYTHON_MXNET:-python3}"
 VENV_MXNET="$ROOT/.venv-mxnet"
-# numpy 1.24 removed the aliases (np.bool, ...) MXNet 1.9.1 uses.
-REQS_MXNET=("mxnet==1.9.1" "keras-mxnet==2.2.4.3" "numpy<1.24" "pytest>=7" -e "$ROOT")
+# numpy 1.24 removed the aliases (np.bool, ...) MXNet 1.9.1 uses. psutil, matplotlib and scikit-learn are
+# for the benchmark (python -m benchmarks run --backends mxnet), in versions that take numpy 1.23.
+REQS_MXNET=("mxnet==1.9.1" "keras-mxnet==2.2.4.3" "numpy<1.24" "pytest>=7" "psutil==7.2.2" "matplotlib==3.10.9"
+            "scikit-learn==1.6.1" -e "$ROOT")
 make_venv "$VENV_MXNET" "$PYTHON_MXNET" "${REQS_MXNET[@]}"
 # keras-mxnet writes keras.json with "backend": "mxnet" into KERAS_HOME when it finds none: it gets a
 # KERAS_HOME of its own, so that file never reaches the Keras 3 environment or ~/.keras.

@@ -17,6 +17,9 @@ module provides the rest:
     Peak accelerator memory per device since the process started (None where the backend has none).
 ``prepare(devices, options)``  (optional)
     Runs in the worker before Keras starts (TensorFlow: split one GPU into logical GPUs).
+``fit_variant(key, model, devices, global_batch, marks)`` and ``set_random_seed(seed)``  (optional)
+    For a Keras without ``PyDataset``, async callbacks or ``keras.utils.set_random_seed`` (keras-mxnet,
+    Keras 2): how a, b (and the module's own variants) feed and time ``fit``, and how the worker seeds.
 
 ``setup_variant(key, workload, devices, build) -> Variant`` and ``reports() -> bool``  (optional)
     For a backend of one process per device (:data:`PROCESS_PER_DEVICE`): which of the job's processes
@@ -32,6 +35,7 @@ PLANS = {
     "tensorflow": "benchmarks.backends.tensorflow",
     "jax": "benchmarks.backends.jax",
     "torch": "benchmarks.backends.torch",
+    "mxnet": "benchmarks.backends.mxnet",
 }
 
 #: Backends whose N devices are N processes: their N-device workers run under ``distkeras launch``, except

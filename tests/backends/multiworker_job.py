@@ -3,7 +3,8 @@
     python -m tests.backends.multiworker_job OUT_DIR MODE
 
 MODE: "train" (numpy arrays, 100 samples at global batch 12, verbose=1), "tf.data" and "PyDataset"
-(the same batches from a tf.data.Dataset / keras.utils.PyDataset), "kill" (rank 1 SIGKILLs itself
+(the same batches from a tf.data.Dataset / keras.utils.PyDataset), "uneven" (arrays at global batch 11:
+6+5 over two workers, and a last batch of 1 that leaves a worker empty), "kill" (rank 1 SIGKILLs itself
 mid-epoch 2), "resume" (like train, with distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt). Every
 worker is given the whole data set; every rank writes its final weights to OUT_DIR/rank{R}.npz.
 """
@@ -62,7 +63,7 @@ def main(out_dir, mode):
     elif mode == "PyDataset":
         data = {"x": Batches(x, y, 12)}
     else:
-        data = {"x": x, "y": y, "batch_size": 12}
+        data = {"x": x, "y": y, "batch_size": 11 if mode == "uneven" else 12}
     model.fit(epochs=EPOCHS, verbose=1, shuffle=False, callbacks=callbacks, **data)
     np.savez(os.path.join(out_dir, "rank{}.npz".format(rank)), *model.get_weights())
     print("describe", distkeras.describe(model))

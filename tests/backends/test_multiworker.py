@@ -67,6 +67,16 @@ def test_two_workers_train_as_one_process(tmp_path, data):
     assert "'replicas': 2, 'rank': 1" in done.stdout and "'distributed': True" in done.stdout
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's exact loss scaling across workers")
+def test_two_workers_weigh_an_uneven_split_by_batch_share(tmp_path):
+    # Global batch 11: 6+5 over the workers, then 1+0. Each worker's replicas only see their own batches,
+    # so the global batch comes from an all-reduce there.
+    done, _ = launch(tmp_path, "uneven")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert_close(single_process_weights(batch_size=11), rank_weights(tmp_path, 0))
+    assert_close(rank_weights(tmp_path, 0), rank_weights(tmp_path, 1))
+
+
 def test_a_worker_killed_mid_epoch_ends_the_job_in_bounded_time_and_the_job_resumes(tmp_path):
     done, elapsed = launch(tmp_path, "kill")
     assert done.returncode == 128 + signal.SIGKILL, done.stderr[-3000:]

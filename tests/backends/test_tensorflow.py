@@ -47,6 +47,69 @@ def test_plain_keras_weighs_an_uneven_split_wrongly_and_distkeras_does_not(monke
     assert max(float(np.abs(a - b).max()) for a, b in zip(expected, exact)) < 1e-5
 
 
+def count_all_reduces(monkeypatch):
+    """The reductions replicas ask for through ``ReplicaContext.all_reduce`` (Keras' gradients among them)."""
+    import tensorflow as tf
+
+    calls = []
+    all_reduce = tf.distribute.ReplicaContext.all_reduce
+
+    def counted(self, reduce_op, value, options=None):
+        calls.append(reduce_op)
+        return all_reduce(self, reduce_op, value, options)
+
+    monkeypatch.setattr(tf.distribute.ReplicaContext, "all_reduce", counted)
+    return calls
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_exact_loss_scaling_on_one_host_adds_no_all_reduce(monkeypatch, run_eagerly):
+    # On one host the global batch is the sum of the replicas' batches, known before they run: the
+    # correction costs no collective, and stays exact. 101 samples at batch 10 on 3 replicas: 4+3+3, last 1+0+0.
+    calls = count_all_reduces(monkeypatch)
+    x, y = scenarios.data(101)
+
+    def fit(devices, exact_loss_scaling=True):
+        model = scenarios.build(keras)
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="mse", run_eagerly=run_eagerly)
+        if devices > 1:
+            model = distkeras.distribute(model, devices=devices, exact_loss_scaling=exact_loss_scaling)
+        del calls[:]
+        model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights(), len(calls)
+
+    expected, _ = fit(1)
+    _, uncorrected = fit(3, exact_loss_scaling=False)
+    exact, corrected = fit(3)
+    assert corrected == uncorrected > 0
+    for e, a in zip(expected, exact):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_a_strategy_run_of_other_arguments_still_weighs_by_batch_share(monkeypatch):
+    # A custom loop may call the model's strategy.run with anything; where the arguments aren't the
+    # replicas' batches, the replicas all-reduce their batch sizes as before.
+    import tensorflow as tf
+
+    calls = count_all_reduces(monkeypatch)
+    model = distkeras.distribute(scenarios.build(keras), devices=3)
+    strategy = model.distribute_strategy
+    x, y = scenarios.data(10)
+
+    @tf.function
+    def losses(x, y):
+        return strategy.run(lambda x, y: model.compute_loss(x=x, y=y, y_pred=model(x), training=True), args=(x, y))
+
+    whole = strategy.experimental_local_results(losses(tf.constant(x), tf.constant(y)))
+    assert len(calls) == 3  # one per replica
+    # Keras returns each replica's loss divided by the replica count, which the correction keeps.
+    np.testing.assert_allclose(np.array(whole) * 3, [np.mean((model.predict(x, verbose=0) - y) ** 2)] * 3, rtol=1e-5)
+    del calls[:]
+    batches = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(10))
+    strategy.experimental_local_results(losses(*next(iter(batches))))
+    assert calls == []
+
+
 @pytest.mark.parametrize("ops", ["reduction_to_one_device", "hierarchical_copy"])
 def test_cross_device_ops_option(ops):
     expected, _ = scenarios.train("even", 1)
@@ -148,9 +211,14 @@ def test_tf_keras_2_models_are_distributed_too():
         x, y = rng.normal(size=(101, 5)).astype("float32"), rng.normal(size=(101, 3)).astype("float32")
         single = make()
         single.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
-        dist = distkeras.distribute(make(), devices=3)
-        dist.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
-        print(type(dist).__module__, max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), dist.get_weights())))
+        diffs = []
+        for steps_per_execution in (1, 4):
+            dist = make()
+            dist.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=steps_per_execution)
+            dist = distkeras.distribute(dist, devices=3)
+            dist.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+            diffs.append(max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), dist.get_weights())))
+        print(type(dist).__module__, max(diffs))
     """, env={"TF_USE_LEGACY_KERAS": "1", "KERAS_BACKEND": "tensorflow"})
     assert done.returncode == 0, done.stderr[-3000:]
     module, diff = done.stdout.split()

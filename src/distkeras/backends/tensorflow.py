@@ -9,7 +9,10 @@ One correction over plain Keras 3 + MirroredStrategy, so that every step is exac
 step at the same global batch: Keras scales each replica's mean loss by 1/replicas, which weighs the
 replicas equally even when a batch splits unevenly (the last batch of an epoch, or any global batch that
 the replica count doesn't divide) or leaves a replica empty. The adapter weighs each replica's gradient
-by its share of the global batch instead. Reported loss values are untouched.
+by its share of the global batch instead. Reported loss values are untouched. On one host this costs no
+communication: the global batch is the sum of the replicas' batch sizes, which ``strategy.run`` holds
+before the replicas start, and the adapter's strategy hands it to them. Across workers each worker holds
+only its own replicas' batches, so there the replicas all-reduce their batch sizes (a scalar per step).
 """
 
 import itertools
@@ -84,7 +87,9 @@ class TensorFlowAdapter(Adapter):
             new = keras3.clone(model)
             keras3.compile_like(new, model)
         if exact_loss_scaling and _uses_default_compute_loss(new):
-            _weigh_replicas_by_batch_share(new, tf, strategy.num_replicas_in_sync)
+            # One host: every replica's batch is at hand when a step starts, so the global batch is too.
+            global_batch = None if cluster.is_multi_worker else _global_batch_of_each_run(tf, strategy)
+            _weigh_replicas_by_batch_share(new, tf, strategy.num_replicas_in_sync, global_batch)
         _build_from_one_replica(new, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(new, tf)
@@ -271,9 +276,61 @@ def _uses_default_compute_loss(model):
     return method is not None and method is getattr(keras.Model, "compute_loss", None)
 
 
-def _weigh_replicas_by_batch_share(model, tf, replicas):
+def _global_batch_of_each_run(tf, strategy):
+    """Have ``strategy.run`` tell its replicas the global batch size; returns the function that reads it.
+
+    Keras runs a step as ``strategy.run(step, args=(data,))`` from the cross-replica context, where
+    ``data`` holds every replica's batch (each leaf a ``DistributedValues``; on one host, one value per
+    replica). The first dimensions of the first leaf's values add up to the global batch, computed there,
+    before the replicas start; each replica's function is wrapped to hold it while the step runs, in a
+    thread-local (MirroredStrategy runs every replica in a thread of its own, and traces them all into the
+    graph ``run`` is called in). Patched on this strategy instance only, which distkeras made for this
+    model. A run it can't read that way (arguments whose first leaf isn't one batch per replica, a step
+    that is itself a ``tf.function``) goes through unchanged, and the reader returns None there.
+    """
+    import threading
+
+    held = threading.local()
+    run = strategy.run
+    replicas = strategy.num_replicas_in_sync
+
+    def batch_sum(args, kwargs):
+        for leaf in tf.nest.flatten((args, kwargs)):
+            if leaf is None:
+                continue
+            if not isinstance(leaf, tf.distribute.DistributedValues) or len(leaf.values) != replicas:
+                return None
+            if not all(isinstance(value, tf.Tensor) and value.shape.rank for value in leaf.values):
+                return None
+            return tf.add_n([tf.shape(value)[0] for value in leaf.values])
+        return None
+
+    def run_telling_global_batch(fn, args=(), kwargs=None, options=None):
+        size = None
+        if not isinstance(fn, tf.types.experimental.GenericFunction):
+            size = batch_sum(args, kwargs)
+        if size is None:
+            return run(fn, args=args, kwargs=kwargs, options=options)
+
+        def replica_fn(*replica_args, **replica_kwargs):
+            outer = getattr(held, "size", None)
+            held.size = size
+            try:
+                return fn(*replica_args, **replica_kwargs)
+            finally:
+                held.size = outer
+
+        return run(replica_fn, args=args, kwargs=kwargs, options=options)
+
+    strategy.run = run_telling_global_batch
+    return lambda: getattr(held, "size", None)
+
+
+def _weigh_replicas_by_batch_share(model, tf, replicas, global_batch=None):
     """Install the loss correction described in the module docstring on ``model`` (an instance attribute:
-    nothing of it is saved)."""
+    nothing of it is saved). ``global_batch()`` gives the step's global batch size where it is known
+    without communication (see :func:`_global_batch_of_each_run`); elsewhere the replicas all-reduce
+    their batch sizes."""
     original = model.compute_loss
 
     def compute_loss(*args, **kwargs):
@@ -289,7 +346,11 @@ def _weigh_replicas_by_batch_share(model, tf, replicas):
         extra = tf.add_n(extra) if extra else tf.zeros((), total.dtype)
         compiled = total - extra
         local = tf.cast(tf.shape(tf.nest.flatten(y_pred)[0])[0], total.dtype)
-        global_ = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+        known = global_batch() if global_batch is not None else None
+        if known is not None:
+            global_ = tf.cast(known, total.dtype)
+        else:
+            global_ = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
         share = tf.math.divide_no_nan(local * replicas, global_)
         # Same value as Keras reports; gradient weighted by this replica's share of the global batch.
         return tf.stop_gradient(compiled * (1.0 - share)) + compiled * share + extra
