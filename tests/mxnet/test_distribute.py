@@ -201,6 +201,19 @@ def test_uncompiled_model_predicts_then_compiles_after_distribute():
     assert not np.allclose(dist.get_weights()[0], 1.0)
 
 
+def test_a_sequential_starting_with_an_input_layer():
+    """Keras 2.2's clone drops an explicit InputLayer; the distributed model must still be built and train."""
+    x, y = data(24)
+    model = keras.models.Sequential([keras.layers.InputLayer(input_shape=(x.shape[1],)),
+                                      keras.layers.Dense(y.shape[1])])
+    model.compile(optimizer="sgd", loss="mse")
+    dist = distkeras.distribute(model, devices=2)
+    before = dist.get_weights()[0].copy()
+    np.testing.assert_array_equal(before, model.get_weights()[0])
+    dist.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert dist.metrics_names == ["loss"] and not np.allclose(dist.get_weights()[0], before)
+
+
 def test_one_device_returns_the_model_unchanged(capfd):
     model = build()
     assert distkeras.distribute(model, devices=1) is model

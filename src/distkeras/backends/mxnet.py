@@ -108,6 +108,10 @@ def _clone(model):
             "distkeras must recreate the model on the devices, and Keras can't clone a {} ({}: {}). Build it "
             "with the Functional API or keras.models.Sequential.".format(type(model).__name__, type(exc).__name__, exc)
         )
+    if not getattr(new, "built", True) and getattr(model, "built", False):
+        # Keras 2.2's clone of a Sequential that starts with an explicit InputLayer drops that layer, and the
+        # clone has no input shape until it is built.
+        new.build(model.input_shape)
     new.set_weights(model.get_weights())
     return new
 
