@@ -50,20 +50,26 @@ def average_gradients(grads, variables, count):
     """
     dtype = torch.float64 if any(g is not None and g.dtype == torch.float64 for g in grads) else torch.float32
     device = next((g.device for g in grads if g is not None), variables[0].value.device)
-    pieces = [
-        torch.zeros(_numel(v), dtype=dtype, device=device) if g is None else g.detach().reshape(-1).to(dtype) * count
-        for g, v in zip(grads, variables)
-    ]
-    tail = torch.tensor([float(g is not None) for g in grads] + [float(count)], dtype=dtype, device=device)
-    flat = torch.cat(pieces + [tail])
-    dist.all_reduce(flat)
-    flags = flat[-len(tail) :].tolist()
-    total = flags[-1] or 1.0
-    averaged, offset = [], 0
-    for present, variable in zip(flags, variables):
-        size = _numel(variable)
+    sizes = [_numel(v) for v in variables]
+    length = sum(sizes)
+    # One buffer; each gradient is written into its slice already weighted (no per-variable temporaries).
+    flat = torch.empty(length + len(grads) + 1, dtype=dtype, device=device)
+    offset = 0
+    for grad, size in zip(grads, sizes):
         piece = flat[offset : offset + size]
-        averaged.append((piece / total).reshape(variable.shape).to(variable.value.dtype) if present else None)
+        if grad is None:
+            piece.zero_()
+        else:
+            torch.mul(grad.detach().reshape(-1), count, out=piece)
+        offset += size
+    flat[length:] = torch.tensor([float(g is not None) for g in grads] + [float(count)], dtype=dtype)
+    dist.all_reduce(flat)
+    flags = flat[length:].tolist()
+    flat[:length].div_(flags[-1] or 1.0)
+    averaged, offset = [], 0
+    for present, variable, size in zip(flags, variables, sizes):
+        piece = flat[offset : offset + size]
+        averaged.append(piece.view(variable.shape).to(variable.value.dtype) if present else None)
         offset += size
     return averaged
 
