@@ -168,7 +168,9 @@ def native(workload, devices):
                 ends.append(time.perf_counter())
         return ends[-1] - ends[0]
 
-    return Variant("native", world, share * world, train, marks, model)
+    variant = Variant("native", world, share * world, train, marks, model)
+    variant.ddp = ddp  # for benchmarks.torch_gap, which times this loop under ddp.no_sync() too
+    return variant
 
 
 def torch_optimizer(optimizer, parameters):

@@ -1,0 +1,155 @@
+"""Where PyTorch's b/c gap goes: distkeras and the DDP loop, each with and without its communication.
+
+    distkeras launch --nproc-per-node 2 -m benchmarks.torch_gap --workload mlp --width 0.2
+
+On the PyTorch backend c (the Keras guide's recipe) is not ``model.fit()``: it is a bare loop of
+``DistributedDataParallel`` and ``torch.optim``. So b/c mixes two costs, which this splits by timing five
+loops side by side in one job, their windows alternated, every rank training at once:
+
+- ``keras``: plain ``model.fit`` on this rank's share of each global batch, no communication (Keras' own
+  loop, what b costs if communication and distkeras were free);
+- ``distkeras``: b;
+- ``distkeras, no all-reduce``: b with its gradient all-reduce replaced by the local gradients (wrong
+  training, timing only: what the hooks cost besides communication);
+- ``ddp loop``: c;
+- ``ddp loop, no all-reduce``: c under ``DistributedDataParallel.no_sync()``.
+
+Then ``keras - ddp loop, no all-reduce`` is what Keras' ``fit()`` costs over a bare torch loop (distkeras
+can't remove it without leaving ``fit()``), ``distkeras, no all-reduce - keras`` is the hooks' own cost,
+and ``x - x, no all-reduce`` is the communication each way pays, waiting for the slower rank included.
+Rank 0 prints a markdown table (and writes ``--out`` as JSON when given).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import numpy as np
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.torch_gap", description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="mlp", help="mlp, cnn or digits (default mlp)")
+    parser.add_argument("--width", type=float, default=0.2, help="the MLP's width scale (default 0.2)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed window (default 20)")
+    parser.add_argument("--windows", type=int, default=9, help="timed windows per loop (default 9)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per loop first (default 3)")
+    parser.add_argument("--out", default=None, help="write the figures to this JSON file (rank 0)")
+    return parser
+
+
+def loops(workload, rank, world):
+    """The five loops, by name: ``(variant, pool of batches)`` pairs (module docstring)."""
+    import keras
+    import torch
+
+    import distkeras
+    from distkeras.backends import torch_collectives
+
+    from . import variants
+    from .backends import torch as plan
+
+    share = workload.per_device_batch
+    pool = workload.batches(np.random.default_rng(0), share * world, 4)
+    own = [(x[rank::world], y[rank::world]) for x, y in pool]  # the rows distkeras gives this rank
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))  # each rank its share, as b and c
+    alone = variants.fit_variant("keras", workload.build(keras), 1, share, {})
+    facade = variants.fit_variant("distkeras", distkeras.distribute(workload.build(keras), devices=world), world,
+                                  share * world, {})
+    native = plan.native(workload, world)
+    ddp = native.ddp
+
+    def local_gradients(grads, variables, count):
+        return list(grads)
+
+    def without_allreduce(train):
+        def timed(batches, steps):
+            torch_collectives.average_gradients, saved = local_gradients, torch_collectives.average_gradients
+            try:
+                return train(batches, steps)
+            finally:
+                torch_collectives.average_gradients = saved
+
+        return timed
+
+    def without_sync(train):
+        def timed(batches, steps):
+            with ddp.no_sync():
+                return train(batches, steps)
+
+        return timed
+
+    return {
+        "keras": (alone.train, own),
+        "distkeras": (facade.train, pool),
+        "distkeras, no all-reduce": (without_allreduce(facade.train), pool),
+        "ddp loop": (native.train, pool),
+        "ddp loop, no all-reduce": (without_sync(native.train), pool),
+    }
+
+
+def measure(runs, steps, windows, warmup, barrier):
+    """Seconds per step of each loop: one list of ``windows`` figures per name, the loops alternated."""
+    for train, batches in runs.values():
+        if warmup:
+            train(batches, warmup + 1)
+    seconds = {name: [] for name in runs}
+    for _ in range(windows):
+        for name, (train, batches) in runs.items():
+            barrier()
+            seconds[name].append(train(batches, steps) / (steps - 1))  # a window times steps - 1 intervals
+    return seconds
+
+
+def table(seconds, workload):
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    reference = median["ddp loop"]
+    lines = ["{}; ms per step, median of {} windows (min-max); ratio to the DDP loop".format(
+        workload.description, len(next(iter(seconds.values())))), "",
+        "| loop | ms/step | ratio |", "|---|---|---|"]
+    for name, values in seconds.items():
+        lines.append("| {} | {:.2f} ({:.2f}-{:.2f}) | {:.3f} |".format(
+            name, 1e3 * median[name], 1e3 * min(values), 1e3 * max(values), median[name] / reference))
+    parts = [
+        ("Keras fit() over a bare torch loop", median["keras"] - median["ddp loop, no all-reduce"]),
+        ("distkeras' hooks besides communication", median["distkeras, no all-reduce"] - median["keras"]),
+        ("communication in distkeras", median["distkeras"] - median["distkeras, no all-reduce"]),
+        ("communication in the DDP loop", median["ddp loop"] - median["ddp loop, no all-reduce"]),
+    ]
+    lines += ["", "| of which | ms/step |", "|---|---|"] + ["| {} | {:+.2f} |".format(n, 1e3 * v) for n, v in parts]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.steps < 2 or args.windows < 1:
+        print("torch_gap: error: --steps must be >= 2 and --windows >= 1", file=sys.stderr)
+        return 2
+    if os.environ.get("KERAS_BACKEND") != "torch" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        print("torch_gap: error: run it with KERAS_BACKEND=torch as a job of 2 or more processes: "
+              "distkeras launch --nproc-per-node 2 -m benchmarks.torch_gap", file=sys.stderr)
+        return 2
+    import keras
+    import torch.distributed as dist
+
+    from . import workloads
+    from .backends import torch as plan
+
+    keras.utils.set_random_seed(1)
+    workload = workloads.get(args.workload, args.width)
+    plan.prepare(int(os.environ["WORLD_SIZE"]), {})
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seconds = measure(loops(workload, rank, world), args.steps, args.windows, args.warmup, dist.barrier)
+    if rank == 0:
+        print(table(seconds, workload))
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump({"workload": workload.description, "processes": world, "steps": args.steps,
+                           "seconds_per_step": seconds}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
