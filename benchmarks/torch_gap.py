@@ -41,9 +41,10 @@ def build_parser():
 
 
 def loops(workload, rank, world):
-    """The five loops, by name: ``(variant, pool of batches)`` pairs (module docstring)."""
+    """The five loops, by name: ``(train, batches)`` pairs, ``train(batches, steps)`` timing ``steps`` steps
+    (module docstring). Every loop trains with the threads distkeras gives a CPU rank (b's and c's set-up
+    set them)."""
     import keras
-    import torch
 
     import distkeras
     from distkeras.backends import torch_collectives
@@ -54,7 +55,6 @@ def loops(workload, rank, world):
     share = workload.per_device_batch
     pool = workload.batches(np.random.default_rng(0), share * world, 4)
     own = [(x[rank::world], y[rank::world]) for x, y in pool]  # the rows distkeras gives this rank
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))  # each rank its share, as b and c
     alone = variants.fit_variant("keras", workload.build(keras), 1, share, {})
     facade = variants.fit_variant("distkeras", distkeras.distribute(workload.build(keras), devices=world), world,
                                   share * world, {})

@@ -121,6 +121,23 @@ def distributed(workload, devices, options=None, fit=fit_variant):
     return fit("distkeras", model, devices, workload.per_device_batch * devices, marks)
 
 
+def split_concat(workload, devices, replicas, scope=None):
+    """d, the make_parallel recipe, as a Keras 3 functional model: the template's layers as an uncompiled
+    replica model (a compiled one inside would bring its own metrics along), ``replicas(replica)`` (the
+    backend's layer that runs it on each slice of the batch and concatenates the outputs), one loss.
+    Built inside ``scope()`` if given."""
+    import keras
+
+    marks = {"setup": time.perf_counter()}
+    with scope() if scope is not None else contextlib.nullcontext():
+        template = workload.build(keras)
+        replica = keras.Model(template.inputs, template.outputs, name="replica")
+        inputs = keras.Input(shape=template.input_shape[1:])
+        model = keras.Model(inputs, replicas(replica)(inputs), name="make_parallel")
+        model.compile(optimizer=template.optimizer, loss=workload.loss)
+    return fit_variant("make_parallel", model, devices, workload.per_device_batch * devices, marks)
+
+
 def setup(key, workload, devices, plan, options=None):
     """Set up variant ``key`` with the backend module ``plan`` (see :mod:`benchmarks.backends`);
     ``options`` go to ``distkeras.distribute`` (variant b).

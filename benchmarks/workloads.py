@@ -64,9 +64,9 @@ def _keras2(keras):
 def _sequential(keras, shape, layers, name):
     """A Sequential of ``layers`` on inputs of ``shape``.
 
-    Keras 3: after ``keras.Input``. Keras 2: the first layer is made again from its configuration with
-    the input shape, the Keras 2 spelling (``input_shape=``): a Sequential that starts with an explicit
-    ``InputLayer`` clones into an unbuilt model in Keras 2.2.4, and ``distkeras.distribute`` clones.
+    Keras 3: after ``keras.Input``. Keras 2 (whose ``keras.Input`` is a tensor, not a layer): the first
+    layer made again from its configuration with the input shape, as Keras 2 code spells it
+    (``input_shape=``).
     """
     if not _keras2(keras):
         return keras.models.Sequential([keras.Input(shape=shape)] + layers, name=name)

@@ -89,7 +89,7 @@ class _StepClock(keras.callbacks.Callback):
             self.done.append(time.perf_counter())
 
 
-def fit_variant(key, model, devices, global_batch, marks, scope=None):
+def fit_variant(key, model, devices, global_batch, marks):
     """The harness' ``fit_variant`` for Keras 2: one ``fit_generator`` epoch of ``steps`` batches per
     window, fed in this thread (``workers=0``, as a Keras 3 ``PyDataset`` is by default)."""
 

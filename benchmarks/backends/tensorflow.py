@@ -11,7 +11,7 @@ import time
 import keras
 import tensorflow as tf
 
-from ..variants import fit_variant
+from ..variants import fit_variant, split_concat
 
 #: Collective key offsets for the strategies made here, clear of the ones distkeras gives its own.
 _key_bases = itertools.count(1000000, 1000000)
@@ -72,16 +72,8 @@ def make_parallel(workload, devices):
     weights and the concatenation on the CPU; the first device is the more favourable choice on GPUs
     and the same one on CPU devices.)
     """
-    marks = {"setup": time.perf_counter()}
     names = device_names(devices)
-    with tf.device(names[0]):
-        template = workload.build(keras)
-        # The same layers as an uncompiled model: a compiled one inside would bring its own metrics along.
-        replica = keras.Model(template.inputs, template.outputs, name="replica")
-        inputs = keras.Input(shape=template.input_shape[1:])
-        model = keras.Model(inputs, Replicas(replica, names)(inputs), name="make_parallel")
-        model.compile(optimizer=template.optimizer, loss=workload.loss)
-    return fit_variant("make_parallel", model, devices, workload.per_device_batch * devices, marks)
+    return split_concat(workload, devices, lambda replica: Replicas(replica, names), scope=lambda: tf.device(names[0]))
 
 
 class Replicas(keras.layers.Layer):

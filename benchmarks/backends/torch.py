@@ -28,7 +28,7 @@ import keras
 import torch
 import torch.distributed as dist
 
-from ..variants import Variant, fit_variant
+from ..variants import Variant, split_concat
 
 #: Variants one process runs alone while the other ranks wait.
 RANK0_ONLY = ("plain", "make_parallel")
@@ -142,7 +142,9 @@ def native(workload, devices):
     marks = {"setup": time.perf_counter()}
     device = _device()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _world()))  # the share distkeras gives b
+        from distkeras.backends import torch as adapter
+
+        adapter.share_cpu_threads(torch, _world())  # the share distkeras gives b
     with keras.device("cuda:{}".format(device.index) if device.type == "cuda" else "cpu"):
         model = workload.build(keras)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -195,13 +197,7 @@ def make_parallel(workload, devices):
     if _on_gpu():
         raise NotImplementedError("make_parallel needs the template's replicas on N GPUs of one process "
                                   "(torch.nn.DataParallel), which can't replicate Keras layers")
-    marks = {"setup": time.perf_counter()}
-    template = workload.build(keras)
-    replica = keras.Model(template.inputs, template.outputs, name="replica")  # uncompiled: no metrics of its own
-    inputs = keras.Input(shape=template.input_shape[1:])
-    model = keras.Model(inputs, Replicas(replica, devices)(inputs), name="make_parallel")
-    model.compile(optimizer=template.optimizer, loss=workload.loss)
-    return fit_variant("make_parallel", model, devices, workload.per_device_batch * devices, marks)
+    return split_concat(workload, devices, lambda replica: Replicas(replica, devices))
 
 
 class Replicas(keras.layers.Layer):

@@ -135,7 +135,6 @@ def test_cpu_processes_share_the_cores():
         assert threads == os.cpu_count()
 
 
-
 def test_every_rank_ends_with_identical_weights():
     outcomes = job(3).run(scenarios.train, "batch_not_divisible", 3, timeout=TIMEOUT)
     (weights, history), others = outcomes[0].result, outcomes[1:]
