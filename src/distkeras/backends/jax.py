@@ -6,12 +6,15 @@ global batch, so the gradient and the reported loss are the single-device ones, 
 rescale. ``strategy="model"`` is ``keras.distribution.ModelParallel``: kernels are split over a
 "model" mesh axis (``layout_map``), batches over a "batch" axis.
 
-Keras lays a variable out when it creates it, under the distribution current then, and the user
-built the model before any distribution existed. The adapter rebuilds the model under the
-distribution (same class, weights, compile config and optimizer state), so every variable, slot and
-metric gets its layout from Keras itself. ``keras.distribution.set_distribution`` is global, so the
-returned model makes its distribution current only while it compiles, trains, evaluates or predicts:
-models on different device sets live side by side in one process.
+The user built the model before any distribution existed, so its variables sit on one device. The
+adapter distributes that very model, in place: every variable (weights, metrics, optimizer slots) is
+re-assigned as an array laid out on the mesh with the layout the distribution gives it, which is what
+Keras would have done had the model been created under the distribution. Nothing is rebuilt from a
+config, so subclassed models without ``get_config`` work. ``keras.distribution.set_distribution`` is
+global, so the model makes its distribution current only while it compiles, trains, evaluates or
+predicts (hooks on the instance, see :func:`keras3.hook`): models on different device sets live side by
+side in one process. Everything the optimizer does with gradients, and BatchNormalization's
+statistics, need nothing more: a step is one SPMD program over the global batch.
 
 Across processes (``distkeras launch``, or any launcher that sets the JAX/Keras coordinator variables),
 ``jax.distributed`` starts at ``import distkeras`` (before JAX's first computation, as it must), the mesh
@@ -95,10 +98,10 @@ class JaxAdapter(Adapter):
         os.environ["XLA_FLAGS"] = _with_flag(os.environ.get("XLA_FLAGS", ""), _COUNT_FLAG, count)
 
     def distribute(self, model, devices, cluster, strategy="data", layout_map=None, model_shards=None):
-        """Rebuild ``model`` under a Keras distribution over exactly ``devices``.
+        """Lay ``model`` out under a Keras distribution over exactly ``devices``, in place.
 
         Args:
-            model: a built Keras model; it is left as it is.
+            model: a built Keras model; it is distributed in place and returned.
             devices: the resolved devices, all of one kind.
             cluster: this process' place in the job; one process only, in this version.
             strategy: ``"data"`` (``DataParallel``: a replica on every device) or ``"model"``
@@ -109,7 +112,7 @@ class JaxAdapter(Adapter):
             model_shards: ``strategy="model"``: the size of the "model" axis (default: every device).
 
         Returns:
-            A model of the user's class whose variables live on the mesh.
+            ``model`` itself, its variables on the mesh.
 
         Raises:
             DistKerasError: this process is one worker of several (not implemented yet).
@@ -136,14 +139,16 @@ class JaxAdapter(Adapter):
             distribution.auto_shard_dataset = False  # every process holds the global batch; see the docstring
         _ours[distribution] = set()
         _replicate_uneven_batches()
+        keras3.unhook(model)  # an earlier distribute()'s hooks
         with distribution.scope():
-            new = keras3.clone(model)
-            keras3.compile_like(new, model)
+            _lay_out(model, distribution)
+        # Steps traced before (a model trained before distribute()) were compiled for the old placement.
+        model.train_function = model.test_function = model.predict_function = None
         for name in _SCOPED:
-            object.__setattr__(new, name, _scoped(getattr(new, name), new, distribution))
+            keras3.hook(model, name, _scoped(getattr(model, name), model, distribution))
         if cluster.is_multi_worker:
-            keras3.chief_speaks_and_writes(new, cluster.rank)
-        return new
+            keras3.chief_speaks_and_writes(model, cluster.rank)
+        return model
 
     def _global_mesh_devices(self, cluster, devices, local_devices, strategy):
         """Every process' devices of the chosen kind, for a mesh that spans the job."""
@@ -280,21 +285,21 @@ def _scoped(method, model, distribution):
     @functools.wraps(method)
     def call(*args, **kwargs):
         with distribution.scope():
-            _lay_out_strays(model, distribution)
+            _lay_out(model, distribution)
             return method(*args, **kwargs)
 
     return call
 
 
-def _lay_out_strays(model, distribution):
-    """Variables made outside the distribution (a metric or optimizer object created before a later
-    ``compile()``) sit on one device, and Keras' jitted step refuses to mix them with the mesh's."""
+def _lay_out(model, distribution):
+    """Every variable of ``model`` (its metrics' and optimizers' too) as an array laid out on the mesh.
+
+    Also run before every scoped call: variables made outside the distribution since (a metric or
+    optimizer object created before a later ``compile()``, weights set from NumPy) sit on one device, and
+    Keras' jitted step refuses to mix them with the mesh's."""
     import keras
 
-    optimizer = getattr(model, "optimizer", None)
-    variables = list(model.variables) + list(model.metrics_variables)
-    variables += list(optimizer.variables) if optimizer is not None else []
-    for v in variables:
+    for v in keras3.state_variables(model):
         value = v.value
         layout = distribution.get_variable_layout(v)
         if not value.sharding.is_equivalent_to(layout.backend_layout, len(value.shape)):

@@ -1,14 +1,68 @@
-"""Rebuilding a Keras 3 (or tf.keras 2.x) model: same architecture, weights, compile config, optimizer state.
+"""What the Keras adapters share: hooks on a model instance, the rank-0-writes rule, and a rebuild for tf.keras 2.x.
 
-Shared by the adapters that must recreate the user's model somewhere else (inside a tf.distribute
-strategy scope, under a keras.distribution layout). The rebuilt model is of the user's own class, so
-``save()`` writes exactly what a single-device model writes.
+The adapters distribute the user's own model object in place (its variables' storage re-created or laid
+out on the devices). What changes behaviour is installed as *instance attributes* through :func:`hook`,
+never on the class, so ``save()`` and ``get_config()`` stay exactly the single-device model's, and a
+second ``distribute()`` replaces the first one's hooks instead of stacking on them (:func:`unhook`).
+
+:func:`clone` and :func:`compile_like` remain for tf.keras 2.x only (see the TensorFlow adapter).
 """
 
 import importlib
 
 from ..errors import ModelError
 from . import keras_package
+
+
+#: The instance attribute that lists the names :func:`hook` set on an object.
+_HOOKS = "_distkeras_hooks"
+
+
+def hook(obj, name, function):
+    """Set ``function`` as the instance attribute ``name`` of ``obj`` (a model, layer or optimizer).
+
+    Written into the instance ``__dict__`` directly: Keras layers track what ``setattr`` gives them
+    (and torch modules register it), and a hook is neither a layer nor a weight. Nothing of it is saved.
+    """
+    obj.__dict__[name] = function
+    names = obj.__dict__.setdefault(_HOOKS, [])
+    if name not in names:
+        names.append(name)
+
+
+def unhook(obj):
+    """Remove every hook :func:`hook` set on ``obj``: its class' own methods show through again."""
+    for name in obj.__dict__.pop(_HOOKS, ()):
+        obj.__dict__.pop(name, None)
+
+
+def hooked(obj, name):
+    """True when ``obj.name`` is a hook :func:`hook` set."""
+    return name in obj.__dict__.get(_HOOKS, ())
+
+
+def optimizers_of(model):
+    """The model's optimizer and, for a wrapper such as LossScaleOptimizer, the optimizer it wraps."""
+    found = []
+    optimizer = getattr(model, "optimizer", None)
+    while optimizer is not None and optimizer not in found:
+        found.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return found
+
+
+def state_variables(model):
+    """Every variable a model's training touches, once each: its weights (seed-generator states
+    included), its metrics' (compiled loss tracker included) and its optimizers'."""
+    variables, seen = [], set()
+    groups = [model.variables, getattr(model, "metrics_variables", [])]
+    groups += [optimizer.variables for optimizer in optimizers_of(model)]
+    for group in groups:
+        for variable in group:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    return variables
 
 
 def keras_module(model):
@@ -126,7 +180,7 @@ def chief_speaks_and_writes(model, rank):
             bound.arguments["verbose"] = 0
             return _method(*bound.args, **bound.kwargs)
 
-        object.__setattr__(model, name, functools.wraps(method)(quiet))
+        hook(model, name, functools.wraps(method)(quiet))
     for name in ("save", "save_weights"):
         method = getattr(model, name)
         signature = inspect.signature(method)
@@ -137,4 +191,4 @@ def chief_speaks_and_writes(model, rank):
                 bound.arguments["filepath"] = os.path.join(folder, os.path.basename(str(bound.arguments["filepath"])))
                 return _method(*bound.args, **bound.kwargs)
 
-        object.__setattr__(model, name, functools.wraps(method)(throwaway))
+        hook(model, name, functools.wraps(method)(throwaway))

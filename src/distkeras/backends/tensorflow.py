@@ -1,20 +1,33 @@
 """TensorFlow adapter: ``tf.distribute.MirroredStrategy`` over the resolved devices.
 
-The user built the model outside any strategy scope. The adapter recreates it inside the scope
-(same class, weights, compile config and optimizer state) so every variable is a mirrored one, and
-nobody restructures code around ``strategy.scope()``. Works for Keras 3 on TensorFlow and for
-tf.keras 2.x (the ``tf_keras`` package, ``TF_USE_LEGACY_KERAS=1``).
+The user built the model outside any strategy scope. The adapter distributes that very model, in place:
+the storage of each of its variables (weights, metrics, optimizer slots) is re-created under the
+strategy's scope, which makes it a mirrored variable holding the same value on every device, and the
+model and its optimizer are told the strategy, as if they had been created inside ``strategy.scope()``.
+Nothing is rebuilt from a config, so subclassed models without ``get_config`` work, and the weights are
+never held twice. tf.keras 2.x models (the ``tf_keras`` package, ``TF_USE_LEGACY_KERAS=1``) are the
+exception: their layers hold their ``tf.Variable`` objects directly, so they are rebuilt in the scope.
 
-One correction over plain Keras 3 + MirroredStrategy, so that every step is exactly the single-device
-step at the same global batch: Keras scales each replica's mean loss by 1/replicas, which weighs the
-replicas equally even when a batch splits unevenly (the last batch of an epoch, or any global batch that
-the replica count doesn't divide) or leaves a replica empty. The adapter weighs each replica's gradient
-by its share of the global batch instead. Reported loss values are untouched. On one host this costs no
-communication: the global batch is the sum of the replicas' batch sizes, which ``strategy.run`` holds
-before the replicas start, and the adapter's strategy hands it to them. Across workers each worker holds
-only its own replicas' batches, so there the replicas all-reduce their batch sizes (a scalar per step).
+What the adapter changes so that every step is exactly the single-device step at the same global batch
+(each an instance attribute, installed by :func:`keras3.hook`; nothing of it is saved):
+
+- **Replicas weighed by their share of the batch.** Keras scales each replica's mean loss by 1/replicas,
+  which weighs the replicas equally even when a batch splits unevenly (the last batch of an epoch, or a
+  global batch the replica count doesn't divide) or leaves a replica empty. The adapter weighs each
+  replica's gradient by its share of the global batch instead; reported loss values are untouched. On
+  one host this costs no communication: ``strategy.run`` holds every replica's batch before they start,
+  and the adapter's strategy hands the global batch size to them. Across workers each worker holds only
+  its own replicas' batches, so there the replicas all-reduce their batch sizes (a scalar per step).
+- **The optimizer sees the global gradient.** Keras 3 clips (``clipnorm``, ``global_clipnorm``,
+  ``clipvalue``), accumulates and checks loss-scaled gradients for overflow in ``optimizer.apply``
+  *before* its TensorFlow optimizer all-reduces them, i.e. on each replica's partial gradient. The
+  adapter all-reduces first, in ``apply``, and turns the optimizer's own later all-reduce off.
+- **Synchronized BatchNormalization** (``sync_batchnorm=True``, the default): in training, every
+  replica normalises with the mean and variance of the whole global batch (all-reduced sums, with
+  gradients through them), so N devices train what one device trains. The layer's config is unchanged.
 """
 
+import functools
 import itertools
 from typing import List
 
@@ -35,6 +48,7 @@ class TensorFlowAdapter(Adapter):
     options = {
         "cross_device_ops": "how MirroredStrategy all-reduces: " + ", ".join(_CROSS_DEVICE_OPS),
         "exact_loss_scaling": "weigh replicas by their share of the global batch (default True)",
+        "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
     }
 
     def __init__(self):
@@ -74,28 +88,40 @@ class TensorFlowAdapter(Adapter):
             return  # MultiWorkerMirroredStrategy replicates over a worker's GPUs, or its one CPU
         when_imported("tensorflow", lambda: _split_cpu(count))
 
-    def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True):
+    def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True, sync_batchnorm=True):
         import tensorflow as tf
 
+        for name, value in (("exact_loss_scaling", exact_loss_scaling), ("sync_batchnorm", sync_batchnorm)):
+            if not isinstance(value, bool):
+                raise OptionError("Expected True or False for {}. Received: {}={!r}".format(name, name, value))
         if cluster.is_multi_worker:
             strategy = self._multi_worker_strategy(tf, cluster, devices)
         else:
             strategy = _mirrored_strategy(
                 tf, ["/{}:{}".format(d.kind, d.index) for d in devices], _cross_device_ops(tf, cross_device_ops)
             )
-        with strategy.scope():
-            new = keras3.clone(model)
-            keras3.compile_like(new, model)
-        if exact_loss_scaling and _uses_default_compute_loss(new):
+        if keras3.keras_package(model) == "tf_keras":
+            # tf.keras 2.x layers keep their tf.Variable objects as plain attributes (``self.kernel``), with no
+            # storage to re-create behind them: the model is rebuilt inside the scope. Its optimizer already
+            # clips after the all-reduce (``apply_gradients`` aggregates first).
+            with strategy.scope():
+                new = keras3.clone(model)
+                keras3.compile_like(new, model)
+            model = new
+        else:
+            _mirror_in_place(model, tf, strategy)
+            _global_gradient_first(model, tf, strategy)
+            _batchnorm_moments(model, tf, sync_batchnorm)
+        if exact_loss_scaling and _uses_default_compute_loss(model):
             # One host: every replica's batch is at hand when a step starts, so the global batch is too.
             global_batch = None if cluster.is_multi_worker else _global_batch_of_each_run(tf, strategy)
-            _weigh_replicas_by_batch_share(new, tf, strategy.num_replicas_in_sync, global_batch)
-        _build_from_one_replica(new, tf, strategy)
+            _weigh_replicas_by_batch_share(model, tf, strategy.num_replicas_in_sync, global_batch)
+        _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
-            _reducible_step_logs(new, tf)
-            keras3.chief_speaks_and_writes(new, cluster.rank)
-            _py_datasets_as_global_batches(new, tf)
-        return new
+            _reducible_step_logs(model, tf)
+            keras3.chief_speaks_and_writes(model, cluster.rank)
+            _py_datasets_as_global_batches(model, tf)
+        return model
 
     def _multi_worker_strategy(self, tf, cluster, devices):
         if cluster.source != "TF_CONFIG":
@@ -183,6 +209,195 @@ def _cross_device_ops(tf, name):
     return tf.distribute.ReductionToOneDevice()
 
 
+def _mirror_in_place(model, tf, strategy):
+    """Make ``model`` (Keras 3) what it would be had it been created inside ``strategy.scope()``.
+
+    Each variable's storage is re-created in the scope from its current value: a mirrored variable (a
+    sync-on-read one for metrics), one variable at a time, so the weights are never held twice. This
+    reaches into Keras' TensorFlow ``Variable``: its storage is the private ``_value`` (a ``tf.Variable``)
+    and ``_initialize(value)`` makes a new one, exactly as when the variable was first created; no
+    public API re-creates a variable under another strategy. The model's and the optimizers' private
+    ``_distribute_strategy`` / ``_distribution_strategy`` are the strategy Keras read from the scope at
+    their construction; the optimizer's variable index is keyed by the storage's id, so it is rebuilt.
+    tests/backends/test_tensorflow.py pins all of these.
+    """
+    for target in list(model._flatten_layers()) + keras3.optimizers_of(model):
+        keras3.unhook(target)  # an earlier distribute()'s hooks
+    with tf.init_scope():
+        for variable in keras3.state_variables(model):
+            storage = getattr(variable, "_value", None)
+            if storage is None:  # not created yet: it will be, under the strategy (see below)
+                continue
+            value = storage.read_value()
+            with strategy.scope():
+                variable._initialize(value)
+    object.__setattr__(model, "_distribute_strategy", strategy)
+    for optimizer in keras3.optimizers_of(model):
+        _adopt_optimizer(optimizer, strategy)
+    # Steps traced before (a model trained before distribute()) hold the old variables.
+    model.train_function = model.test_function = model.predict_function = None
+
+    compile_ = model.compile
+
+    @functools.wraps(compile_)
+    def compile(*args, **kwargs):
+        # A new optimizer and new metrics: created, and their variables built, under the strategy.
+        with strategy.scope():
+            compile_(*args, **kwargs)
+        for optimizer in keras3.optimizers_of(model):
+            keras3.unhook(optimizer)
+            _adopt_optimizer(optimizer, strategy)
+        _global_gradient_first(model, tf, strategy)
+
+    keras3.hook(model, "compile", compile)
+
+
+def _adopt_optimizer(optimizer, strategy):
+    object.__setattr__(optimizer, "_distribution_strategy", strategy)
+    if getattr(optimizer, "built", False) and hasattr(optimizer, "_trainable_variables_indices"):
+        optimizer._trainable_variables_indices = {
+            optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)
+        }
+
+
+def _global_gradient_first(model, tf, strategy):
+    """All-reduce the gradients when they reach ``optimizer.apply``, before clipping, accumulation or the
+    loss-scale overflow check, and skip the all-reduce Keras' TensorFlow optimizer would do after them.
+
+    ``_all_reduce_sum_gradients`` is the private method of Keras' TFOptimizer that sums the replicas'
+    gradients inside ``_backend_update_step``; with the gradients already summed it must pass them
+    through (on the wrapped optimizer of a LossScaleOptimizer too). Pinned by a test.
+    """
+    optimizers = keras3.optimizers_of(model)
+    if not optimizers:
+        return
+    for optimizer in optimizers:
+        if hasattr(optimizer, "_all_reduce_sum_gradients"):
+            keras3.hook(optimizer, "_all_reduce_sum_gradients", list)
+    outer = optimizers[0]
+    apply = type(outer).apply.__get__(outer)
+
+    def apply_global(grads, trainable_variables=None):
+        context = tf.distribute.get_replica_context()
+        grads = list(grads)
+        if context is not None and context.num_replicas_in_sync > 1:
+            present = [i for i, g in enumerate(grads) if g is not None]
+            if present:
+                summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
+                for i, g in zip(present, summed):
+                    grads[i] = g
+        return apply(grads, trainable_variables)
+
+    keras3.hook(outer, "apply", apply_global)
+    for optimizer in optimizers:
+        if hasattr(optimizer, "_backend_apply_gradients") and hasattr(optimizer, "gradient_accumulation_steps"):
+            keras3.hook(optimizer, "_backend_apply_gradients", _decided_across_replicas(optimizer, tf))
+
+
+def _decided_across_replicas(optimizer, tf):
+    """Keras' gradient accumulation and EMA overwriting, with their ``cond`` taken across replicas.
+
+    Keras 3 decides "update now, or only accumulate?" (``gradient_accumulation_steps``) and "overwrite the
+    weights with their moving averages now?" (``ema_overwrite_frequency``) with a ``cond`` in the replica
+    context whose branch updates mirrored variables, i.e. calls ``merge_call``, which TensorFlow refuses
+    inside a ``cond``: plain Keras 3 + MirroredStrategy fails with either option. The gradients here are
+    already the global ones (see :func:`_global_gradient_first`), so the decision is the same on every
+    replica and is taken once in the cross-replica context, where each branch runs the replicas' part with
+    ``call_for_each_replica`` (the pattern Keras' own LossScaleOptimizer uses). The replicas' part is Keras'
+    own ``_backend_apply_gradients`` with both options off while it runs; accumulating, resetting the
+    accumulators and overwriting are Keras' own private methods and variables
+    (``_backend_increment_gradient_accumulators``, ``_accumulated_gradients``,
+    ``_overwrite_model_variables_with_average_value``). Pinned by tests.
+    """
+    original = type(optimizer)._backend_apply_gradients.__get__(optimizer)
+
+    def backend_apply_gradients(grads, trainable_variables):
+        context = tf.distribute.get_replica_context()
+        steps = optimizer.gradient_accumulation_steps
+        overwrite = optimizer.use_ema and optimizer.ema_overwrite_frequency
+        if context is None or context.num_replicas_in_sync == 1 or not (steps or overwrite):
+            return original(grads, trainable_variables)
+        return context.merge_call(across_replicas, args=(list(grads), list(trainable_variables)))
+
+    def across_replicas(distribution, grads, trainable_variables):
+        steps = optimizer.gradient_accumulation_steps
+        frequency = optimizer.ema_overwrite_frequency if optimizer.use_ema else None
+        call = distribution.extended.call_for_each_replica
+        accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in trainable_variables] if steps else []
+
+        def update(grads, variables):
+            if steps:
+                grads = [(g + a) / steps for g, a in zip(grads, accumulators)]
+            original(grads, variables)
+
+        def update_and_reset():
+            call(update, args=(grads, trainable_variables))
+            for accumulator in accumulators:
+                distribution.extended.update(accumulator.value, lambda a: a.assign(tf.zeros_like(a)), group=False)
+
+        def accumulate(grads):
+            optimizer._backend_increment_gradient_accumulators(grads, accumulators)
+
+        optimizer.gradient_accumulation_steps = None
+        optimizer.ema_overwrite_frequency = None
+        try:
+            if steps:
+                is_update_step = tf.equal((optimizer.iterations + 1) % steps, 0)
+                tf.cond(is_update_step, update_and_reset, lambda: call(accumulate, args=(grads,)))
+            else:
+                call(update, args=(grads, trainable_variables))
+        finally:
+            optimizer.gradient_accumulation_steps = steps
+            optimizer.ema_overwrite_frequency = frequency if optimizer.use_ema else optimizer.ema_overwrite_frequency
+        if frequency:
+            tf.cond(
+                tf.equal((optimizer.iterations + 1) % frequency, 0),
+                lambda: optimizer._overwrite_model_variables_with_average_value(optimizer._trainable_variables),
+                lambda: None,
+            )
+
+    return backend_apply_gradients
+
+
+def _batchnorm_moments(model, tf, synchronized):
+    """Every BatchNormalization layer of ``model`` (nested ones too) normalises, in training, with the
+    statistics of the global batch (``synchronized``), or of its replica's batch, where a replica left
+    without samples by a short batch gets zeros instead of NaN (which would reach the moving statistics).
+
+    Keras' own ``synchronized=True`` does the same reduction, but it is a config argument: saved with
+    the model, it makes the file refuse to load on the other backends. The layer's private ``_moments``
+    (what ``call`` uses for the batch statistics) is replaced on the instance instead. Mean and variance
+    are computed as ``tf.nn.moments`` computes them on one device (the mean first, then the mean squared
+    difference), from all-reduced sums; gradients flow through ``ReplicaContext.all_reduce``. A masked
+    input, or a call outside a replica context, keeps Keras' own computation. Pinned by a test.
+    """
+    keras = keras3.keras_module(model)
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.BatchNormalization) and hasattr(layer, "_moments"):
+            keras3.hook(layer, "_moments", _moments(layer, type(layer)._moments.__get__(layer), tf, synchronized))
+
+
+def _moments(layer, keras_moments, tf, synchronized):
+    def moments(inputs, mask):
+        context = tf.distribute.get_replica_context()
+        if mask is not None or context is None or context.num_replicas_in_sync == 1:
+            return keras_moments(inputs, mask)
+
+        def summed(value):
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, value) if synchronized else value
+
+        axes = list(layer._reduction_axes)
+        x = tf.convert_to_tensor(inputs)
+        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
+        total, count = summed([tf.reduce_sum(x, axes, keepdims=True), count])
+        mean = tf.math.divide_no_nan(total, count)
+        squares = tf.reduce_sum(tf.math.squared_difference(x, tf.stop_gradient(mean)), axes, keepdims=True)
+        variance = tf.math.divide_no_nan(summed(squares), count)
+        return tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+
+    return moments
+
+
 def _build_from_one_replica(model, tf, strategy):
     """Let fit() start with a global batch the replica count doesn't divide (32 on 3 devices).
 
@@ -207,7 +422,7 @@ def _build_from_one_replica(model, tf, strategy):
         with strategy.scope():
             model._symbolic_build(data_batch=data_batch)
 
-    object.__setattr__(model, "_maybe_symbolic_build", maybe_symbolic_build)
+    keras3.hook(model, "_maybe_symbolic_build", maybe_symbolic_build)
 
 
 def _reducible_step_logs(model, tf):
@@ -226,7 +441,7 @@ def _reducible_step_logs(model, tf):
 
     for name in ("train_step", "test_step"):
         step = getattr(model, name)
-        object.__setattr__(model, name, lambda data, _step=step: tf.nest.map_structure(vector, _step(data)))
+        keras3.hook(model, name, lambda data, _step=step: tf.nest.map_structure(vector, _step(data)))
 
 
 def _py_datasets_as_global_batches(model, tf):
@@ -251,7 +466,7 @@ def _py_datasets_as_global_batches(model, tf):
                     kwargs["x"] = dataset
             return _method(*args, **kwargs)
 
-        object.__setattr__(model, name, call)
+        keras3.hook(model, name, call)
 
 
 def _batched_dataset(tf, py_dataset):
@@ -355,4 +570,4 @@ def _weigh_replicas_by_batch_share(model, tf, replicas, global_batch=None):
         # Same value as Keras reports; gradient weighted by this replica's share of the global batch.
         return tf.stop_gradient(compiled * (1.0 - share)) + compiled * share + extra
 
-    object.__setattr__(model, "compute_loss", compute_loss)
+    keras3.hook(model, "compute_loss", compute_loss)
