@@ -293,3 +293,19 @@ def test_use_cpu_devices_before_jax_starts(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"imported": False, "flags": "--xla_cpu_enable_fast_math=false {}=2".format(FLAG), "devices": 2}
+
+
+def test_optimizer_slots_made_before_distribute_take_their_variables_layout():
+    """Pins the Keras privates _assign_layouts relies on: a variable's ``_layout``, and the slot naming
+    ``<optimizer>/<variable path with "_">_<slot>``."""
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(np.ones((8, 6), "float32"), np.ones((8, 3), "float32"), batch_size=4, verbose=0)  # slots on one device
+    assert hasattr(model.weights[0], "_layout")
+    kernel_name = model.weights[0].path.replace("/", "_")
+    assert any(v.path.partition("/")[2].startswith(kernel_name + "_") for v in model.optimizer.variables)
+    dist = distkeras.distribute(model, devices=2, strategy="model")
+    mesh = jax_devices(["cpu:0", "cpu:1"])
+    slots = [v for v in dist.optimizer.variables if tuple(v.shape) == (6, 8)]
+    assert len(slots) == 2 and all(shards(v) == {d: (6, 4) for d in mesh} for v in slots)
+    dist.fit(np.ones((8, 6), "float32"), np.ones((8, 3), "float32"), batch_size=4, verbose=0)

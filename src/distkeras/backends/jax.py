@@ -141,6 +141,7 @@ class JaxAdapter(Adapter):
         _replicate_uneven_batches()
         keras3.unhook(model)  # an earlier distribute()'s hooks
         with distribution.scope():
+            _assign_layouts(model, distribution)
             _lay_out(model, distribution)
         # Steps traced before (a model trained before distribute()) were compiled for the old placement.
         model.train_function = model.test_function = model.predict_function = None
@@ -304,6 +305,30 @@ def _lay_out(model, distribution):
         layout = distribution.get_variable_layout(v)
         if not value.sharding.is_equivalent_to(layout.backend_layout, len(value.shape)):
             v.assign(keras.distribution.distribute_tensor(value, layout))
+
+
+def _assign_layouts(model, distribution):
+    """Give every variable of ``model`` the layout ``distribution`` has for it, as Keras does for a variable
+    it creates under a distribution: in the variable's private ``_layout``, which Keras reads back when it
+    assigns the variable (``set_weights`` keeps the layout) and when an optimizer creates a slot from it
+    (``add_variable_from_reference``: Adam's moments of a sharded kernel are sharded alike). An optimizer
+    slot made before distribute() takes the layout of the model variable it was made from: Keras names it
+    ``<optimizer>/<that variable's path, "/" as "_">_<slot>``. Pinned by a test."""
+    from keras.distribution import TensorLayout
+
+    by_name = {v.path.replace("/", "_"): v for v in model.trainable_variables}
+    optimizer_variables = {id(v) for o in keras3.optimizers_of(model) for v in o.variables}
+    for v in keras3.state_variables(model):
+        v._layout = None  # an earlier distribution's layout
+        reference = None
+        if id(v) in optimizer_variables:
+            name = v.path.partition("/")[2]
+            matches = [key for key in by_name if name.startswith(key + "_")]
+            candidate = by_name[max(matches, key=len)] if matches else None
+            if candidate is not None and tuple(candidate.shape) == tuple(v.shape):
+                reference = candidate
+        layout = distribution.get_variable_layout(reference if reference is not None else v)
+        v._layout = TensorLayout(layout.axes, layout.device_mesh) if reference is not None else layout
 
 
 def _replicate_uneven_batches():

@@ -547,6 +547,8 @@ def _weigh_replicas_by_batch_share(model, tf, replicas, global_batch=None):
     without communication (see :func:`_global_batch_of_each_run`); elsewhere the replicas all-reduce
     their batch sizes."""
     original = model.compute_loss
+    keras = keras3.keras_module(model)
+    custom_step = getattr(type(model), "train_step", None) is not getattr(keras.Model, "train_step", None)
 
     def compute_loss(*args, **kwargs):
         # Keras 3: (x, y, y_pred, sample_weight, training); tf.keras 2.x: (x, y, y_pred, sample_weight).
@@ -567,7 +569,12 @@ def _weigh_replicas_by_batch_share(model, tf, replicas, global_batch=None):
         else:
             global_ = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
         share = tf.math.divide_no_nan(local * replicas, global_)
+        weighted = compiled * share + extra  # its gradient: this replica's share of the global batch's
+        if custom_step:
+            # A train_step of the user's (the Keras guide's GradientTape step) reports the value it gets:
+            # the replica's own mean loss, not Keras' 1/replicas of it, which only Keras' step undoes.
+            return tf.stop_gradient(total * replicas - weighted) + weighted
         # Same value as Keras reports; gradient weighted by this replica's share of the global batch.
-        return tf.stop_gradient(compiled * (1.0 - share)) + compiled * share + extra
+        return tf.stop_gradient(total - weighted) + weighted
 
     keras3.hook(model, "compute_loss", compute_loss)
