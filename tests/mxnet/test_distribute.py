@@ -176,18 +176,19 @@ def test_distributed_model_keeps_weights_and_compile_config():
         loss="mean_absolute_error",
         metrics=["mse", "mape"],
     )
-    dist = distkeras.distribute(model, devices=2)
-    assert type(dist) is type(model) and dist is not model
-    assert_weights_close(model.get_weights(), dist.get_weights())
-    assert type(dist.optimizer) is type(model.optimizer) and dist.optimizer is not model.optimizer
-    assert dist.optimizer.get_config() == model.optimizer.get_config()
-    assert dist.optimizer.clip_gradient == 0.7  # keras-mxnet's get_config() leaves clipnorm out
-    assert (dist.loss, dist.metrics, dist.metrics_names) == (model.loss, model.metrics, model.metrics_names)
+    before = model.get_weights()
+    optimizer, optimizer_config = model.optimizer, model.optimizer.get_config()
+    compiled = (model.loss, model.metrics, model.metrics_names)
     x, y = data(25)
-    np.testing.assert_allclose(
-        dist.evaluate(x, y, batch_size=12, verbose=0), model.evaluate(x, y, batch_size=12, verbose=0), rtol=1e-5
-    )
-    assert [str(c) for c in model._context] == ["cpu(0)"]  # the user's model is left as it was
+    expected = model.evaluate(x, y, batch_size=12, verbose=0)
+    dist = distkeras.distribute(model, devices=2)
+    assert dist is model  # distributed in place
+    assert [str(c) for c in model._context] == ["cpu(0)", "cpu(1)"]
+    assert_weights_close(before, dist.get_weights())
+    assert type(dist.optimizer) is type(optimizer) and dist.optimizer.get_config() == optimizer_config
+    assert dist.optimizer.clip_gradient == 0.7  # keras-mxnet's get_config() leaves clipnorm out
+    assert (dist.loss, dist.metrics, dist.metrics_names) == compiled
+    np.testing.assert_allclose(dist.evaluate(x, y, batch_size=12, verbose=0), expected, rtol=1e-5)
 
 
 def test_uncompiled_model_predicts_then_compiles_after_distribute():

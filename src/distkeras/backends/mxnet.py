@@ -15,8 +15,10 @@ splits every batch along the first axis and adds the contexts' gradients in a KV
   contexts). The adapter pads such a batch with copies of its first row until the real rows fill
   whole contexts; the padding contexts get weight 0 and their predictions are cut off.
 
-The distributed model is a clone of the user's (same class, weights and compile configuration), so
-``save()`` writes the plain model, and the user's model is left as it was. MXNet runs one module per
+The user's model itself is distributed, in place: its contexts are set and it is compiled again with
+its own loss, metrics and an optimizer of the same configuration (keras-mxnet binds its MXNet module,
+and with it the contexts, when it compiles; it drops the optimizer's state on every compile anyway).
+Nothing is rebuilt from a config, and ``save()`` writes the plain model. MXNet runs one module per
 process; multi-worker training (KVStore ``dist_*``) is not supported in this version.
 
 The per-step code talks to keras-mxnet's Model internals (``_adjust_module``, ``_module``,
@@ -28,7 +30,7 @@ Keras calls before every fit/evaluate/predict; they are instance attributes and 
 import functools
 
 from ..devices import Device
-from ..errors import DistKerasError, ModelError, OptionError
+from ..errors import DistKerasError, OptionError
 from .base import Adapter
 
 _KVSTORES = ("device", "local")
@@ -58,7 +60,7 @@ class MXNetAdapter(Adapter):
         self._cpu_devices = count
 
     def distribute(self, model, devices, cluster, kvstore="device"):
-        """A clone of ``model`` (weights, compile configuration) training data-parallel over ``devices``.
+        """``model`` itself, made to train data-parallel over ``devices`` (see the module docstring).
 
         Args:
             model: a built keras-mxnet model, compiled or not.
@@ -67,12 +69,11 @@ class MXNetAdapter(Adapter):
             kvstore: where MXNet adds the contexts' gradients, ``"device"`` or ``"local"``.
 
         Returns:
-            The distributed model, of the user's class; the user's model is left as it was.
+            ``model``.
 
         Raises:
             DistKerasError: a multi-worker job, or a ``dist_*`` KVStore.
             OptionError: an unknown ``kvstore``.
-            ModelError: a model keras can't clone (a subclassed Model).
         """
         import mxnet as mx
 
@@ -84,36 +85,17 @@ class MXNetAdapter(Adapter):
             )
         if kvstore not in _KVSTORES:
             raise OptionError("Expected kvstore in {}. Received: kvstore={!r}".format(_KVSTORES, kvstore))
-        new = _clone(model)
         # keras-mxnet reads the contexts from Model._context when it builds its modules (in compile(),
         # and in predict() before any compile). Its public set_mxnet_context() is no use: it maps
         # 'cpu(1)' to cpu(0) and refuses a single context.
-        new._context = [mx.gpu(d.index) if d.kind == "gpu" else mx.cpu(d.index) for d in devices]
-        new._kvstore = kvstore
-        _compile_like(new, model)
+        model._context = [mx.gpu(d.index) if d.kind == "gpu" else mx.cpu(d.index) for d in devices]
+        model._kvstore = kvstore
+        _compile_again(model)
         # Keras calls these before every fit/evaluate/predict; they install the steps below.
-        new._make_train_function = functools.partial(_install, new, "train_function", _train_step)
-        new._make_test_function = functools.partial(_install, new, "test_function", _test_step)
-        new._make_predict_function = functools.partial(_install, new, "predict_function", _predict_step)
-        return new
-
-
-def _clone(model):
-    import keras
-
-    try:
-        new = keras.models.clone_model(model)
-    except (NotImplementedError, TypeError, ValueError) as exc:
-        raise ModelError(
-            "distkeras must recreate the model on the devices, and Keras can't clone a {} ({}: {}). Build it "
-            "with the Functional API or keras.models.Sequential.".format(type(model).__name__, type(exc).__name__, exc)
-        )
-    if not getattr(new, "built", True) and getattr(model, "built", False):
-        # Keras 2.2's clone of a Sequential that starts with an explicit InputLayer drops that layer, and the
-        # clone has no input shape until it is built.
-        new.build(model.input_shape)
-    new.set_weights(model.get_weights())
-    return new
+        model._make_train_function = functools.partial(_install, model, "train_function", _train_step)
+        model._make_test_function = functools.partial(_install, model, "test_function", _test_step)
+        model._make_predict_function = functools.partial(_install, model, "predict_function", _predict_step)
+        return model
 
 
 def _fresh_optimizer(optimizer):
@@ -124,15 +106,15 @@ def _fresh_optimizer(optimizer):
     return fresh
 
 
-def _compile_like(new, model):
-    """Compile ``new`` as ``model`` was, with a fresh optimizer of the same configuration.
+def _compile_again(model):
+    """Compile ``model`` again as it was compiled, so keras-mxnet binds it to the contexts now set.
 
-    The optimizer's state (momenta, moments, step count) is not carried over: keras-mxnet keeps it in
-    the MXNet module of the model, drops it on every compile() and does not save it either.
+    With a fresh optimizer of the same configuration: the optimizer's state (momenta, moments, step
+    count) lives in the model's MXNet module, which keras-mxnet drops on every compile() (and never saves).
     """
     if getattr(model, "optimizer", None) is None:
         return
-    new.compile(
+    model.compile(
         optimizer=_fresh_optimizer(model.optimizer),
         loss=model.loss,
         metrics=model.metrics,
