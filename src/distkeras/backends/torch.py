@@ -11,10 +11,14 @@ Keras ships no distribution for its torch backend, so the adapter builds one aro
   (:mod:`distkeras.backends.torch_launch`).
 - **Process group.** gloo on CPU, NCCL on GPU, rendezvous at MASTER_ADDR:MASTER_PORT. When that address
   is a loopback one the job is on one host, and rank 0 listens on that address only.
-- **The model.** Recreated on this process' device (same class, weights, compile config, optimizer
-  state), rank 0's weights and optimizer state broadcast to every rank, then the training hooks of
-  :mod:`distkeras.backends.torch_trainer` installed: how batches are split, gradients averaged,
-  metrics aggregated, and what ranks other than 0 print and write.
+- **The model.** The user's own object, distributed in place: ``distribute(model) is model``, nothing is
+  cloned or recompiled, and a model trained before keeps its optimizer state. Its variables (and its
+  optimizer's and metrics') are moved to this process' device where they aren't there already (in a
+  launched process :meth:`TorchAdapter.prepare` makes the local GPU current before the model is built,
+  so usually nothing moves), rank 0's weights, metric state and optimizer state are broadcast to every
+  rank, then the training hooks of :mod:`distkeras.backends.torch_trainer` are installed on the
+  instance: how batches are split, gradients averaged, BatchNormalization statistics made global
+  (``sync_batchnorm``), metrics aggregated, and what ranks other than 0 print and write.
 
 ``describe()`` reports the processes as the replicas and the hosts as the workers.
 """
@@ -29,7 +33,7 @@ from typing import List
 
 from ..devices import Device
 from ..errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
-from . import keras3
+from . import when_imported
 from .base import Adapter
 
 #: torch.distributed's own default: how long a collective (or the rendezvous) may wait.
@@ -49,7 +53,14 @@ class TorchAdapter(Adapter):
     options = {
         "timeout": "seconds a collective or the rendezvous may wait for the other processes (default 1800)",
         "backend": "torch.distributed backend: " + ", ".join(_BACKENDS) + " (default: nccl on GPUs, gloo on CPU)",
+        "sync_batchnorm": "BatchNormalization normalizes with the statistics of the global batch (default True); "
+        "False: of each replica's share",
     }
+
+    def prepare(self, cluster):
+        """In a launched process: make its local GPU the current one as soon as torch is imported, so
+        Keras builds the model there (Keras' torch backend puts variables on the current CUDA device)."""
+        when_imported("torch", lambda: use_local_gpu(cluster.local_rank))
 
     def list_devices(self):
         # type: () -> List[Device]
@@ -88,13 +99,15 @@ class TorchAdapter(Adapter):
     def workers(self, cluster):
         return max(1, cluster.world_size // max(1, cluster.local_world_size))
 
-    def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None):
+    def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None, sync_batchnorm=True):
         import torch
 
         from . import torch_collectives, torch_launch, torch_trainer
 
         # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
+        if not isinstance(sync_batchnorm, bool):
+            raise OptionError("Expected True or False for sync_batchnorm. Received: sync_batchnorm={!r}".format(sync_batchnorm))
         if len({d.kind for d in devices}) > 1:
             raise DeviceSpecError(
                 "Expected devices of one kind: with PyTorch every replica is a process, and the processes of a job "
@@ -115,10 +128,8 @@ class TorchAdapter(Adapter):
             torch.cuda.set_device(device.index)
         else:
             share_cpu_threads(torch, len(devices))
-        keras = keras3.keras_module(model)
-        with keras.device("cuda:{}".format(device.index) if device.kind == "gpu" else "cpu"):
-            new = keras3.clone(model)
-            keras3.compile_like(new, model)
+        torch_trainer.uninstall(model)  # an earlier distribute()'s hooks: replaced, never stacked
+        place(model, torch.device("cuda", device.index) if device.kind == "gpu" else torch.device("cpu"))
 
         listener = watcher = None
         if cluster.is_multi_worker:
@@ -126,12 +137,42 @@ class TorchAdapter(Adapter):
         else:  # a plain process: it becomes rank 0 of a job it starts
             cluster, listener, watcher = torch_launch.start_workers(len(devices), timeout)
         _join(cluster, device, backend, timeout, listener)
-        torch_collectives.broadcast_from_rank0(new)
+        torch_collectives.broadcast_from_rank0(model)
         replica = torch_trainer.Replica(
             cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None
         )
-        torch_trainer.install(new, replica)
-        return new
+        torch_trainer.install(model, replica, sync_batchnorm)
+        return model
+
+
+def use_local_gpu(local_rank):
+    """Make GPU ``local_rank`` the current CUDA device, when CUDA has one of that index; else nothing."""
+    import torch
+
+    try:
+        if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+            torch.cuda.set_device(local_rank)
+    except Exception:  # runs inside the user's import of torch; distribute() sets the device again
+        pass
+
+
+def place(model, device):
+    """Move every variable of ``model`` (its metrics' and optimizer's too) that is not on ``device`` there.
+
+    Keras' torch Variable keeps its storage in the private attribute ``_value``, a ``torch.nn.Parameter``,
+    and has no public way to move it (``assign()`` copies into the storage where it is). The Parameter's
+    data is replaced in place, as ``torch.nn.Module.to()`` does, so the same Parameter object stays in the
+    layers' ``torch_params`` and in the optimizer, on the new device. tests/backends/test_torch.py pins it.
+    """
+    import torch
+
+    from .torch_collectives import state_variables
+
+    for variable in state_variables(model):
+        value = getattr(variable, "_value", None)
+        if isinstance(value, torch.Tensor) and value.device != device:
+            value.grad = None
+            value.data = value.data.to(device)
 
 
 def share_cpu_threads(torch, processes):

@@ -15,12 +15,26 @@ import torch
 import torch.distributed as dist
 
 
-def broadcast_from_rank0(model):
-    """Give every rank rank 0's weights (all of them) and optimizer state."""
-    variables = list(model.variables)
+def state_variables(model):
+    """Every variable a model's training touches, once each, in an order every rank derives alike: its
+    weights (seed-generator states included), its metrics' (the compiled loss tracker included) and its
+    optimizer's once built (a LossScaleOptimizer's include those of the optimizer it wraps)."""
+    groups = [model.variables, getattr(model, "metrics_variables", [])]
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and getattr(optimizer, "built", False):
-        variables += list(optimizer.variables)
+        groups.append(optimizer.variables)
+    variables, seen = [], set()
+    for group in groups:
+        for variable in group:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    return variables
+
+
+def broadcast_from_rank0(model):
+    """Give every rank rank 0's weights (all of them), metric state and optimizer state."""
+    variables = state_variables(model)
     groups = collections.OrderedDict()
     for variable in variables:
         groups.setdefault((variable.value.dtype, variable.value.device), []).append(variable)
@@ -92,19 +106,83 @@ def all_reduce_states(variables, rank, world):
 
 
 def plain(value):
+    """A log value as Python/NumPy data: a float for a scalar; a dict (a CompileMetrics result) item by item."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
     array = np.array(keras.ops.convert_to_numpy(value))
     return float(array) if array.ndim == 0 and array.dtype.kind in "fiub" else array
 
 
-def average_logs(logs, world):
-    """A custom step's own logs (not the model's metrics): average the scalar ones over the ranks."""
+def average_logs(logs, weight=1.0):
+    """A custom step's own logs (not the model's metrics): the scalar ones averaged over the ranks, each
+    rank counted with ``weight`` (0 for a rank whose last step had no samples of its own)."""
     values = {k: plain(v) for k, v in logs.items()}
     names = sorted(k for k, v in values.items() if isinstance(v, float))
     if names:
-        flat = torch.tensor([values[k] for k in names], dtype=torch.float64, device=_device())
+        flat = torch.tensor([values[k] * weight for k in names] + [weight], dtype=torch.float64, device=_device())
         dist.all_reduce(flat)
-        values.update(zip(names, (flat / world).tolist()))
+        total = flat.tolist()
+        values.update(zip(names, (value / (total[-1] or 1.0) for value in total[:-1])))
     return values
+
+
+class _Gathered(torch.autograd.Function):
+    """Every rank's ``row`` stacked, by rank, with the gradient weighting of :func:`average_gradients`.
+
+    Forward: one all-reduce of a ``(world, *row.shape)`` table holding this rank's row at ``rank``.
+    Backward: rank q's loss is the mean over its ``w_q`` samples, and the optimizer receives
+    ``sum_q w_q grad_q / sum_q w_q``; for a gradient that crosses ranks through the table to end up with
+    that weighting, rank r's row receives ``sum_q w_q dL_q/dtable[r] / w_r`` (one all-reduce; zero for a
+    rank with no samples, whose gradients carry no weight).
+    """
+
+    @staticmethod
+    def forward(ctx, row, rank, world, weight):
+        table = row.new_zeros((world,) + tuple(row.shape))
+        table[rank] = row
+        dist.all_reduce(table)
+        ctx.rank, ctx.weight = rank, weight
+        return table
+
+    @staticmethod
+    def backward(ctx, grad):
+        weighted = grad * ctx.weight if ctx.weight else torch.zeros_like(grad)
+        dist.all_reduce(weighted)
+        own = weighted[ctx.rank] / ctx.weight if ctx.weight else torch.zeros_like(grad[ctx.rank])
+        return own, None, None, None
+
+
+def global_moments(x, axis, mask, weight, rank, world):
+    """Mean and (biased) variance of ``x`` over every axis but ``axis``, over the samples of all ranks.
+
+    Differentiable: gradients reach every rank's inputs through the statistics as on one device (see
+    :class:`_Gathered`). Each rank contributes its element count, mean and sum of squared deviations per
+    channel, combined with Chan's parallel formula (stable, unlike sums of squares). A rank of ``weight``
+    0 has no samples in this step: it runs the layer on a stand-in sample to join the collectives, and
+    contributes nothing. ``mask``, as Keras' BatchNormalization takes it, weighs the elements.
+    """
+    channel = axis % x.dim()
+    axes = [d for d in range(x.dim()) if d != channel]
+    shape = [1] * x.dim()
+    shape[channel] = x.shape[channel]
+    if mask is None:
+        elements = x.numel() // max(1, x.shape[channel])
+        count = torch.full((x.shape[channel],), float(elements), dtype=x.dtype, device=x.device)
+        local_mean = x.sum(dim=axes) / max(1, elements)
+        squares = (x - local_mean.reshape(shape)).square().sum(dim=axes)
+    else:
+        weights = mask.unsqueeze(-1).expand(x.shape).to(x.dtype)
+        count = weights.sum(dim=axes)
+        local_mean = (weights * x).sum(dim=axes) / count.clamp_min(1.0)
+        squares = (weights * (x - local_mean.reshape(shape)).square()).sum(dim=axes)
+    row = torch.stack([count, local_mean, squares])
+    if not weight:  # where(), not a product: a stand-in sample's inf or nan must not reach the others
+        row = torch.where(torch.zeros_like(row, dtype=torch.bool), row, torch.zeros_like(row))
+    counts, means, squares = _Gathered.apply(row, rank, world, float(weight)).unbind(1)
+    total = counts.sum(dim=0).clamp_min(1e-7)
+    mean = (counts * means).sum(dim=0) / total
+    variance = (squares + counts * (means - mean).square()).sum(dim=0) / total
+    return mean, variance
 
 
 def _device():

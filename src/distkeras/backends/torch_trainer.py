@@ -3,26 +3,40 @@
 Keras' torch trainer runs ``fit()`` like this: for every batch its data adapter yields,
 ``train_step(batch)`` computes the loss, calls ``loss.backward()`` and hands the gradients to
 ``optimizer.apply()``; after the epoch, ``_get_metrics_result_or_logs()`` turns the metrics into the
-epoch logs. distkeras hooks in at exactly those places, as attributes of the model (and optimizer)
-instance, so the class, the config and what ``save()`` writes stay the user's:
+epoch logs. distkeras hooks in at exactly those places, as attributes of the model's (and its layers' and
+optimizer's) *instances*, so the classes, the configs and what ``save()`` writes stay the user's. Each
+object lists the hooks it got; :func:`install` removes an earlier call's hooks before it sets its own, so
+distributing a model twice replaces the hooks instead of stacking them.
 
 - ``train_step`` / ``test_step``: every rank iterates the same global batches (``fit()``'s batch_size is
   the global batch) and keeps ``batch[rank::world]``. When the world size divides the batch this is
   ``x[rank::world]`` at a per-rank batch of G/world; when it doesn't (10 on 3 ranks: 4, 3, 3; a last
   batch of 1) global step k still uses exactly the samples one process would, and every rank takes the
-  same number of steps. A rank whose share of a batch is empty skips the forward pass and joins the
-  gradient all-reduce with weight zero.
+  same number of steps. A rank whose share of a batch is empty runs the step on a stand-in (the batch's
+  first sample) with weight zero: it joins every collective of the step (the gradient all-reduce, the
+  BatchNormalization statistics forward and backward) and returns logs shaped like the other ranks',
+  but its gradients and statistics count for nothing, and its metric states and its model's local state
+  (per-replica statistics, seed generators) are put back as they were.
 - ``optimizer.apply``: Horovod's DistributedOptimizer idea, on the instance, so the optimizer keeps its
   exact class. One all-reduce sums ``n_r * grad_r`` and ``n_r`` over the ranks (``n_r``: the rank's
   samples in the step); the optimizer applies ``sum / sum(n_r)``, the gradient of the mean loss over the
-  whole global batch, regularisation included, however unequal the shares. Gradient clipping and loss
-  scaling then act on that average, as on one device. Exact for losses that average over the batch
-  (Keras' default reduction); with ``reduction="sum"`` each rank's sum is weighted by its share, which
-  gives about 1/world of the one-device gradient.
+  whole global batch, regularisation included, however unequal the shares. Everything the optimizer
+  does next (clipping, gradient accumulation, loss scaling, weight decay, EMA, learning-rate schedules)
+  acts on that average, as on one device. Exact for losses that average over the batch (Keras' default
+  reduction); with ``reduction="sum"`` each rank's sum is weighted by its share, which gives about
+  1/world of the one-device gradient.
+- ``BatchNormalization._moments`` (a Keras private, the one place the layer computes its batch
+  statistics; :func:`install` checks that it exists): with ``sync_batchnorm`` (the default) every
+  BatchNormalization instance in the model, nested models and layers included, takes the mean and
+  variance of the *global* batch (:func:`~distkeras.backends.torch_collectives.global_moments`: one
+  all-reduce in the forward pass, one in the backward pass, per layer call), so the normalisation, the
+  gradients through the statistics and the moving mean and variance are one device's.
 - ``_get_metrics_result_or_logs`` (a Keras private; :func:`install` checks that it exists): the metric
   states (totals, counts) are summed over the ranks, in sorted metric-name order, before the results
-  are read, so epoch logs, validation logs and ``evaluate()`` are the global values. Per-batch progress
-  shows rank 0's own running values.
+  are read, so epoch logs, validation logs and ``evaluate()`` are the global values. A custom step's own
+  logs: a value named after one of the model's metrics (``{m.name: m.result() for m in self.metrics}``,
+  as the Keras guide writes it) becomes that metric's global result, any other scalar is averaged over
+  the ranks. Per-batch progress shows rank 0's own running values.
 - ``fit`` / ``evaluate`` / ``predict``: ``verbose=0`` on ranks other than 0. ``fit()`` starts, and
   every epoch begins, with rank 0's random state (Python, NumPy, torch), so shuffling and augmentation
   produce the same global batches on every rank. ``predict()`` runs the whole input on every rank.
@@ -30,14 +44,17 @@ instance, so the class, the config and what ``save()`` writes stay the user's:
   nothing and return once rank 0's file is in place, so a script that saves and reloads runs unchanged
   on every rank. Calling ``save()`` on rank 0 alone works as well.
 
-Every rank must call ``fit``/``evaluate`` alike: they are collective. A custom ``train_step`` must apply
-its gradients through ``model.optimizer``, once per step.
+Every rank must call ``fit``/``evaluate`` alike: they are collective, and so is a BatchNormalization
+layer called in training mode. A custom ``train_step`` (the Keras guide's: ``loss.backward()``, then
+``self.optimizer.apply(gradients, trainable_weights)``) must apply its gradients through
+``model.optimizer``, once per step; a step that doesn't raises :class:`~distkeras.DistKerasError`.
 """
 
 import collections
 import datetime
 import functools
 import inspect
+import logging
 import os
 
 import keras
@@ -47,6 +64,12 @@ from ..errors import DistKerasError, LaunchError
 from . import torch_collectives as collectives
 
 _PRIVATE_LOGS = "_get_metrics_result_or_logs"
+_PRIVATE_LAYERS = "_flatten_layers"
+_PRIVATE_MOMENTS = "_moments"
+#: The instance attribute that lists the hooks set on an object (a model, a layer, an optimizer).
+_HOOKS = "_distkeras_torch_hooks"
+
+logger = logging.getLogger("distkeras")
 
 
 class Replica(object):
@@ -66,7 +89,9 @@ class Replica(object):
         self.store = store
         self.timeout = timeout
         self.launch_failure = launch_failure
-        self.count = None
+        self.count = None  # samples of the train step in flight (None outside one)
+        self.last_count = None  # samples of the last train or test step
+        self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
         self._saves = collections.Counter()
 
     def share(self, data):
@@ -83,20 +108,94 @@ class Replica(object):
                 return local, int(shape[0])
         return data, 1  # no batch dimension to split: every rank takes the whole step, weighted alike
 
+    @staticmethod
+    def stand_in(data):
+        """The first sample of a global batch, for a rank whose share of it is empty."""
+
+        def first(value):
+            shape = getattr(value, "shape", None)
+            return value[:1] if shape is not None and len(shape) else value
+
+        return keras.tree.map_structure(first, data)
+
     def save_key(self, path):
         self._saves[path] += 1
         return "save:{}:{}".format(path, self._saves[path])
 
 
-def install(model, replica):
-    """Install the hooks of the module docstring on ``model`` (already on this rank's device)."""
-    if not callable(getattr(model, _PRIVATE_LOGS, None)):
+def _hook(obj, name, function):
+    # Into the instance __dict__: Keras layers track what setattr gives them (and torch modules register
+    # it); a hook is neither a layer nor a weight, and nothing of it is saved.
+    obj.__dict__[name] = function
+    names = obj.__dict__.setdefault(_HOOKS, [])
+    if name not in names:
+        names.append(name)
+
+
+def _layers(model):
+    flatten = getattr(model, _PRIVATE_LAYERS, None)
+    return list(flatten(include_self=True, recursive=True)) if callable(flatten) else [model]
+
+
+def _optimizers(model):
+    """The model's optimizer and, for a wrapper such as LossScaleOptimizer, the optimizers it wraps."""
+    found, optimizer = [], getattr(model, "optimizer", None)
+    while optimizer is not None and all(optimizer is not seen for seen in found):
+        found.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return found
+
+
+def uninstall(model):
+    """Remove the hooks of an earlier :func:`install` from ``model``, its layers and its optimizers."""
+    for obj in _layers(model) + _optimizers(model):
+        for name in obj.__dict__.pop(_HOOKS, ()):
+            obj.__dict__.pop(name, None)
+
+
+def _batchnorm_layers(model):
+    """The model's BatchNormalization instances whose statistics distkeras can make global, and the others
+    (a subclass that computes its statistics in a ``_moments`` of its own)."""
+    base = keras.layers.BatchNormalization
+    layers = [layer for layer in _layers(model) if isinstance(layer, base)]
+    keras_moments = getattr(base, _PRIVATE_MOMENTS, None)
+    if layers and not callable(keras_moments):
         raise DistKerasError(
-            "distkeras needs Keras' Trainer.{} to aggregate metrics over processes, and this Keras ({}) has "
-            "none. Install Keras 3.0 or later.".format(_PRIVATE_LOGS, keras.__version__)
+            "distkeras synchronizes BatchNormalization through Keras' BatchNormalization.{}, and this Keras ({}) "
+            "has none. Pass sync_batchnorm=False to distribute() (each replica then normalizes with the "
+            "statistics of its own share of the batch).".format(_PRIVATE_MOMENTS, keras.__version__)
         )
+    synced = [layer for layer in layers if getattr(type(layer), _PRIVATE_MOMENTS) is keras_moments]
+    return synced, [layer for layer in layers if all(layer is not s for s in synced)]
+
+
+def install(model, replica, sync_batchnorm=True):
+    """Install the hooks of the module docstring on ``model`` (already on this rank's device).
+
+    Hooks an earlier call installed are removed first. Keras' cached step functions are dropped, so a
+    model trained before makes them again.
+    """
+    uninstall(model)
+    for name in (_PRIVATE_LOGS, _PRIVATE_LAYERS):
+        if not callable(getattr(model, name, None)):
+            raise DistKerasError(
+                "distkeras needs Keras' {}.{}, and this Keras ({}) has none. Install Keras 3.0 or later.".format(
+                    "Trainer" if name == _PRIVATE_LOGS else "Layer", name, keras.__version__
+                )
+            )
+    synced = []
+    if sync_batchnorm:
+        synced, other = _batchnorm_layers(model)
+        for layer in synced:
+            _hook(layer, _PRIVATE_MOMENTS, _global_moments(layer, replica))
+        if other and replica.rank == 0:
+            logger.warning(
+                "BatchNormalization layer(s) %s override %s(): each replica normalizes them with the statistics of "
+                "its own share of the batch", ", ".join(layer.name for layer in other), _PRIVATE_MOMENTS,
+            )
+    global_state = frozenset(id(v) for layer in synced for v in layer.non_trainable_variables)
     hooks = {
-        "train_step": _train_step(model, model.train_step, replica),
+        "train_step": _train_step(model, model.train_step, replica, global_state),
         "test_step": _test_step(model, model.test_step, replica),
         _PRIVATE_LOGS: _global_logs(model, getattr(model, _PRIVATE_LOGS), replica),
         "fit": _entry(model.fit, replica, sync_random=True),
@@ -106,8 +205,20 @@ def install(model, replica):
         "save_weights": _rank0_writes(model.save_weights, replica),
     }
     for name, hook in hooks.items():
-        # object.__setattr__: Keras layers (torch Modules) track attributes; these are plain functions.
-        object.__setattr__(model, name, hook)
+        _hook(model, name, hook)
+    model.train_function = model.test_function = model.predict_function = None
+
+
+def _global_moments(layer, replica):
+    keras_moments = getattr(type(layer), _PRIVATE_MOMENTS).__get__(layer)
+
+    def moments(inputs, mask):
+        if not isinstance(inputs, torch.Tensor) or inputs.device.type == "meta":
+            return keras_moments(inputs, mask)  # a symbolic call (shapes only): no data, no collective
+        weight = 1 if replica.count is None else replica.count
+        return collectives.global_moments(inputs, layer.axis, mask, weight, replica.rank, replica.world)
+
+    return moments
 
 
 def _wrap_optimizer(optimizer, replica):
@@ -121,29 +232,57 @@ def _wrap_optimizer(optimizer, replica):
         variables = optimizer._trainable_variables if trainable_variables is None else list(trainable_variables)
         if not grads or len(grads) != len(variables):
             return apply(grads, trainable_variables)  # Keras' own checks and messages
+        replica.applied += 1
         count = 1 if replica.count is None else replica.count
+        if not count:  # a stand-in sample's gradients: this rank joins the all-reduce with weight zero
+            grads = [None] * len(grads)
         return apply(collectives.average_gradients(grads, variables, count), trainable_variables)
 
-    object.__setattr__(optimizer, "apply", averaged_apply)
-    object.__setattr__(optimizer, "_distkeras_replica", replica)
+    _hook(optimizer, "apply", averaged_apply)
+    _hook(optimizer, "_distkeras_replica", replica)
 
 
-def _train_step(model, step, replica):
+def _local_state(model, global_state):
+    """What a stand-in step must leave as it was: metric states and the model's own non-trainable state
+    (per-replica statistics, seed generators), but not what is computed over the job (global statistics)."""
+    variables = _metric_variables(model)
+    seen = {id(v) for v in variables} | global_state
+    return variables + [v for v in model.non_trainable_variables if id(v) not in seen]
+
+
+def _without_trace(step, data, variables):
+    saved = [v.value.detach().clone() for v in variables]
+    try:
+        return step(data)
+    finally:
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
+
+
+def _train_step(model, step, replica, global_state):
     def train_step(data):
         # Wrapped here, not once: compile() after distribute() brings a new optimizer.
         _wrap_optimizer(model.optimizer, replica)
         local, count = replica.share(data)
-        replica.count = count
+        replica.count = replica.last_count = count
+        replica.applied = 0
         try:
             if count:
-                return step(local)
-            variables = model.trainable_weights
-            if model.optimizer is not None and variables:
-                with torch.no_grad():  # no samples here: join the all-reduce with weight zero
-                    model.optimizer.apply([None] * len(variables), variables)
-            return model.get_metrics_result()
+                logs = step(local)
+            else:  # no samples here: a stand-in with weight zero joins the step's collectives
+                logs = _without_trace(step, replica.stand_in(data), _local_state(model, global_state))
         finally:
             replica.count = None
+        if not replica.applied and model.trainable_weights:
+            raise DistKerasError(
+                "distkeras averages the replicas' gradients in model.optimizer.apply(), and {}.train_step() ended a "
+                "step without calling it, so the replicas would train apart. Apply the gradients with "
+                "self.optimizer.apply(gradients, trainable_weights) once per step, as the Keras guide's PyTorch "
+                "train_step does (a model that trains with optimizers of its own is not supported).".format(
+                    type(model).__name__
+                )
+            )
+        return logs
 
     return train_step
 
@@ -151,7 +290,10 @@ def _train_step(model, step, replica):
 def _test_step(model, step, replica):
     def test_step(data):
         local, count = replica.share(data)
-        return step(local) if count else model.get_metrics_result()
+        replica.last_count = count
+        if count:
+            return step(local)
+        return _without_trace(step, replica.stand_in(data), _metric_variables(model))
 
     return test_step
 
@@ -168,16 +310,20 @@ def _metric_variables(model):
 
 def _global_logs(model, local_logs, replica):
     def global_logs(logs):
+        weight = 0.0 if replica.last_count == 0 else 1.0  # a stand-in step's own logs count for nothing
         variables = _metric_variables(model)
         if not variables:
-            return collectives.average_logs(logs, replica.world) if logs else logs
+            return collectives.average_logs(logs, weight) if logs else logs
         saved = [v.value.detach().clone() for v in variables]
         try:
             collectives.all_reduce_states(variables, replica.rank, replica.world)
             result = local_logs(logs)
-            if result is logs:  # a custom step's logs, which Keras passes through
-                return collectives.average_logs(logs, replica.world)
-            return {name: collectives.plain(value) for name, value in result.items()}
+            if result is not logs:
+                return {name: collectives.plain(value) for name, value in result.items()}
+            # A custom step's logs, which Keras passes through: those named after a metric are its global result.
+            metrics = {metric.name: metric for metric in model.metrics}
+            others = collectives.average_logs({k: v for k, v in logs.items() if k not in metrics}, weight)
+            return {k: collectives.plain(metrics[k].result()) if k in metrics else others[k] for k in logs}
         finally:  # the local states again: the global ones are never counted twice
             for variable, value in zip(variables, saved):
                 variable.assign(value)
