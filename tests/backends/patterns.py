@@ -234,7 +234,8 @@ def trained_before_distribute(keras):
     return model, x, y, kwargs
 
 
-#: name -> (build, weight tolerance). float16 steps round at 1e-3; everything else agrees to float32 rounding.
+#: name -> (build, weight tolerance). float16 and bfloat16 compute rounds at 1e-4 and 1e-3 (measured: max |ΔW| 1.2e-4
+#: and 6.4e-4 on TF and JAX); everything else agrees to float32 rounding.
 PATTERNS = {
     "sequential": (sequential, 1e-5),
     "functional_multi_io": (functional_multi_io, 1e-5),
@@ -250,8 +251,8 @@ PATTERNS = {
     "clipvalue": (clipvalue, 1e-5),
     "ema": (ema, 1e-5),
     "accumulation": (accumulation, 1e-5),
-    "mixed_float16": (mixed_float16, 2e-3),
-    "mixed_bfloat16": (mixed_bfloat16, 2e-2),
+    "mixed_float16": (mixed_float16, 5e-4),
+    "mixed_bfloat16": (mixed_bfloat16, 2e-3),
     "batchnorm_convnet": (batchnorm_convnet, 1e-4),
     "callbacks_lr_and_early_stop": (callbacks_lr_and_early_stop, 1e-5),
     "sample_and_class_weights": (sample_and_class_weights, 1e-5),
