@@ -162,10 +162,12 @@ def _record(model, adapter, devices, cluster, distributed):
 
 
 def distribute(model, devices=None, **options):
-    """Make a built Keras model train data-parallel on ``devices``.
+    """Make a built Keras model train data-parallel on ``devices``, in place.
 
-    The returned model has the same architecture, weights and compile configuration (optimizer with
-    its hyper-parameters and state, loss, metrics). Its ``fit``/``evaluate``/``predict`` run on every
+    The model itself is distributed and returned (``distribute(model) is model``): its own variables
+    (weights, metric state, optimizer slots) are placed on the devices, nothing is rebuilt from its
+    config, so any model that trains on one device works, subclassed ones included. Its compile
+    configuration and optimizer state stay as they were. Its ``fit``/``evaluate``/``predict`` run on every
     device; the ``batch_size`` given to ``fit`` is the global batch, split evenly over the replicas,
     and each step computes what one device would compute on that whole batch. ``save()`` writes the
     plain single-device model, which loads in Keras without distkeras.
@@ -177,10 +179,10 @@ def distribute(model, devices=None, **options):
         **options: backend options; each adapter lists the ones it accepts (an unknown one is an error).
 
     Returns:
-        The data-parallel model; the model itself when one device is asked for in a one-process job.
+        ``model`` itself, data-parallel (unchanged when one device is asked for in a one-process job).
 
     Raises:
-        ModelError: ``model`` is not a built Keras model, or can't be rebuilt on the devices.
+        ModelError: ``model`` is not a built Keras model.
         DeviceSpecError: ``devices`` is malformed or names a device that isn't there.
         BackendError / BackendUnavailableError: the Keras backend is unsupported or not installed.
         OptionError: an option the backend doesn't know.
