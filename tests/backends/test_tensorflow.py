@@ -289,3 +289,29 @@ def test_tf_keras_2_models_are_distributed_too():
     assert done.returncode == 0, done.stderr[-3000:]
     module, diff = done.stdout.split()
     assert module.startswith("tf_keras.") and float(diff) < 1e-5
+
+
+def test_plain_keras_clips_each_replicas_gradient_and_distkeras_the_global_one():
+    """What the compatibility suite's clipping cases guard against: Keras 3 + MirroredStrategy, unaided,
+    clips every replica's partial gradient before the all-reduce."""
+    import tensorflow as tf
+
+    from tests.backends import patterns
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model, x, y, _ = patterns.global_clipnorm(keras)
+        return model, x, y
+
+    single, x, y = build()
+    single.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        plain, _, _ = build()
+    plain.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    ours, _, _ = build()
+    distkeras.distribute(ours, devices=2).fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+
+    def gap(model):
+        return max(float(np.abs(a - b).max()) for a, b in zip(single.get_weights(), model.get_weights()))
+
+    assert gap(plain) > 1e-2 and gap(ours) < 1e-5
