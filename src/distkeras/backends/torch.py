@@ -33,7 +33,7 @@ from typing import List
 
 from ..devices import Device
 from ..errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
-from . import when_imported
+from . import keras3, when_imported
 from .base import Adapter
 
 #: torch.distributed's own default: how long a collective (or the rendezvous) may wait.
@@ -53,8 +53,7 @@ class TorchAdapter(Adapter):
     options = {
         "timeout": "seconds a collective or the rendezvous may wait for the other processes (default 1800)",
         "backend": "torch.distributed backend: " + ", ".join(_BACKENDS) + " (default: nccl on GPUs, gloo on CPU)",
-        "sync_batchnorm": "BatchNormalization normalizes with the statistics of the global batch (default True); "
-        "False: of each replica's share",
+        "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
     }
 
     def prepare(self, cluster):
@@ -166,9 +165,7 @@ def place(model, device):
     """
     import torch
 
-    from .torch_collectives import state_variables
-
-    for variable in state_variables(model):
+    for variable in keras3.state_variables(model):
         value = getattr(variable, "_value", None)
         if isinstance(value, torch.Tensor) and value.device != device:
             value.grad = None

@@ -14,27 +14,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-
-def state_variables(model):
-    """Every variable a model's training touches, once each, in an order every rank derives alike: its
-    weights (seed-generator states included), its metrics' (the compiled loss tracker included) and its
-    optimizer's once built (a LossScaleOptimizer's include those of the optimizer it wraps)."""
-    groups = [model.variables, getattr(model, "metrics_variables", [])]
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "built", False):
-        groups.append(optimizer.variables)
-    variables, seen = [], set()
-    for group in groups:
-        for variable in group:
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                variables.append(variable)
-    return variables
+from . import keras3
 
 
 def broadcast_from_rank0(model):
     """Give every rank rank 0's weights (all of them), metric state and optimizer state."""
-    variables = state_variables(model)
+    variables = keras3.state_variables(model)
     groups = collections.OrderedDict()
     for variable in variables:
         groups.setdefault((variable.value.dtype, variable.value.device), []).append(variable)

@@ -4,9 +4,9 @@ Keras' torch trainer runs ``fit()`` like this: for every batch its data adapter 
 ``train_step(batch)`` computes the loss, calls ``loss.backward()`` and hands the gradients to
 ``optimizer.apply()``; after the epoch, ``_get_metrics_result_or_logs()`` turns the metrics into the
 epoch logs. distkeras hooks in at exactly those places, as attributes of the model's (and its layers' and
-optimizer's) *instances*, so the classes, the configs and what ``save()`` writes stay the user's. Each
-object lists the hooks it got; :func:`install` removes an earlier call's hooks before it sets its own, so
-distributing a model twice replaces the hooks instead of stacking them.
+optimizer's) *instances* (:func:`distkeras.backends.keras3.hook`), so the classes, the configs and what
+``save()`` writes stay the user's. :func:`install` removes an earlier call's hooks before it sets its own,
+so distributing a model twice replaces the hooks instead of stacking them.
 
 - ``train_step`` / ``test_step``: every rank iterates the same global batches (``fit()``'s batch_size is
   the global batch) and keeps ``batch[rank::world]``. When the world size divides the batch this is
@@ -61,13 +61,12 @@ import keras
 import torch
 
 from ..errors import DistKerasError, LaunchError
+from . import keras3
 from . import torch_collectives as collectives
 
 _PRIVATE_LOGS = "_get_metrics_result_or_logs"
 _PRIVATE_LAYERS = "_flatten_layers"
 _PRIVATE_MOMENTS = "_moments"
-#: The instance attribute that lists the hooks set on an object (a model, a layer, an optimizer).
-_HOOKS = "_distkeras_torch_hooks"
 
 logger = logging.getLogger("distkeras")
 
@@ -123,34 +122,15 @@ class Replica(object):
         return "save:{}:{}".format(path, self._saves[path])
 
 
-def _hook(obj, name, function):
-    # Into the instance __dict__: Keras layers track what setattr gives them (and torch modules register
-    # it); a hook is neither a layer nor a weight, and nothing of it is saved.
-    obj.__dict__[name] = function
-    names = obj.__dict__.setdefault(_HOOKS, [])
-    if name not in names:
-        names.append(name)
-
-
 def _layers(model):
     flatten = getattr(model, _PRIVATE_LAYERS, None)
     return list(flatten(include_self=True, recursive=True)) if callable(flatten) else [model]
 
 
-def _optimizers(model):
-    """The model's optimizer and, for a wrapper such as LossScaleOptimizer, the optimizers it wraps."""
-    found, optimizer = [], getattr(model, "optimizer", None)
-    while optimizer is not None and all(optimizer is not seen for seen in found):
-        found.append(optimizer)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return found
-
-
 def uninstall(model):
     """Remove the hooks of an earlier :func:`install` from ``model``, its layers and its optimizers."""
-    for obj in _layers(model) + _optimizers(model):
-        for name in obj.__dict__.pop(_HOOKS, ()):
-            obj.__dict__.pop(name, None)
+    for obj in _layers(model) + keras3.optimizers_of(model):
+        keras3.unhook(obj)
 
 
 def _batchnorm_layers(model):
@@ -187,7 +167,7 @@ def install(model, replica, sync_batchnorm=True):
     if sync_batchnorm:
         synced, other = _batchnorm_layers(model)
         for layer in synced:
-            _hook(layer, _PRIVATE_MOMENTS, _global_moments(layer, replica))
+            keras3.hook(layer, _PRIVATE_MOMENTS, _global_moments(layer, replica))
         if other and replica.rank == 0:
             logger.warning(
                 "BatchNormalization layer(s) %s override %s(): each replica normalizes them with the statistics of "
@@ -205,7 +185,7 @@ def install(model, replica, sync_batchnorm=True):
         "save_weights": _rank0_writes(model.save_weights, replica),
     }
     for name, hook in hooks.items():
-        _hook(model, name, hook)
+        keras3.hook(model, name, hook)
     model.train_function = model.test_function = model.predict_function = None
 
 
@@ -238,8 +218,8 @@ def _wrap_optimizer(optimizer, replica):
             grads = [None] * len(grads)
         return apply(collectives.average_gradients(grads, variables, count), trainable_variables)
 
-    _hook(optimizer, "apply", averaged_apply)
-    _hook(optimizer, "_distkeras_replica", replica)
+    keras3.hook(optimizer, "apply", averaged_apply)
+    keras3.hook(optimizer, "_distkeras_replica", replica)
 
 
 def _local_state(model, global_state):
