@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.backends.harness import BACKEND, job, keras
-from tests.backends import scenarios
+from tests.backends import scenarios, torch_cases
 
 import distkeras
 
@@ -339,3 +339,230 @@ def test_distribute_inside_a_test_run_says_how_to_launch():
     # In this pytest process there is no launcher, and re-running the test run per device would be wrong.
     with pytest.raises(distkeras.LaunchError, match=r"distkeras launch --nproc-per-node 2 script.py.*torchrun"):
         distkeras.distribute(scenarios.build(keras), devices=2)
+
+
+# ---- any Keras model, unchanged: distributed in place, trained as on one device
+
+#: (atol, rtol) of the final weights (and history) against one device. float32: the replicas' partial sums
+#: are added in another order than one device adds them, which moves weights by ~1e-7. Mixed precision
+#: computes in 16 bits, where the other order moves the results of one step by units of the last place,
+#: and Adam amplifies that: float16 (unit 2**-10 ~ 1e-3 at 1.0) agrees to ~1.5e-4 here, bfloat16 (unit
+#: 2**-7 ~ 8e-3 at 1.0) to ~1.2e-3; the tolerances are one such unit at 1.0.
+TOLERANCE = {"mixed_float16": (1e-3, 1e-3), "mixed_bfloat16": (8e-3, 8e-3)}
+FLOAT32 = (1e-5, 1e-5)
+#: The Keras guide's step tracks its loss once per step and rank, unweighted: with a last batch of 1 the
+#: epoch's mean loss weighs that step otherwise than one device does (the weights still agree).
+HISTORY_INEXACT = {"guide_step_tail"}
+_references = {}
+
+
+def reference(case):
+    """The case trained on one device in this process: (initial weights, final weights, history)."""
+    if case not in _references:
+        _references[case] = torch_cases.reference(case)
+    return _references[case]
+
+
+def assert_close(expected, actual, tolerance):
+    atol, rtol = tolerance
+    assert len(expected) == len(actual)
+    for e, a in zip(expected, actual):
+        np.testing.assert_allclose(a, e, atol=atol, rtol=rtol)
+
+
+def assert_ranks_agree(results, devices):
+    """``devices`` processes really ran (torch's world size, one pid each, none of them this one), and every
+    rank ended bit for bit with rank 0's weights and history."""
+    assert [r["world"] for r in results] == [devices] * devices
+    assert [r["rank"] for r in results] == list(range(devices))
+    pids = {r["pid"] for r in results}
+    assert len(pids) == devices and os.getpid() not in pids
+    for other in results[1:]:
+        for mine, theirs in zip(results[0]["weights"], other["weights"]):
+            np.testing.assert_array_equal(mine, theirs)
+        assert other["history"] == results[0]["history"]
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("case", sorted(torch_cases.CASES))
+def test_any_model_trains_in_place_as_on_one_device(case, devices):
+    initial, expected, expected_history = reference(case)
+    tolerance = TOLERANCE.get(case, FLOAT32)
+    results = [o.result for o in job(devices).run(torch_cases.train, case, devices, initial, timeout=TIMEOUT)]
+    assert all(r["same_object"] for r in results)  # distribute(model) is model
+    assert_ranks_agree(results, devices)
+    assert max_difference(initial, expected) > 10 * tolerance[0]  # training moved the weights
+    if case == "mixed_float16":
+        assert {r["optimizer"] for r in results} == {"LossScaleOptimizer"}
+    assert_close(expected, results[0]["weights"], tolerance)
+    history = results[0]["history"]
+    assert sorted(history) == sorted(expected_history)
+    if case not in HISTORY_INEXACT:
+        for name in expected_history:
+            np.testing.assert_allclose(history[name], expected_history[name], atol=tolerance[0], rtol=tolerance[1])
+
+
+def test_per_replica_batchnorm_is_not_one_device():
+    """sync_batchnorm=False: the old per-replica statistics, which the synchronized default must beat (this is
+    what shows the BatchNorm equivalence test can fail)."""
+    initial, expected, _ = reference("batchnorm")
+    outcomes = job(3).run(torch_cases.sync_batchnorm_off, 3, initial, timeout=TIMEOUT)
+    got = outcomes[0].result
+    assert got["hooked_first"] and not got["hooked_after"]
+    assert max_difference(expected, got["weights"]) > 100 * FLOAT32[0]
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_trained_model_keeps_its_state_and_hooks_never_stack(devices):
+    initial, _, _ = reference("batchnorm")
+    single = torch_cases.history_of_a_model(1, initial)
+    got = job(devices).run(torch_cases.history_of_a_model, devices, initial, timeout=TIMEOUT)[0].result
+    # distribute() kept the optimizer's iterations and slots (momenta) as they were.
+    assert got["before"]["iterations"] == got["after"]["iterations"] == 4
+    for before, after in zip(got["before"]["optimizer"], got["after"]["optimizer"]):
+        np.testing.assert_array_equal(before, after)
+    # One train step: one gradient all-reduce, and one forward and one backward for the BatchNormalization
+    # layer, after a second distribute() as after the first, and after compile() and distribute() again.
+    assert got["all_reduces"] == [3, 3]
+    assert got["hooks"] == sorted(
+        ["train_step", "test_step", "_get_metrics_result_or_logs", "fit", "evaluate", "predict", "save", "save_weights"]
+    )
+    assert_close(single["weights"], got["weights"], FLOAT32)
+
+
+def test_a_custom_step_that_bypasses_model_optimizer_is_told_what_to_change():
+    for outcome in job(2).run(torch_cases.own_optimizer, 2, timeout=TIMEOUT):
+        assert "OwnOptimizer.train_step() ended a step without calling it" in outcome.result
+        assert "self.optimizer.apply(gradients, trainable_weights)" in outcome.result
+
+
+_RELOAD_SUBCLASSED = """
+import json, sys
+import numpy as np
+import keras
+from tests.backends import torch_models
+
+case, folder, x = sys.argv[1], sys.argv[2], np.load(sys.argv[3])
+if case == "configured":
+    model = keras.saving.load_model(folder + "/model.keras", custom_objects={"Configured": torch_models.Configured})
+else:
+    model = torch_models.WithLayerArgument(keras.layers.Dense(8))
+    model(keras.ops.zeros((2, 5)))
+    model.load_weights(folder + "/model.weights.h5")
+np.save(sys.argv[4], model.predict(x, verbose=0))
+print(json.dumps({"distkeras": "distkeras" in sys.modules, "class": type(model).__name__,
+                  "layers": [type(l).__name__ for l in model._flatten_layers(include_self=False)]}))
+"""
+
+
+@pytest.mark.parametrize(
+    "case,reload_backend,layers",
+    [
+        ("configured", "torch", ["Dense", "BatchNormalization", "Dense"]),
+        ("configured", "jax", ["Dense", "BatchNormalization", "Dense"]),
+        ("layer_argument", "torch", ["Dense", "Dense"]),
+    ],
+)
+def test_a_subclassed_model_saved_after_training_loads_in_plain_keras(tmp_path, case, reload_backend, layers):
+    from distkeras import backends
+
+    if not backends.is_installed(reload_backend):
+        pytest.skip("{} is not installed".format(reload_backend))
+    initial, _, _ = reference(case)
+    expected = job(2).run(torch_cases.fit_and_save, case, 2, initial, str(tmp_path), timeout=TIMEOUT)[0].result
+    x, _ = torch_cases.build(case)[1]
+    np.save(tmp_path / "x.npy", x)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
+    env.update(KERAS_BACKEND=reload_backend, PYTHONPATH=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", _RELOAD_SUBCLASSED, case, str(tmp_path), str(tmp_path / "x.npy"), str(tmp_path / "p.npy")],
+        capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    expected_class = "Configured" if case == "configured" else "WithLayerArgument"
+    assert report == {"distkeras": False, "class": expected_class, "layers": layers}
+    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- the Keras and torch internals the adapter relies on, pinned (no process group needed)
+
+
+def test_keras_batchnorm_computes_its_statistics_in_moments():
+    """distkeras makes BatchNormalization's statistics global through the instance attribute ``_moments``
+    (a Keras private): BatchNormalization.call() must take its training statistics from it, only there."""
+    layer = keras.layers.BatchNormalization()
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype("float32")
+    layer.build(x.shape)
+    calls = []
+    keras_moments = layer._moments
+
+    def moments(inputs, mask):
+        calls.append(tuple(inputs.shape))
+        mean, variance = keras_moments(inputs, mask)
+        return mean + 1.0, variance
+
+    layer.__dict__["_moments"] = moments
+    shifted = keras.ops.convert_to_numpy(layer(x, training=True))
+    assert calls == [(6, 4)]
+    np.testing.assert_allclose(shifted.mean(axis=0), -1.0 / np.sqrt(x.var(axis=0) + layer.epsilon), rtol=1e-3)
+    layer(x, training=False)
+    assert calls == [(6, 4)]
+
+
+def test_every_batchnorm_is_found_in_nested_and_subclassed_models():
+    from distkeras.backends import torch_trainer
+    from tests.backends import torch_models
+
+    synced, other = torch_trainer._batchnorm_layers(torch_models.nested())
+    assert len(synced) == 2 and other == []  # in the Sequential inside the Functional, and in Block's list
+    assert all(isinstance(layer, keras.layers.BatchNormalization) for layer in synced)
+
+
+def test_keras_torch_variables_keep_their_storage_in_value():
+    """distribute() moves a variable to this process' device through its private ``_value`` (a
+    torch.nn.Parameter, the very object the layers hand to torch) by replacing the Parameter's data."""
+    import torch
+
+    from distkeras.backends.torch import place
+
+    model, (x, y), fit = torch_cases.build("batchnorm")
+    model.fit(x, y, **dict(fit, epochs=1))
+    parameters = {id(p) for p in model.parameters()}
+    variables = model.variables + model.optimizer.variables + model.metrics_variables
+    assert all(isinstance(v._value, torch.nn.Parameter) and v.value is v._value for v in variables)
+    assert all(id(v._value) in parameters for v in model.variables)
+    storage = [v._value.data_ptr() for v in variables]
+    place(model, torch.device("cpu"))  # already there: nothing moves
+    assert [v._value.data_ptr() for v in variables] == storage
+    kernel = model.layers[0].kernel
+    before = np.array(kernel)
+    kernel._value.data = kernel._value.data * 2.0  # what place() does, with a new tensor on the same device
+    np.testing.assert_allclose(np.array(kernel), before * 2.0)
+    assert any(p is kernel._value for p in model.parameters())
+    model.fit(x, y, **dict(fit, epochs=1))  # and training goes on with it
+
+
+def test_a_launched_process_makes_its_local_gpu_current_at_import(monkeypatch):
+    import torch
+
+    from distkeras.backends.torch import TorchAdapter
+    from distkeras.cluster import Cluster
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cluster = Cluster(3, 4, 1, 2, "127.0.0.1:1234", "torchrun")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    TorchAdapter().prepare(cluster)  # torch is imported already: at once
+    assert chosen == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    TorchAdapter().prepare(cluster)
+    assert chosen == [1]
+    TorchAdapter().prepare(cluster._replace(local_rank=2))  # no GPU 2 here: left to distribute()
+    assert chosen == [1]
+
+
+def test_sync_batchnorm_must_be_a_bool():
+    with pytest.raises(distkeras.OptionError, match="sync_batchnorm"):
+        distkeras.distribute(scenarios.build(keras), devices=2, sync_batchnorm="yes")

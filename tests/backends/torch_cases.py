@@ -1,0 +1,277 @@
+"""Cases and worker bodies of the PyTorch "any Keras model, unchanged" tests (``test_torch.py``).
+
+``build(case)`` makes a case's compiled model (from a fixed seed), its data and its fit() arguments.
+:func:`reference` trains it on one device, in the test process; :func:`train` runs on every rank of a job
+(``harness.job(n).run``), starts from the reference's initial weights (copied, not only seeded alike),
+distributes the very same object and trains it. Bodies return plain data, never a model.
+"""
+
+import os
+
+import numpy as np
+
+
+def _data(samples, shape=(5,), seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples,) + tuple(shape)).astype("float32")
+    y = rng.normal(size=(samples, 3)).astype("float32")
+    return x, y
+
+
+def _mlp(keras, optimizer, **dense):
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3, **dense)])
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    return model
+
+
+def _conv(keras, optimizer):
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(4, 3),
+        keras.layers.BatchNormalization(),
+        keras.layers.Activation("relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(3),
+    ])
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    return model
+
+
+def _compiled(keras, model, optimizer=None):
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+def _with_policy(keras, policy, build):
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        return build()
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def _layer_argument(keras):
+    from tests.backends import torch_models
+
+    model = torch_models.WithLayerArgument(keras.layers.Dense(8), squash=keras.ops.tanh)
+    model(keras.ops.zeros((2, 5)))
+    return _compiled(keras, model)
+
+
+def _configured(keras):
+    from tests.backends import torch_models
+
+    model = torch_models.Configured(8)
+    model(keras.ops.zeros((2, 5)))
+    return _compiled(keras, model)
+
+
+def _nested(keras):
+    from tests.backends import torch_models
+
+    return _compiled(keras, torch_models.nested())
+
+
+def _guide(keras, batchnorm):
+    from tests.backends import torch_models
+
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8)(inputs)
+    if batchnorm:
+        hidden = keras.layers.BatchNormalization()(hidden)
+    outputs = keras.layers.Dense(3)(keras.layers.Activation("tanh")(hidden))
+    return _compiled(keras, torch_models.GuideStep(inputs, outputs), keras.optimizers.SGD(0.1, momentum=0.5))
+
+
+def _mixed(keras, policy):
+    # The output layer in float32, as Keras' mixed-precision guide advises.
+    return _with_policy(keras, policy, lambda: _mlp(keras, keras.optimizers.Adam(0.05), dtype="float32"))
+
+
+#: name -> (build(keras), samples, input shape, fit() arguments). 40 samples at a global batch of 10 split
+#: 5+5 on 2 processes and 4+3+3 on 3; 48 at 12 split evenly on both.
+CASES = {
+    "layer_argument": (_layer_argument, 40, (5,), dict(batch_size=10, epochs=2)),
+    "configured": (_configured, 40, (5,), dict(batch_size=10, epochs=2)),
+    "nested": (_nested, 40, (5,), dict(batch_size=10, epochs=2)),
+    "clipnorm": (lambda k: _mlp(k, k.optimizers.SGD(0.1, clipnorm=0.05)), 40, (5,), dict(batch_size=10, epochs=2)),
+    "global_clipnorm": (lambda k: _mlp(k, k.optimizers.SGD(0.1, global_clipnorm=0.1)), 40, (5,), dict(batch_size=10, epochs=2)),
+    "clipvalue": (lambda k: _mlp(k, k.optimizers.SGD(0.1, clipvalue=0.02)), 40, (5,), dict(batch_size=10, epochs=2)),
+    "accumulation": (
+        lambda k: _mlp(k, k.optimizers.Adam(0.01, gradient_accumulation_steps=3)), 40, (5,), dict(batch_size=10, epochs=3)
+    ),
+    "adamw": (lambda k: _mlp(k, k.optimizers.AdamW(0.01, weight_decay=0.5)), 40, (5,), dict(batch_size=10, epochs=2)),
+    "ema": (
+        lambda k: _mlp(k, k.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3)),
+        40, (5,), dict(batch_size=10, epochs=2),
+    ),
+    "schedule": (
+        lambda k: _mlp(k, k.optimizers.SGD(k.optimizers.schedules.ExponentialDecay(0.3, decay_steps=2, decay_rate=0.5))),
+        40, (5,), dict(batch_size=10, epochs=2),
+    ),
+    "mixed_float16": (lambda k: _mixed(k, "mixed_float16"), 40, (5,), dict(batch_size=10, epochs=2)),
+    "mixed_bfloat16": (lambda k: _mixed(k, "mixed_bfloat16"), 40, (5,), dict(batch_size=10, epochs=2)),
+    "batchnorm": (lambda k: _conv(k, k.optimizers.SGD(0.05, momentum=0.5)), 40, (8, 8, 1), dict(batch_size=10, epochs=2)),
+    "batchnorm_batch1": (lambda k: _conv(k, k.optimizers.SGD(0.05)), 5, (8, 8, 1), dict(batch_size=1, epochs=2)),
+    "guide_step": (lambda k: _guide(k, False), 48, (5,), dict(batch_size=12, epochs=2)),
+    "guide_step_batchnorm": (lambda k: _guide(k, True), 48, (5,), dict(batch_size=12, epochs=2)),
+    # A last batch of 1: the ranks without a sample run the custom step on a stand-in.
+    "guide_step_tail": (lambda k: _guide(k, True), 49, (5,), dict(batch_size=12, epochs=2)),
+}
+
+
+def build(case):
+    """The case's compiled model (seeded), data and fit() arguments."""
+    import keras
+
+    make, samples, shape, fit = CASES[case]
+    keras.utils.set_random_seed(0)
+    return make(keras), _data(samples, shape), dict(fit, shuffle=False, verbose=0)
+
+
+def _weights(model):
+    return [np.array(w) for w in model.get_weights()]
+
+
+def reference(case):
+    """One device: (initial weights, final weights, history)."""
+    model, (x, y), fit = build(case)
+    initial = _weights(model)
+    history = model.fit(x, y, **fit)
+    return initial, _weights(model), history.history
+
+
+def train(case, devices, initial, **options):
+    """On every rank: the case's model from ``initial``, distributed in place and trained. What ran where,
+    read from torch and the OS (not from distkeras): world size, pid; and the weights and history."""
+    import torch.distributed as dist
+
+    import distkeras
+
+    model, (x, y), fit = build(case)
+    model.set_weights(initial)
+    same = distkeras.distribute(model, devices=devices, **options) is model
+    history = model.fit(x, y, **fit)
+    return {
+        "same_object": same,
+        "world": dist.get_world_size(),
+        "rank": dist.get_rank(),
+        "pid": os.getpid(),
+        "optimizer": type(model.optimizer).__name__,
+        "weights": _weights(model),
+        "history": history.history,
+    }
+
+
+def _count_all_reduces(step):
+    """Run ``step()``; how many all-reduces it made."""
+    import torch.distributed as dist
+
+    calls, real = [], dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        step()
+    finally:
+        dist.all_reduce = real
+    return len(calls)
+
+
+def history_of_a_model(devices, initial):
+    """A model trained before distribute(), distributed twice, compiled again and distributed again.
+
+    Returns what the optimizer held before and after distribute(), the all-reduces of one train step after
+    each (re-)distribution, and the final weights; on one device (``devices=1``) the same calls without
+    distribute() (the reference).
+    """
+    import keras
+
+    import distkeras
+
+    model, (x, y), fit = build("batchnorm")
+    model.set_weights(initial)
+    model.fit(x, y, **dict(fit, epochs=1))  # trained on one device before distribute()
+    state = {
+        "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
+        "optimizer": [np.array(v) for v in model.optimizer.variables],
+    }
+    got = {"before": state}
+    distribute = (lambda: distkeras.distribute(model, devices=devices)) if devices > 1 else (lambda: model)
+    single = devices == 1
+
+    def one_step():
+        return model.train_on_batch(x[:10], y[:10])
+
+    assert distribute() is model
+    got["after"] = {
+        "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
+        "optimizer": [np.array(v) for v in model.optimizer.variables],
+    }
+    distribute()  # again: its hooks replace the first call's
+    got["all_reduces"] = [None if single else _count_all_reduces(one_step)]
+    if single:
+        one_step()
+    model.fit(x, y, **dict(fit, epochs=1))
+    model.compile(optimizer=keras.optimizers.SGD(0.02, momentum=0.9), loss="mse", metrics=["mae"])
+    distribute()
+    got["all_reduces"].append(None if single else _count_all_reduces(one_step))
+    if single:
+        one_step()
+    model.fit(x, y, **dict(fit, epochs=1))
+    got["hooks"] = sorted(model.__dict__.get("_distkeras_hooks", []))
+    got["weights"] = _weights(model)
+    return got
+
+
+def sync_batchnorm_off(devices, initial):
+    """``sync_batchnorm=False`` after a distribute() that synchronized: no hook left on the layer; weights."""
+    import distkeras
+
+    model, (x, y), fit = build("batchnorm")
+    model.set_weights(initial)
+    distkeras.distribute(model, devices=devices)
+    layer = model.layers[1]
+    hooked = "_moments" in layer.__dict__
+    distkeras.distribute(model, devices=devices, sync_batchnorm=False)
+    model.fit(x, y, **fit)
+    return {"hooked_first": hooked, "hooked_after": "_moments" in layer.__dict__, "weights": _weights(model)}
+
+
+def own_optimizer(devices):
+    """A custom train_step that bypasses model.optimizer: the error, on every rank."""
+    import keras
+
+    import distkeras
+    from tests.backends import torch_models
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    model = torch_models.OwnOptimizer(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    distkeras.distribute(model, devices=devices)
+    x, y = _data(20)
+    try:
+        model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    except distkeras.DistKerasError as exc:
+        return str(exc)
+    return None
+
+
+def fit_and_save(case, devices, initial, directory):
+    """Train the case distributed, save it (``model.keras`` when it has a config, else only
+    ``model.weights.h5``); the predictions of the distributed model on its data."""
+    import distkeras
+
+    model, (x, y), fit = build(case)
+    model.set_weights(initial)
+    distkeras.distribute(model, devices=devices)
+    model.fit(x, y, **fit)
+    if case == "configured":
+        model.save(os.path.join(directory, "model.keras"))
+    model.save_weights(os.path.join(directory, "model.weights.h5"))
+    return model.predict(x, verbose=0)
