@@ -475,7 +475,8 @@ def test_a_subclassed_model_saved_after_training_loads_in_plain_keras(tmp_path, 
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
     env.update(KERAS_BACKEND=reload_backend, PYTHONPATH=ROOT)
     done = subprocess.run(
-        [sys.executable, "-c", _RELOAD_SUBCLASSED, case, str(tmp_path), str(tmp_path / "x.npy"), str(tmp_path / "p.npy")],
+        [sys.executable, "-c", _RELOAD_SUBCLASSED, case, str(tmp_path), str(tmp_path / "x.npy"),
+         str(tmp_path / "p.npy")],
         capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path),
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -19,7 +19,9 @@ def _data(samples, shape=(5,), seed=1):
 
 
 def _mlp(keras, optimizer, **dense):
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3, **dense)])
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3, **dense)]
+    )
     model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
     return model
 
@@ -89,35 +91,43 @@ def _mixed(keras, policy):
     return _with_policy(keras, policy, lambda: _mlp(keras, keras.optimizers.Adam(0.05), dtype="float32"))
 
 
+def _optimizer(make):
+    """A case that is the plain MLP with the optimizer ``make(keras)``."""
+    return lambda keras: _mlp(keras, make(keras))
+
+
+_TEN = dict(batch_size=10, epochs=2)
+_TWELVE = dict(batch_size=12, epochs=2)
+
 #: name -> (build(keras), samples, input shape, fit() arguments). 40 samples at a global batch of 10 split
 #: 5+5 on 2 processes and 4+3+3 on 3; 48 at 12 split evenly on both.
 CASES = {
-    "layer_argument": (_layer_argument, 40, (5,), dict(batch_size=10, epochs=2)),
-    "configured": (_configured, 40, (5,), dict(batch_size=10, epochs=2)),
-    "nested": (_nested, 40, (5,), dict(batch_size=10, epochs=2)),
-    "clipnorm": (lambda k: _mlp(k, k.optimizers.SGD(0.1, clipnorm=0.05)), 40, (5,), dict(batch_size=10, epochs=2)),
-    "global_clipnorm": (lambda k: _mlp(k, k.optimizers.SGD(0.1, global_clipnorm=0.1)), 40, (5,), dict(batch_size=10, epochs=2)),
-    "clipvalue": (lambda k: _mlp(k, k.optimizers.SGD(0.1, clipvalue=0.02)), 40, (5,), dict(batch_size=10, epochs=2)),
+    "layer_argument": (_layer_argument, 40, (5,), _TEN),
+    "configured": (_configured, 40, (5,), _TEN),
+    "nested": (_nested, 40, (5,), _TEN),
+    "clipnorm": (_optimizer(lambda k: k.optimizers.SGD(0.1, clipnorm=0.05)), 40, (5,), _TEN),
+    "global_clipnorm": (_optimizer(lambda k: k.optimizers.SGD(0.1, global_clipnorm=0.1)), 40, (5,), _TEN),
+    "clipvalue": (_optimizer(lambda k: k.optimizers.SGD(0.1, clipvalue=0.02)), 40, (5,), _TEN),
     "accumulation": (
-        lambda k: _mlp(k, k.optimizers.Adam(0.01, gradient_accumulation_steps=3)), 40, (5,), dict(batch_size=10, epochs=3)
+        _optimizer(lambda k: k.optimizers.Adam(0.01, gradient_accumulation_steps=3)), 40, (5,), dict(_TEN, epochs=3)
     ),
-    "adamw": (lambda k: _mlp(k, k.optimizers.AdamW(0.01, weight_decay=0.5)), 40, (5,), dict(batch_size=10, epochs=2)),
+    "adamw": (_optimizer(lambda k: k.optimizers.AdamW(0.01, weight_decay=0.5)), 40, (5,), _TEN),
     "ema": (
-        lambda k: _mlp(k, k.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3)),
-        40, (5,), dict(batch_size=10, epochs=2),
+        _optimizer(lambda k: k.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.8, ema_overwrite_frequency=3)),
+        40, (5,), _TEN,
     ),
     "schedule": (
-        lambda k: _mlp(k, k.optimizers.SGD(k.optimizers.schedules.ExponentialDecay(0.3, decay_steps=2, decay_rate=0.5))),
-        40, (5,), dict(batch_size=10, epochs=2),
+        _optimizer(lambda k: k.optimizers.SGD(k.optimizers.schedules.ExponentialDecay(0.3, 2, decay_rate=0.5))),
+        40, (5,), _TEN,
     ),
-    "mixed_float16": (lambda k: _mixed(k, "mixed_float16"), 40, (5,), dict(batch_size=10, epochs=2)),
-    "mixed_bfloat16": (lambda k: _mixed(k, "mixed_bfloat16"), 40, (5,), dict(batch_size=10, epochs=2)),
-    "batchnorm": (lambda k: _conv(k, k.optimizers.SGD(0.05, momentum=0.5)), 40, (8, 8, 1), dict(batch_size=10, epochs=2)),
+    "mixed_float16": (lambda k: _mixed(k, "mixed_float16"), 40, (5,), _TEN),
+    "mixed_bfloat16": (lambda k: _mixed(k, "mixed_bfloat16"), 40, (5,), _TEN),
+    "batchnorm": (lambda k: _conv(k, k.optimizers.SGD(0.05, momentum=0.5)), 40, (8, 8, 1), _TEN),
     "batchnorm_batch1": (lambda k: _conv(k, k.optimizers.SGD(0.05)), 5, (8, 8, 1), dict(batch_size=1, epochs=2)),
-    "guide_step": (lambda k: _guide(k, False), 48, (5,), dict(batch_size=12, epochs=2)),
-    "guide_step_batchnorm": (lambda k: _guide(k, True), 48, (5,), dict(batch_size=12, epochs=2)),
+    "guide_step": (lambda k: _guide(k, False), 48, (5,), _TWELVE),
+    "guide_step_batchnorm": (lambda k: _guide(k, True), 48, (5,), _TWELVE),
     # A last batch of 1: the ranks without a sample run the custom step on a stand-in.
-    "guide_step_tail": (lambda k: _guide(k, True), 49, (5,), dict(batch_size=12, epochs=2)),
+    "guide_step_tail": (lambda k: _guide(k, True), 49, (5,), _TWELVE),
 }
 
 

@@ -63,7 +63,9 @@ class Outer(keras.Model):
 
 
 def nested(input_shape=(5,)):
-    sequential = keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Activation("tanh")])
+    sequential = keras.Sequential(
+        [keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Activation("tanh")]
+    )
     inputs = keras.Input(input_shape)
     functional = keras.Model(inputs, keras.layers.Dense(8, activation="tanh")(sequential(inputs)))
     model = Outer(functional)

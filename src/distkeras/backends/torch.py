@@ -106,7 +106,9 @@ class TorchAdapter(Adapter):
         # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
         if not isinstance(sync_batchnorm, bool):
-            raise OptionError("Expected True or False for sync_batchnorm. Received: sync_batchnorm={!r}".format(sync_batchnorm))
+            raise OptionError(
+                "Expected True or False for sync_batchnorm. Received: sync_batchnorm={!r}".format(sync_batchnorm)
+            )
         if len({d.kind for d in devices}) > 1:
             raise DeviceSpecError(
                 "Expected devices of one kind: with PyTorch every replica is a process, and the processes of a job "
