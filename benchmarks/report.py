@@ -3,13 +3,13 @@
 import json
 import os
 
-from .variants import KEYS, LABELS, LETTERS
+from .variants import ALTERNATIVE, KEYS, LABELS, LETTERS
 
 #: Plot style per variant (the ideal line is dashed grey).
 STYLES = {"plain": ("k", "s"), "distkeras": ("tab:blue", "o"), "native": ("tab:orange", "^"),
-          "make_parallel": ("tab:green", "v")}
+          "make_parallel": ("tab:green", "v"), ALTERNATIVE: ("tab:purple", "D")}
 #: Horizontal offsets (in devices) that keep the variants' markers at one N apart.
-OFFSETS = dict(zip(KEYS, (-0.09, -0.03, 0.03, 0.09)))
+OFFSETS = dict(zip(KEYS, (-0.09, -0.03, 0.03, 0.09)), **{ALTERNATIVE: 0.0})
 
 
 def write(results, out_dir):
@@ -114,6 +114,25 @@ def throughput_table(results):
     return lines
 
 
+def alternative_table(results):
+    """b against b2 (b with other ``distribute()`` options), where a run has b2; else no lines."""
+    runs = [r for r in _ok(results["runs"]) if ALTERNATIVE in r["variants"]]
+    if not runs:
+        return []
+    settings = results["settings"]
+    lines = ["b: `distribute()` options {}; b2: {} added.".format(
+        json.dumps(settings.get("distribute_options") or {}), json.dumps(settings.get("alt_distribute_options"))), "",
+        "| backend | workload | N | b: distkeras | b2: distkeras, other options | c: native | b/b2 | b2/c |",
+        "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        variants = run["variants"]
+        lines.append("| {} | {} | {} | {} | {} | {} | {} | {} |".format(
+            run["backend"], run["workload"], run["devices"], _rate(variants["distkeras"]),
+            _rate(variants[ALTERNATIVE]), _rate(variants["native"]) if "native" in variants else "—",
+            _ratio(run["ratios"], "distkeras/" + ALTERNATIVE), _ratio(run["ratios"], ALTERNATIVE + "/native")))
+    return lines
+
+
 def _efficiencies(efficiency):
     return " / ".join("{:.2f}".format(efficiency[k]) if k in efficiency else "—" for k in KEYS[1:])
 
@@ -164,6 +183,9 @@ def markdown(results):
               "(N × a's samples/s), a from the N=1 run and, in brackets, a measured alongside in the same "
               "process.".format(windows), ""]
     parts += throughput_table(results)
+    alternative = alternative_table(results)
+    if alternative:
+        parts += ["", "### b with other distribute() options (b2), interleaved with the others", ""] + alternative
     parts += ["", "### Start-up and memory (each variant in a fresh process)", ""]
     parts += setup_table(results)
     parts += ["", "### Communication per step", "",
@@ -193,7 +215,7 @@ def plot(results, path):
     for axis, (backend, workload) in zip(axes.flat, [(b, w) for b in rows for w in columns]):
         mine = sorted((r for r in runs if (r["backend"], r["workload"]) == (backend, workload)),
                       key=lambda r: r["devices"])
-        for key in KEYS:
+        for key in KEYS + (ALTERNATIVE,):
             points = [(r["devices"], r["variants"][key]["samples_per_s"]) for r in mine if key in r["variants"]]
             if not points:
                 continue

@@ -32,7 +32,7 @@ def add_arguments(parser):
     parser.add_argument("--workloads", default="mlp", help="comma-separated, of: " + ", ".join(workloads.NAMES))
     parser.add_argument("--width", type=float, default=1.0, help="MLP width scale (0.1 = 800-400-200-50-30-1)")
     parser.add_argument("--batch", type=int, default=None,
-                        help="samples per device per step (default: the workload's: mlp 2048, cnn 32, digits 32)")
+                        help="samples per device per step (default: the workload's: mlp 2048, cnn, digits, bncnn 32)")
     parser.add_argument("--steps", type=int, default=20, help="steps per timed window (>= 2; default 20)")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant (>= 5; default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed windows first (default 1)")
@@ -43,6 +43,10 @@ def add_arguments(parser):
                         help="TensorFlow only: split GPU 0 into N logical GPUs of MB MiB each")
     parser.add_argument("--distribute-options", default=None, metavar="JSON",
                         help='keyword arguments for distkeras.distribute in b, e.g. \'{"exact_loss_scaling": false}\'')
+    parser.add_argument("--alt-distribute-options", default=None, metavar="JSON",
+                        help="adds variant b2: b with these keyword arguments added to (or replacing) "
+                             "--distribute-options, its windows interleaved with the others', e.g. "
+                             '\'{"sync_batchnorm": false}\'')
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one worker may take (default 3600)")
     parser.add_argument("--out", default="bench-results", help="folder for results.json, results.md, throughput.png")
 
@@ -60,12 +64,15 @@ def check(args):
     counts = _csv(args.devices)
     if not counts or not all(c.isdigit() and int(c) >= 1 for c in counts):
         return "--devices must be comma-separated positive ints, e.g. 1,2,4. Received: {!r}".format(args.devices)
-    if args.distribute_options is not None:
+    for flag, value in (("--distribute-options", args.distribute_options),
+                        ("--alt-distribute-options", args.alt_distribute_options)):
+        if value is None:
+            continue
         try:
-            if not isinstance(json.loads(args.distribute_options), dict):
+            if not isinstance(json.loads(value), dict):
                 raise ValueError("not an object")
         except ValueError as exc:
-            return "--distribute-options must be a JSON object ({}). Received: {!r}".format(exc, args.distribute_options)
+            return "{} must be a JSON object ({}). Received: {!r}".format(flag, exc, value)
     unknown = [w for w in _csv(args.workloads) if w not in workloads.NAMES]
     if unknown:
         return "unknown workload(s) {}; expected some of {}".format(", ".join(unknown), ", ".join(workloads.NAMES))
@@ -132,7 +139,9 @@ def main(args):
         "settings": {"backends": chosen, "devices": counts, "workloads": _csv(args.workloads), "width": args.width,
                      "batch": args.batch, "steps": args.steps, "windows": args.windows, "warmup": args.warmup,
                      "platform": platform, "split_gpu_mb": args.split_gpu,
-                     "distribute_options": json.loads(args.distribute_options or "{}")},
+                     "distribute_options": json.loads(args.distribute_options or "{}"),
+                     "alt_distribute_options": json.loads(args.alt_distribute_options)
+                     if args.alt_distribute_options is not None else None},
         "runs": [], "setup": [], "skipped": [],
     }
     started = time.time()
@@ -162,6 +171,8 @@ def _measure(results, backend, name, counts, platform, args):
     common += ["--batch", str(args.batch)] if args.batch else []
     common += ["--split-gpu-mb", str(args.split_gpu)] if args.split_gpu else []
     common += ["--distribute-options", args.distribute_options] if args.distribute_options else []
+    alternative = args.alt_distribute_options is not None
+    common += ["--alt-distribute-options", args.alt_distribute_options] if alternative else []
     for devices in counts:
         label = "{} {} N={}".format(backend, name, devices)
         print("benchmarks: {}: throughput".format(label), file=sys.stderr, flush=True)
@@ -173,6 +184,8 @@ def _measure(results, backend, name, counts, platform, args):
         # Set-up figures, each variant in a fresh process: a once (on one device), b, c, d per N > 1.
         keys = ["plain"] if devices == counts[0] else []
         keys += [k for k in variants.KEYS if k != "plain"] if devices > 1 else []
+        if devices > 1 and alternative:
+            keys.insert(keys.index("distkeras") + 1, variants.ALTERNATIVE)
         for key in keys:
             count = 1 if key == "plain" else devices
             worker = common + ["--mode", "setup", "--variant", key, "--devices", str(count)]

@@ -5,6 +5,9 @@
     c  native         the hand-written equivalent on N devices, per backend (``benchmarks.backends``)
     d  make_parallel  the old tutorials' recipe: split the batch, one replica per device, concatenate
                       the outputs on one device, one loss (per backend, where it can be written)
+    b2 distkeras_alt  b again with other ``distribute()`` options (``--alt-distribute-options``), only when
+                      asked: two settings of distkeras side by side, e.g. with and without synchronized
+                      BatchNormalization
 
 Each is set up into a :class:`Variant`: a trainer that runs ``steps`` training steps and returns when
 they are done, the global batch it takes, and time stamps taken while it was set up (so the worker
@@ -23,12 +26,15 @@ from typing import Callable, Dict
 
 #: Variant keys in table order, with the letter of the issue and a label for tables and plots.
 KEYS = ("plain", "distkeras", "native", "make_parallel")
-LETTERS = dict(zip(KEYS, "abcd"))
+#: b2: variant b with other ``distribute()`` options; set up only when they are given.
+ALTERNATIVE = "distkeras_alt"
+LETTERS = dict(zip(KEYS, "abcd"), **{ALTERNATIVE: "b2"})
 LABELS = {
     "plain": "plain Keras, 1 device",
     "distkeras": "distkeras.distribute",
     "native": "native (hand-written)",
     "make_parallel": "make_parallel (split/concat)",
+    ALTERNATIVE: "distkeras.distribute, other options",
 }
 
 
@@ -108,9 +114,9 @@ def plain(workload, devices, fit=fit_variant):
     return fit("plain", model, 1, workload.per_device_batch, marks)
 
 
-def distributed(workload, devices, options=None, fit=fit_variant):
-    """b: the plain model handed to ``distkeras.distribute`` (with ``options``, the adapter's keyword
-    arguments); ``marks["distribute"]`` is the call. ``fit``: as :func:`fit_variant`."""
+def distributed(workload, devices, options=None, fit=fit_variant, key="distkeras"):
+    """b (or b2, ``key``): the plain model handed to ``distkeras.distribute`` (with ``options``, the adapter's
+    keyword arguments); ``marks["distribute"]`` is the call. ``fit``: as :func:`fit_variant`."""
     import distkeras
     import keras
 
@@ -118,7 +124,7 @@ def distributed(workload, devices, options=None, fit=fit_variant):
     model = workload.build(keras)
     marks["distribute"] = time.perf_counter()
     model = distkeras.distribute(model, devices=devices, **(options or {}))
-    return fit("distkeras", model, devices, workload.per_device_batch * devices, marks)
+    return fit(key, model, devices, workload.per_device_batch * devices, marks)
 
 
 def split_concat(workload, devices, replicas, scope=None):
@@ -140,7 +146,7 @@ def split_concat(workload, devices, replicas, scope=None):
 
 def setup(key, workload, devices, plan, options=None):
     """Set up variant ``key`` with the backend module ``plan`` (see :mod:`benchmarks.backends`);
-    ``options`` go to ``distkeras.distribute`` (variant b).
+    ``options`` go to ``distkeras.distribute`` (variants b and b2: each gets its own).
 
     Raises:
         NotImplementedError: the backend has no way to build this variant (its reason as the message).
@@ -150,8 +156,8 @@ def setup(key, workload, devices, plan, options=None):
     def build():
         if key == "plain":
             return plain(workload, devices, fit)
-        if key == "distkeras":
-            return distributed(workload, devices, options, fit)
+        if key in ("distkeras", ALTERNATIVE):
+            return distributed(workload, devices, options, fit, key)
         make = getattr(plan, key, None)
         if make is None:
             raise NotImplementedError(getattr(plan, "MISSING", {}).get(key, "not written for this backend"))

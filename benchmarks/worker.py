@@ -4,7 +4,8 @@ Started by :mod:`benchmarks.run` with ``KERAS_BACKEND`` (and, on CPUs, ``DISTKER
 since Keras fixes its backend and devices when it starts. Two modes:
 
 ``throughput``
-    Sets up every variant (a alone on one device; a, b, c, d on N > 1), times each one's first step,
+    Sets up every variant (a alone on one device; a, b, c, d on N > 1, and b2 when its options are
+    given), times each one's first step,
     then alternates their timed windows, and on N > 1 runs the communication microbenchmarks.
 ``setup``
     Sets up one variant in a fresh process and reports the time from its set-up to its first finished
@@ -44,6 +45,9 @@ def parse_args(argv):
     parser.add_argument("--split-gpu-mb", type=int, default=None)
     parser.add_argument("--distribute-options", type=json.loads, default={},
                         help="JSON object of keyword arguments for distkeras.distribute (variant b)")
+    parser.add_argument("--alt-distribute-options", type=json.loads, default=None,
+                        help="JSON object: variant b2, b with these keyword arguments added to (or replacing) "
+                             "--distribute-options; absent: no b2")
     parser.add_argument("--out", required=True)
     return parser.parse_args(argv)
 
@@ -74,6 +78,14 @@ class Context:
             self._pools[global_batch] = self.workload.batches(self._rng, global_batch, count)
         return self._pools[global_batch]
 
+    def options(self, key):
+        """``distkeras.distribute`` keyword arguments of variant ``key`` (b, and b2 when asked)."""
+        from . import variants
+
+        if key == variants.ALTERNATIVE:
+            return dict(self.args.distribute_options, **self.args.alt_distribute_options)
+        return self.args.distribute_options
+
     def first_step(self, variant):
         """Run the variant's first step; seconds from each of its set-up marks to the step's end."""
         variant.train(self.pool(variant.global_batch)[:1], 1)
@@ -98,10 +110,12 @@ def throughput(context):
 
     args = context.args
     keys = ["plain"] if args.devices == 1 else list(variants.KEYS)
+    if args.devices > 1 and args.alt_distribute_options is not None:
+        keys.insert(keys.index("distkeras") + 1, variants.ALTERNATIVE)
     made, not_run, first_steps = [], {}, {}
     for key in keys:
         try:
-            variant = variants.setup(key, context.workload, args.devices, context.plan, args.distribute_options)
+            variant = variants.setup(key, context.workload, args.devices, context.plan, context.options(key))
         except NotImplementedError as exc:
             not_run[key] = str(exc)
             log("{}: not run ({})".format(key, exc))
@@ -124,9 +138,10 @@ def throughput(context):
         }
     rate = {key: f["samples_per_s"] for key, f in figures.items()}
     ratios = {}
-    for other in ("native", "make_parallel"):
-        if "distkeras" in rate and other in rate:
-            ratios["distkeras/" + other] = measure.paired_ratio(rate["distkeras"], rate[other])
+    for first, other in (("distkeras", "native"), ("distkeras", "make_parallel"),
+                         ("distkeras", variants.ALTERNATIVE), (variants.ALTERNATIVE, "native")):
+        if first in rate and other in rate:
+            ratios[first + "/" + other] = measure.paired_ratio(rate[first], rate[other])
     efficiency = {}
     if "plain" in rate:
         for key in rate:
@@ -178,7 +193,8 @@ def setup(context):
     pool = context.pool(args.devices * context.workload.per_device_batch)  # before the baseline: data is not counted
     with measure.PeakMemory() as memory:
         try:
-            variant = variants.setup(args.variant, context.workload, args.devices, context.plan, args.distribute_options)
+            variant = variants.setup(args.variant, context.workload, args.devices, context.plan,
+                                     context.options(args.variant))
         except NotImplementedError as exc:
             return {"variant": args.variant, "not_run": str(exc)}
         first = context.first_step(variant)

@@ -1,4 +1,4 @@
-"""The three workloads: what model is trained, on what data, at what batch size per device.
+"""The workloads: what model is trained, on what data, at what batch size per device.
 
 Each workload builds a compiled Keras model with the active backend and makes a small pool of batches
 that the timed windows cycle through, so memory does not grow with the length of a window. The models
@@ -10,6 +10,9 @@ build with Keras 3 and with Keras 2 (keras-mxnet 2.2.4.3).
 - ``cnn``: the keras-mxnet CIFAR-10 tutorial's CNN (two conv blocks of 32 and 64 filters with
   max-pooling and dropout, Dense 512, softmax, RMSprop), synthetic 32x32x3 images, 32 per device.
 - ``digits``: the MLP of ``distkeras demo`` on scikit-learn's bundled digits (real data), 32 per device.
+- ``bncnn``: a small BatchNormalization conv net (two blocks of Conv2D without bias, BatchNormalization
+  and ReLU, of 32 and 64 filters, max-pooling between them, global average pooling, Dense softmax; Adam),
+  synthetic 32x32x3 images, 32 per device: what synchronizing BatchNormalization statistics costs.
 """
 
 from dataclasses import dataclass
@@ -27,7 +30,7 @@ class Workload:
     """One benchmark model and its data.
 
     Attributes:
-        name: ``mlp``, ``cnn`` or ``digits``.
+        name: one of :data:`NAMES`.
         description: a line for tables, naming the shape actually built.
         per_device_batch: samples per device per step; the global batch on N devices is N times it.
         loss: the compiled loss, by Keras name (hand-written training loops use it too).
@@ -147,8 +150,33 @@ def _digits():
                     "sparse_categorical_crossentropy", build, batches)
 
 
+def _bncnn():
+    def build(keras):
+        layers = keras.layers
+        model = _sequential(keras, (32, 32, 3), [
+            layers.Conv2D(32, (3, 3), padding="same", use_bias=False),
+            layers.BatchNormalization(),
+            layers.ReLU(),
+            layers.MaxPooling2D(pool_size=(2, 2)),
+            layers.Conv2D(64, (3, 3), padding="same", use_bias=False),
+            layers.BatchNormalization(),
+            layers.ReLU(),
+            layers.GlobalAveragePooling2D(),
+            layers.Dense(10, activation="softmax"),
+        ], "bn_cnn")
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+        return model
+
+    def batches(rng, size, count):
+        return [(rng.random((size, 32, 32, 3), dtype=np.float32), rng.integers(0, 10, size=(size,)).astype(np.int32))
+                for _ in range(count)]
+
+    return Workload("bncnn", "BatchNorm CNN, 2 x (Conv2D, BatchNormalization, ReLU), 32x32x3 synthetic "
+                    "(20,330 params)", 32, "sparse_categorical_crossentropy", build, batches)
+
+
 #: Workload names, in the order tables list them.
-NAMES = ("mlp", "cnn", "digits")
+NAMES = ("mlp", "cnn", "digits", "bncnn")
 
 
 def get(name, width=1.0):
@@ -159,4 +187,6 @@ def get(name, width=1.0):
         return _cnn()
     if name == "digits":
         return _digits()
+    if name == "bncnn":
+        return _bncnn()
     raise ValueError("Expected a workload in {}. Received: {!r}".format(NAMES, name))
