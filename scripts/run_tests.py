@@ -7,7 +7,9 @@ Then tests/cntk: the CNTK adapter against test doubles of CNTK 2.7 and Keras 2.3
 processes import in place of the real ones (tests/cntk/doubles); its test on a real CNTK runs only where
 DISTKERAS_CNTK_PYTHON names a Python with CNTK 2.7 and Keras 2.3.1.
 Prints one closing line, "tests: N passed, N failed, N skipped", and exits non-zero if any suite failed
-or errored. Extra arguments go to every pytest run (e.g. -k, -x).
+or errored. Extra arguments go to every pytest run (e.g. -k, -x). DISTKERAS_SUITES=a,b runs only the named
+suites; DISTKERAS_TESTS=path,path (test files or folders) runs only those, each in the suites whose paths hold
+it, and skips the suites that hold none.
 """
 
 import os
@@ -43,6 +45,15 @@ SUITES = [
 ]
 
 
+def restrict(paths, wanted):
+    """The suite's pytest arguments for only the ``wanted`` paths that lie in its test paths; None if none do."""
+    options = [p for p in paths if p.startswith("-")]
+    roots = [p.rstrip("/") for p in paths if not p.startswith("-")]
+    picked = [w for w in wanted if any(w.rstrip("/") == r or w.startswith(r + "/") for r in roots)
+              and "--ignore=" + w not in options]
+    return picked + options if picked else None
+
+
 def count(junit_path):
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     if not os.path.exists(junit_path):
@@ -59,12 +70,17 @@ def count(junit_path):
 
 def main(argv):
     only = os.environ.get("DISTKERAS_SUITES", "").split(",") if os.environ.get("DISTKERAS_SUITES") else None
+    wanted = os.environ.get("DISTKERAS_TESTS", "").split(",") if os.environ.get("DISTKERAS_TESTS") else None
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     failed_suites = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, env, paths, python in SUITES:
             if only and name not in only:
                 continue
+            if wanted:
+                paths = restrict(paths, wanted)
+                if paths is None:
+                    continue
             junit = os.path.join(tmp, name + ".xml")
             print("\n==== suite: {} ====".format(name), flush=True)
             if python is not None and not os.path.exists(python):
