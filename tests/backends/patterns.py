@@ -234,6 +234,13 @@ def trained_before_distribute(keras):
     return model, x, y, kwargs
 
 
+def steps_per_execution(keras):
+    """Several steps per call (Keras after 3.15 stacks them into one scan on JAX), at a global batch of 10:
+    3 replicas don't divide it."""
+    model, x, y, _ = _mlp(keras, keras.optimizers.SGD(0.1), steps_per_execution=2)
+    return model, x, y, {"batch_size": 10}
+
+
 #: name -> (build, weight tolerance). float16 and bfloat16 compute rounds at 1e-4 and 1e-3 (measured: max |ΔW| 1.2e-4
 #: and 6.4e-4 on TF and JAX); everything else agrees to float32 rounding.
 PATTERNS = {
@@ -258,7 +265,17 @@ PATTERNS = {
     "sample_and_class_weights": (sample_and_class_weights, 1e-5),
     "class_weights": (class_weights, 1e-5),
     "trained_before_distribute": (trained_before_distribute, 1e-5),
+    "steps_per_execution": (steps_per_execution, 1e-5),
 }
+
+#: Patterns a backend's Keras itself can't run: torch refuses steps_per_execution > 1 ("must be 1 with the
+#: PyTorch backend"), and Keras 3.15's TensorFlow trainer fails with it under any MirroredStrategy, plain Keras
+#: too (InvalidArgumentError at a placeholder in its step loop; checked without distkeras).
+NOT_ON = {"steps_per_execution": ("torch", "tensorflow")}
+
+
+def names(backend):
+    return sorted(name for name in PATTERNS if backend not in NOT_ON.get(name, ()))
 
 
 def replicas_seen(model):

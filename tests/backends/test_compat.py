@@ -37,7 +37,7 @@ def assert_same_training(expected, got, atol):
 
 
 @pytest.mark.parametrize("devices", [2, 3])
-@pytest.mark.parametrize("name", sorted(patterns.PATTERNS))
+@pytest.mark.parametrize("name", patterns.names(BACKEND))
 def test_pattern_trains_as_on_one_device(name, devices):
     _, atol = patterns.PATTERNS[name]
     expected = single_device(name)

@@ -178,11 +178,13 @@ def test_a_subclassed_model_with_config_saves_and_reloads_as_the_plain_model(tmp
 def test_the_keras_privates_the_adapter_relies_on_are_there():
     """The adapter reaches into Keras 3's TensorFlow backend (see tensorflow.py); a Keras that renames
     any of these fails here, by name, rather than somewhere inside a training step."""
-    from keras.src.backend.tensorflow.core import Variable
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
+    # The backend's classes are taken from live objects: Keras moves and renames its backend modules
+    # (keras-nightly: tensorflow.core -> tensorflow.ops.core, TensorFlowTrainer -> Trainer).
+    Variable = type(keras.Variable(0.0))
+    TFOptimizer = next(c for c in type(keras.optimizers.SGD()).__mro__ if "_all_reduce_sum_gradients" in vars(c))
+    TensorFlowTrainer = next(c for c in keras.Model.__mro__ if "_maybe_symbolic_build" in vars(c))
     model = scenarios.build(keras)
     assert "_distribute_strategy" in model.__dict__ and hasattr(TensorFlowTrainer, "_maybe_symbolic_build")
     assert callable(Variable._initialize) and isinstance(model.weights[0]._value, tf_variable())

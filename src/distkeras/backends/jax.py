@@ -358,9 +358,9 @@ def _replicate_uneven_batches():
         warned = _ours.get(current) if current is not None else None
         if warned is None or not isinstance(sharding, jax.sharding.NamedSharding) or not shape:
             return original(per_process_batch, layout, batch_dim_name)
-        parts = _batch_parts(sharding)
-        if shape[0] % parts:
-            _warn_uneven(warned, shape[0], parts)
+        axis, parts = _batch_axis(sharding)
+        if axis < len(shape) and shape[axis] % parts:
+            _warn_uneven(warned, shape[axis], parts)
             sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
         if jax.process_count() > 1:
             # Every process holds the whole global batch: each keeps only its devices' slices.
@@ -372,11 +372,16 @@ def _replicate_uneven_batches():
     lib.distribute_data_input = distribute_data_input
 
 
-def _batch_parts(sharding):
-    """How many pieces ``sharding`` cuts the first axis into."""
-    first = sharding.spec[0] if len(sharding.spec) else None
-    names = first if isinstance(first, tuple) else (first,)
-    return math.prod(sharding.mesh.shape[name] for name in names if name is not None)
+def _batch_axis(sharding):
+    """The axis ``sharding`` splits the batch along, and into how many pieces: the first axis the spec
+    names a mesh axis for. That is axis 0 for a batch, and axis 1 for the stack of batches Keras after 3.15
+    runs as one scan with ``steps_per_execution > 1`` (spec ``(None, 'batch', ...)``)."""
+    for axis, entry in enumerate(sharding.spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        names = [name for name in names if name is not None]
+        if names:
+            return axis, math.prod(sharding.mesh.shape[name] for name in names)
+    return 0, 1
 
 
 def _warn_uneven(warned, size, parts):

@@ -133,6 +133,16 @@ def uninstall(model):
         keras3.unhook(obj)
 
 
+def _unreduced_metrics_result(model):
+    """``get_metrics_result`` as the class after Keras' torch trainer defines it, where that trainer's own
+    one all-reduces the metric states (Keras after 3.15); None where it doesn't (Keras 3.15), or where the
+    user's class defines its own."""
+    defining = [klass for klass in type(model).__mro__ if "get_metrics_result" in vars(klass)]
+    if len(defining) < 2 or not defining[0].__module__.startswith("keras.src.backend.torch."):
+        return None
+    return vars(defining[1])["get_metrics_result"].__get__(model)
+
+
 def _batchnorm_layers(model):
     """The model's BatchNormalization instances whose statistics distkeras can make global, and the others
     (a subclass that computes its statistics in a ``_moments`` of its own)."""
@@ -184,6 +194,17 @@ def install(model, replica, sync_batchnorm=True):
         "save": _rank0_writes(model.save, replica),
         "save_weights": _rank0_writes(model.save_weights, replica),
     }
+    # Keras after 3.15 (keras-nightly 3.16.0.dev) does data parallelism of its own once torch.distributed
+    # is initialized: its make_*_function wraps the model in DistributedDataParallel (the private
+    # Trainer._initialize_ddp), which averages gradients equally over ranks before distkeras weighs them by
+    # their samples, and its get_metrics_result() sums the metric states over the ranks, which
+    # _get_metrics_result_or_logs above already did. Both are turned off on the instance; on Keras 3.15,
+    # which has neither, nothing changes. Found by scripts/nightly.sh.
+    if callable(getattr(type(model), "_initialize_ddp", None)):
+        hooks["_initialize_ddp"] = lambda *args, **kwargs: None
+    unreduced = _unreduced_metrics_result(model)
+    if unreduced is not None:
+        hooks["get_metrics_result"] = unreduced
     for name, hook in hooks.items():
         keras3.hook(model, name, hook)
     model.train_function = model.test_function = model.predict_function = None
