@@ -36,11 +36,6 @@ def unhook(obj):
         obj.__dict__.pop(name, None)
 
 
-def hooked(obj, name):
-    """True when ``obj.name`` is a hook :func:`hook` set."""
-    return name in obj.__dict__.get(_HOOKS, ())
-
-
 def optimizers_of(model):
     """The model's optimizer and, for a wrapper such as LossScaleOptimizer, the optimizer it wraps."""
     found = []
