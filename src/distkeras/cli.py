@@ -40,10 +40,12 @@ def _launch(args):
         env = dict(os.environ, KERAS_BACKEND="cntk", PYTHONUNBUFFERED="1")
         commands, envs, ranks = [launch.mpiexec_command(script, args.nproc_per_node)], [env], ["mpi"]
     else:
-        commands, envs, ranks = launch.plan(
+        return launch.run_job(
             script, args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank, coordinator=args.coordinator,
-            backend=backend, tf_hosts=args.hosts.split(",") if args.hosts else None)
-    return launch.Launcher(commands, envs, ranks, stop_timeout=args.stop_timeout).run()
+            backend=backend, hosts=[h.strip() for h in args.hosts.split(",")] if args.hosts else None,
+            interface=args.interface, stop_timeout=args.stop_timeout, join_timeout=args.join_timeout,
+            peer_timeout=args.peer_timeout)
+    return launch.Launcher(commands, envs, ranks, stop_timeout=args.stop_timeout or launch.DEFAULT_STOP_TIMEOUT).run()
 
 
 def _info(args):
@@ -81,11 +83,25 @@ def build_parser():
     launch.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default 1)")
     launch.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
     launch.add_argument("--coordinator", default=None,
-                        help="HOST:PORT of rank 0's rendezvous; default 127.0.0.1 and a free port (one host only)")
-    launch.add_argument("--hosts", default=None, help="TensorFlow across hosts: every host's address, comma-separated")
+                        help="HOST:PORT of node rank 0, the same on every host. One host: the engine's rendezvous "
+                             "(default 127.0.0.1 and a free port). Several hosts: the launchers meet at PORT and the "
+                             "engines use PORT+1 (TensorFlow's workers PORT+1..PORT+nproc-per-node on every host)")
+    launch.add_argument("--hosts", default=None,
+                        help="several hosts: every host's address in node-rank order, comma-separated (default: each "
+                             "host's address on the interface that reaches the coordinator)")
+    launch.add_argument("--interface", default=None,
+                        help="the network interface (or one of its addresses) the engines use; default: the one "
+                             "that reaches the coordinator. Also DISTKERAS_INTERFACE")
     launch.add_argument("--backend", default=None, help="Keras backend (default: KERAS_BACKEND, keras.json, tensorflow)")
-    launch.add_argument("--stop-timeout", type=float, default=30.0,
-                        help="seconds between SIGTERM and SIGKILL when stopping workers after a failure (default 30)")
+    launch.add_argument("--stop-timeout", type=float, default=None,
+                        help="seconds between SIGTERM and SIGKILL when stopping workers after a failure (default 20; "
+                             "also DISTKERAS_STOP_TIMEOUT)")
+    launch.add_argument("--join-timeout", type=float, default=None,
+                        help="several hosts: seconds the launchers wait for each other at the start (default 120; also "
+                             "DISTKERAS_JOIN_TIMEOUT)")
+    launch.add_argument("--peer-timeout", type=float, default=None,
+                        help="several hosts: seconds of silence after which a host counts as lost and the job ends "
+                             "(default 15; also DISTKERAS_PEER_TIMEOUT)")
     # A flag, with the module as SCRIPT: `-m pkg.mod --flag` then hands --flag to the module, as python -m does.
     launch.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module, run as python -m SCRIPT")
     launch.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...], or with -m: module [args...]")

@@ -47,3 +47,7 @@ class TooLateError(DistKerasError, RuntimeError):
 
 class LaunchError(DistKerasError, RuntimeError):
     """Starting, watching or stopping worker processes failed."""
+
+
+class NetworkError(DistKerasError, ConnectionError):
+    """No interface reaches the coordinator, a named interface doesn't exist, or a host of the job is lost."""

@@ -25,9 +25,33 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import LaunchError
+from .network import INTERFACE_ENV
 
 #: Seconds between SIGTERM and SIGKILL when stopping the surviving workers.
-DEFAULT_STOP_TIMEOUT = 30.0
+DEFAULT_STOP_TIMEOUT = 20.0
+STOP_TIMEOUT_ENV = "DISTKERAS_STOP_TIMEOUT"
+#: Set in every worker to its launcher's pid: a worker never outlives its launcher.
+LAUNCHER_ENV = "DISTKERAS_LAUNCHER_PID"
+
+# Runs in each worker before its command: die with the launcher (Linux: the kernel sends SIGKILL), and
+# don't start at all if the launcher is already gone; then become the command (exec keeps the pid and
+# the death signal). torch's self-launch starts its workers the same way.
+_BOOT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"  # 1 = PR_SET_PDEATHSIG
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(os.environ[sys.argv[1]]):\n"
+    "    os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def orphan_proof(command, parent_variable):
+    # type: (List[str], str) -> List[str]
+    """``command``, started so that it dies with the process named by ``parent_variable`` in its environment."""
+    return [sys.executable, "-c", _BOOT, parent_variable] + list(command)
 
 
 def parse_address(text, option="--coordinator"):
@@ -114,8 +138,9 @@ def _describe_exit(code):
 class Launcher(object):
     """Runs one host's workers to completion; see the module docstring."""
 
-    def __init__(self, commands, envs, ranks, stop_timeout=DEFAULT_STOP_TIMEOUT, stdout=None, stderr=None):
-        # type: (Sequence[List[str]], Sequence[Dict[str, str]], Sequence[int], float, object, object) -> None
+    def __init__(self, commands, envs, ranks, stop_timeout=DEFAULT_STOP_TIMEOUT, stdout=None, stderr=None,
+                 supervisor=None):
+        # type: (Sequence[List[str]], Sequence[Dict[str, str]], Sequence[int], float, object, object, object) -> None
         self.commands = list(commands)
         self.envs = list(envs)
         self.ranks = list(ranks)
@@ -126,6 +151,7 @@ class Launcher(object):
         self.lock = threading.Lock()
         self.failure = None  # type: Optional[Tuple[int, int]]
         self.interrupted_at = None  # type: Optional[float]
+        self.supervisor = supervisor  # a rendezvous.Supervisor across hosts: the other hosts' news
 
     def _say(self, message):
         with self.lock:
@@ -135,7 +161,7 @@ class Launcher(object):
     def start(self):
         for command, env, rank in zip(self.commands, self.envs, self.ranks):
             process = subprocess.Popen(
-                command,
+                orphan_proof(command, LAUNCHER_ENV) if LAUNCHER_ENV in env else command,
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -173,7 +199,7 @@ class Launcher(object):
 
     def wait(self):
         # type: () -> int
-        """Block until every worker has exited; return the launcher's exit code."""
+        """Block until every worker has exited (and, across hosts, every host's); return the exit code."""
         while True:
             running = False
             for worker in self.workers:
@@ -182,12 +208,20 @@ class Launcher(object):
                     running = True
                 elif code != 0 and self.failure is None and self.interrupted_at is not None:
                     self.failure = (worker.rank, code)  # ended by the forwarded signal: let the others end too
+                    if self.supervisor is not None:
+                        self.supervisor.failed(worker.rank, _describe_exit(code))
                 elif code != 0 and self.failure is None:
                     self.failure = (worker.rank, code)
+                    if self.supervisor is not None:
+                        self.supervisor.failed(worker.rank, _describe_exit(code))
                     started = time.time()
                     self._say("rank {} died ({}); stopping the other workers".format(worker.rank, _describe_exit(code)))
                     self.stop_all()
                     self._say("all workers stopped {:.1f} s after rank {} died".format(time.time() - started, worker.rank))
+            if self.failure is None and self.supervisor is not None:
+                verdict = self.supervisor.poll() if running else self.supervisor.finish()
+                if verdict is not None:
+                    self._remote_failure(verdict)
             if not running or (self.failure is not None and self.interrupted_at is None):
                 break
             if self.interrupted_at is not None and time.time() - self.interrupted_at > self.stop_timeout:
@@ -201,6 +235,15 @@ class Launcher(object):
             rank, code = self.failure
             return code if code > 0 else 128 - code
         return 0
+
+    def _remote_failure(self, verdict):
+        """Another host failed or was lost: stop this host's workers, exit 1 naming what happened."""
+        self.failure = (None, 1)
+        started = time.time()
+        self._say("{}; stopping this host's workers".format(verdict))
+        if any(w.process.poll() is None for w in self.workers):
+            self.stop_all()
+            self._say("this host's workers stopped {:.1f} s later".format(time.time() - started))
 
     def run(self):
         # type: () -> int
@@ -225,14 +268,65 @@ class Launcher(object):
 
 
 def plan(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None, backend="tensorflow",
-         tf_hosts=None, python=None, environ=None):
-    # type: (List[str], int, int, int, Optional[str], str, Optional[List[str]], Optional[str], Optional[Dict[str, str]]) -> Tuple[List[List[str]], List[Dict[str, str]], List[int]]
+         tf_hosts=None, python=None, environ=None, addresses=None, interface=None):
+    # type: (List[str], int, int, int, Optional[str], str, Optional[List[str]], Optional[str], Optional[Dict[str, str]], Optional[List[str]], Optional[str]) -> Tuple[List[List[str]], List[Dict[str, str]], List[int]]
     """Commands, environments and ranks for this host's workers (pure: no process is started).
 
+    On one host the engine's rendezvous is ``coordinator`` (default: 127.0.0.1 and a free port). Across
+    hosts ``coordinator`` is where the launchers meet (:mod:`distkeras.rendezvous`), and the engines use the
+    ports after it: torch.distributed's store and jax.distributed's service PORT+1, TensorFlow's workers
+    PORT+1 .. PORT+nproc_per_node on every host, at each host's address in ``addresses``.
+
+    Args:
+        addresses: across hosts, every host's address by node rank (the rendezvous' plan); default
+            ``tf_hosts``.
+        interface: the interface (or address) the engines use, passed on as DISTKERAS_INTERFACE.
+
     Raises:
-        LaunchError: bad counts, a malformed or busy coordinator, or a multi-host TensorFlow job without
-            ``tf_hosts`` (MultiWorkerMirroredStrategy needs every worker's address).
+        LaunchError: bad counts, a malformed coordinator, or a multi-host job without the hosts' addresses.
     """
+    check_counts(script_args, nproc_per_node, nnodes, node_rank)
+    if coordinator is None:
+        if nnodes > 1:
+            raise LaunchError("A job of {} hosts needs --coordinator HOST:PORT (rank 0's host), the same on every host.".format(nnodes))
+        engine = "127.0.0.1:{}".format(free_port())
+    else:
+        host, port = parse_address(coordinator)
+        engine = coordinator if nnodes == 1 else "{}:{}".format(host, engine_port(port))
+    addresses = addresses or tf_hosts
+    if nnodes > 1 and (not addresses or len(addresses) != nnodes):
+        raise LaunchError(
+            "A job of {} hosts needs every host's address in node-rank order (the launchers exchange them; "
+            "or pass --hosts with {} addresses, the same on every host). Received: {!r}".format(nnodes, nnodes, addresses)
+        )
+    world_size = nnodes * nproc_per_node
+    tf_workers = None
+    if backend == "tensorflow":
+        if nnodes == 1:
+            tf_workers = ["127.0.0.1:{}".format(free_port()) for _ in range(nproc_per_node)]
+        else:
+            base = engine_port(parse_address(coordinator)[1])
+            tf_workers = ["{}:{}".format(_bracket(h), base + i) for h in addresses for i in range(nproc_per_node)]
+    base_env = dict(os.environ if environ is None else environ)
+    if interface and not base_env.get(INTERFACE_ENV):
+        base_env[INTERFACE_ENV] = interface
+    python = python or sys.executable
+    command = _python_command(script_args, python)
+    commands, envs, ranks = [], [], []
+    for local_rank in range(nproc_per_node):
+        rank = node_rank * nproc_per_node + local_rank
+        env = dict(base_env)
+        env.update(worker_env(backend, rank, world_size, local_rank, nproc_per_node, engine, tf_workers))
+        env[LAUNCHER_ENV] = str(os.getpid())
+        commands.append(command)
+        envs.append(env)
+        ranks.append(rank)
+    return commands, envs, ranks
+
+
+def check_counts(script_args, nproc_per_node, nnodes, node_rank):
+    # type: (List[str], int, int, int) -> None
+    """Raise LaunchError for counts or a script ``distkeras launch`` can't run."""
     for name, value, low in (("--nproc-per-node", nproc_per_node, 1), ("--nnodes", nnodes, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise LaunchError("Expected {} >= {}. Received: {}={!r}".format(name, low, name, value))
@@ -240,41 +334,139 @@ def plan(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None, b
         raise LaunchError("Expected 0 <= --node-rank < --nnodes ({}). Received: --node-rank={}".format(nnodes, node_rank))
     if not script_args:
         raise LaunchError("Expected a script to run: distkeras launch --nproc-per-node N script.py [args...]")
-    if coordinator is None:
-        if nnodes > 1:
-            raise LaunchError("A job of {} hosts needs --coordinator HOST:PORT (rank 0's host), the same on every host.".format(nnodes))
-        coordinator = "127.0.0.1:{}".format(free_port())
-    else:
-        host, port = parse_address(coordinator)
-        if node_rank == 0:
-            check_port_free(host if host not in ("localhost",) else "127.0.0.1", port)
-    world_size = nnodes * nproc_per_node
-    tf_workers = None
-    if backend == "tensorflow":
-        if nnodes == 1:
-            tf_workers = ["127.0.0.1:{}".format(free_port()) for _ in range(nproc_per_node)]
-        elif tf_hosts and len(tf_hosts) == nnodes:
-            base = parse_address(coordinator)[1] + 1
-            tf_workers = ["{}:{}".format(h, base + i) for h in tf_hosts for i in range(nproc_per_node)]
-        else:
-            raise LaunchError(
-                "TensorFlow's MultiWorkerMirroredStrategy needs every worker's address: pass --hosts with the {} "
-                "hosts' addresses in node-rank order (the same on every host).".format(nnodes)
-            )
-    base_env = dict(os.environ if environ is None else environ)
-    python = python or sys.executable
     if script_args[0] == "-m" and len(script_args) < 2:
         raise LaunchError("Expected a module name after -m: distkeras launch --nproc-per-node N -m package.module")
-    command = _python_command(script_args, python)
-    commands, envs, ranks = [], [], []
-    for local_rank in range(nproc_per_node):
-        rank = node_rank * nproc_per_node + local_rank
-        env = dict(base_env)
-        env.update(worker_env(backend, rank, world_size, local_rank, nproc_per_node, coordinator, tf_workers))
-        commands.append(command)
-        envs.append(env)
-        ranks.append(rank)
-    return commands, envs, ranks
+
+
+def engine_port(port):
+    # type: (int) -> int
+    """Across hosts: the port of the engine's rendezvous, after the launchers' own."""
+    return port + 1
+
+
+def _bracket(host):
+    return "[{}]".format(host) if ":" in host else host
+
+
+def run_job(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None, backend="tensorflow",
+            hosts=None, interface=None, stop_timeout=None, join_timeout=None, peer_timeout=None, environ=None):
+    # type: (List[str], int, int, int, Optional[str], str, Optional[List[str]], Optional[str], Optional[float], Optional[float], Optional[float], Optional[Dict[str, str]]) -> int
+    """``distkeras launch``: on one host, start and watch the workers; across hosts, meet the other hosts'
+    launchers first (:mod:`distkeras.rendezvous`), then start this host's workers and watch the whole job.
+
+    Everything that can be checked before a worker starts is: the counts, the coordinator (an address of
+    node 0's host with free ports; reachable from the others), the interface, ``--hosts`` (one address of
+    this host at this node's rank, the same list everywhere), and that every host agrees.
+
+    Returns:
+        The exit code: 0, a failed worker's code, or 1 when another host failed or was lost.
+    """
+    from . import network, rendezvous
+
+    env = dict(os.environ if environ is None else environ)
+    check_counts(script_args, nproc_per_node, nnodes, node_rank)
+    stop_timeout = _seconds(stop_timeout, STOP_TIMEOUT_ENV, DEFAULT_STOP_TIMEOUT, "--stop-timeout", env)
+    if nnodes == 1:
+        if coordinator is not None:
+            host, port = parse_address(coordinator)
+            check_port_free(_local_host(host), port)
+        commands, envs, ranks = plan(script_args, nproc_per_node, 1, 0, coordinator, backend, environ=env)
+        return Launcher(commands, envs, ranks, stop_timeout=stop_timeout).run()
+    join_timeout = _seconds(join_timeout, rendezvous.JOIN_TIMEOUT_ENV, rendezvous.DEFAULT_JOIN_TIMEOUT, "--join-timeout", env)
+    peer_timeout = _seconds(peer_timeout, rendezvous.PEER_TIMEOUT_ENV, rendezvous.DEFAULT_PEER_TIMEOUT, "--peer-timeout", env)
+    if coordinator is None:
+        raise LaunchError("A job of {} hosts needs --coordinator HOST:PORT (node rank 0's host), the same on every "
+                          "host.".format(nnodes))
+    host, port = parse_address(coordinator)
+    if hosts is not None and len(hosts) != nnodes:
+        raise LaunchError("Expected --hosts to list the {} hosts' addresses in node-rank order. Received: --hosts={} "
+                          "({} address(es))".format(nnodes, ",".join(hosts), len(hosts)))
+    route = network.choose(host, override=interface, environ=env)
+    known = network.interfaces()
+    if hosts is not None and not _is_local(hosts[node_rank], known):
+        raise LaunchError(
+            "--hosts names {!r} for node rank {} (this host), and that is not an address of this host, which has: "
+            "{}. List the hosts in node-rank order, the same on every host.".format(
+                hosts[node_rank], node_rank, network.listing(known)))
+    address = hosts[node_rank] if hosts is not None else route.address
+    me = rendezvous.hello(node_rank, nnodes, nproc_per_node, backend, hosts, address)
+    if node_rank == 0:
+        if not _is_local(host, known):
+            raise LaunchError(
+                "Node rank 0 runs the coordinator, and --coordinator {} is not an address of this host, which has: "
+                "{}. Start node rank 0 on {}, or give --coordinator one of this host's addresses.".format(
+                    coordinator, network.listing(known), host))
+        listener = _listen(host, port)
+        try:
+            engine_ports = [engine_port(port) + i for i in range(nproc_per_node if backend == "tensorflow" else 1)]
+            for engine in engine_ports:
+                check_port_free(_local_host(host), engine)
+            supervisor = rendezvous.gather(listener, me, join_timeout, peer_timeout)
+        finally:
+            listener.close()
+    else:
+        supervisor = rendezvous.join(coordinator, me, join_timeout, peer_timeout)
+    env[rendezvous.PEER_TIMEOUT_ENV] = "{:g}".format(peer_timeout)  # the engines' own failure detectors too
+    _say_stderr("node rank {} of {}: {} on {} ({}); hosts {}".format(
+        node_rank, nnodes, "ranks {}-{}".format(node_rank * nproc_per_node, (node_rank + 1) * nproc_per_node - 1)
+        if nproc_per_node > 1 else "rank {}".format(node_rank), network.describe_route(route), route.chosen_by,
+        ", ".join(supervisor.plan["addresses"])))
+    try:
+        commands, envs, ranks = plan(script_args, nproc_per_node, nnodes, node_rank, coordinator, backend,
+                                     environ=env, addresses=list(supervisor.plan["addresses"]),
+                                     interface=route.interface or route.address)
+        return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, supervisor=supervisor).run()
+    finally:
+        supervisor.close()
+
+
+def _seconds(value, variable, default, option, env):
+    if value is None:
+        text = env.get(variable, "").strip()
+        if not text:
+            return default
+        try:
+            value = float(text)
+        except ValueError:
+            raise LaunchError("Expected seconds (a number > 0) in {}. Received: {}={!r}".format(variable, variable, text))
+        option = variable
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise LaunchError("Expected {} to be a number of seconds > 0. Received: {!r}".format(option, value))
+    return float(value)
+
+
+def _local_host(host):
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def _is_local(host, known):
+    """Whether ``host`` (an address or a name) is one of this host's addresses."""
+    mine = {a for addresses in known.values() for a in addresses}
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        return False
+    return bool(resolved & mine)
+
+
+def _listen(host, port):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((_local_host(host), port))
+        sock.listen(64)
+    except OSError as exc:
+        sock.close()
+        raise LaunchError(
+            "The coordinator address {}:{} can't be used on this host ({}). Pick another port, free this one, or "
+            "give --coordinator an address of this host.".format(host, port, exc.strerror))
+    return sock
+
+
+def _say_stderr(message):
+    sys.stderr.write("distkeras launch: {}\n".format(message))
+    sys.stderr.flush()
 
 
 def mpiexec_command(script_args, nproc, python=None):

@@ -171,19 +171,30 @@ def test_coordinator_port_in_use(tmp_path):
 
 
 def test_plan_is_pure_and_checks_its_arguments():
+    hosts = ["10.1.2.3", "10.1.2.4"]
     commands, envs, ranks = launch.plan(["train.py", "--x"], 2, nnodes=2, node_rank=1, coordinator="10.1.2.3:29500",
-                                        backend="torch", python="py", environ={})
+                                        backend="torch", python="py", environ={}, addresses=hosts, interface="eth1")
     assert commands == [["py", "train.py", "--x"]] * 2 and ranks == [2, 3]
     assert envs[1]["RANK"] == "3" and envs[1]["LOCAL_RANK"] == "1" and envs[1]["WORLD_SIZE"] == "4"
-    assert envs[0]["MASTER_ADDR"] == "10.1.2.3" and "TF_CONFIG" not in envs[0]
+    # Across hosts the launchers meet at PORT; the engine's rendezvous is PORT+1.
+    assert envs[0]["MASTER_ADDR"] == "10.1.2.3" and envs[0]["MASTER_PORT"] == "29501" and "TF_CONFIG" not in envs[0]
+    assert envs[0]["JAX_COORDINATOR_ADDRESS"] == "10.1.2.3:29501"
+    assert envs[0]["DISTKERAS_INTERFACE"] == "eth1" and envs[0]["DISTKERAS_LAUNCHER_PID"] == str(os.getpid())
+    # A user's own choice of interface is kept.
+    _, kept, _ = launch.plan(["t.py"], 1, nnodes=2, node_rank=1, coordinator="10.1.2.3:29500", backend="torch",
+                             environ={"DISTKERAS_INTERFACE": "eth7"}, addresses=hosts, interface="eth1")
+    assert kept[0]["DISTKERAS_INTERFACE"] == "eth7"
     _, envs, _ = launch.plan(["t.py"], 2, nnodes=2, node_rank=1, coordinator="10.1.2.3:29500", backend="tensorflow",
-                             tf_hosts=["10.1.2.3", "10.1.2.4"], environ={})
+                             tf_hosts=hosts, environ={})
     assert json.loads(envs[0]["TF_CONFIG"]) == {
         "cluster": {"worker": ["10.1.2.3:29501", "10.1.2.3:29502", "10.1.2.4:29501", "10.1.2.4:29502"]},
         "task": {"type": "worker", "index": 2}}
+    # One host: the coordinator is the engine's rendezvous itself.
+    _, single, _ = launch.plan(["t.py"], 2, coordinator="127.0.0.1:29600", backend="torch", environ={})
+    assert single[0]["MASTER_PORT"] == "29600" and "DISTKERAS_INTERFACE" not in single[0]
     with pytest.raises(LaunchError, match="needs --coordinator"):
         launch.plan(["t.py"], 2, nnodes=2, node_rank=0, backend="torch")
-    with pytest.raises(LaunchError, match="needs every worker's address"):
+    with pytest.raises(LaunchError, match="needs every host's address"):
         launch.plan(["t.py"], 2, nnodes=2, node_rank=1, coordinator="h:1", backend="tensorflow")
     with pytest.raises(LaunchError, match="--node-rank"):
         launch.plan(["t.py"], 2, nnodes=2, node_rank=2, coordinator="h:1", backend="torch")

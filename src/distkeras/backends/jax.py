@@ -30,6 +30,7 @@ weights would all see the padding.
 """
 
 import functools
+import inspect
 import logging
 import math
 import os
@@ -80,11 +81,21 @@ class JaxAdapter(Adapter):
         inside the user's import of JAX, so a failure is kept and raised by distribute() instead."""
         import jax
 
+        from .. import network, rendezvous
+
         try:
+            route = network.choose(cluster.coordinator)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+            extra = {}
+            parameters = inspect.signature(jax.distributed.initialize).parameters
+            if "heartbeat_timeout_seconds" in parameters:  # a lost process ends the job within this bound
+                extra["heartbeat_timeout_seconds"] = max(2, int(math.ceil(rendezvous.peer_timeout())))
             jax.distributed.initialize(
-                coordinator_address=cluster.coordinator, num_processes=cluster.world_size, process_id=cluster.rank
+                coordinator_address=cluster.coordinator, num_processes=cluster.world_size, process_id=cluster.rank,
+                **extra
             )
+            if route.interface:
+                _gloo_on(route.interface)
         except Exception as exc:  # raised again, with advice, by distribute()
             self._multi_process_error = exc
 
@@ -396,3 +407,27 @@ def _warn_uneven(warned, size, parts):
         parts,
         parts,
     )
+
+
+def _gloo_on(interface):
+    """Make the CPU client's Gloo collectives use ``interface`` (the one that reaches the coordinator).
+
+    Private API, on purpose: ``jax._src.xla_bridge.make_cpu_client`` creates its Gloo TCP collectives
+    without an interface, and Gloo then advertises the address the host name resolves to, a loopback one on
+    stock Debian/Ubuntu hosts, so processes on other hosts can't connect. jaxlib's
+    ``make_gloo_tcp_collectives`` takes the interface, and ``make_cpu_client`` takes ready collectives, so the
+    registered CPU factory is replaced by one that passes both. Runs before JAX's first computation (the
+    client is made lazily). Pinned by tests/backends/test_jax.py.
+    """
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    registration = xla_bridge._backend_factories["cpu"]
+
+    def factory():
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=distributed.global_state.client, interface=interface)
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    factory.distkeras_interface = interface
+    registration.factory = factory

@@ -32,25 +32,13 @@ import threading
 import time
 
 from ..errors import LaunchError
+from ..launch import orphan_proof
 
 #: Set in every child to its parent's pid.
 PARENT_ENV = "DISTKERAS_LAUNCHED_BY"
 #: Seconds the parent's main thread gets to fail by itself after a child failed, before it is ended.
 GRACE = 10.0
 _POLL = 0.2
-
-# Runs in each child before the user's command: die with the parent (Linux), and don't start at all
-# if the parent is already gone; then become the command (an exec keeps the pid and the death signal).
-_BOOT = (
-    "import ctypes, os, signal, sys\n"
-    "try:\n"
-    "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"  # 1 = PR_SET_PDEATHSIG
-    "except (OSError, AttributeError):\n"
-    "    pass\n"
-    "if os.getppid() != int(os.environ[{!r}]):\n"
-    "    os._exit(1)\n"
-    "os.execv(sys.argv[1], sys.argv[1:])\n"
-).format(PARENT_ENV)
 
 
 def script_command(count):
@@ -114,7 +102,7 @@ def start_workers(count, timeout):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), **shared)
         env[PARENT_ENV] = str(os.getpid())
         try:
-            children[rank] = subprocess.Popen([sys.executable, "-c", _BOOT] + command, env=env)
+            children[rank] = subprocess.Popen(orphan_proof(command, PARENT_ENV), env=env)
         except OSError as exc:
             _stop(children)
             listener.close()

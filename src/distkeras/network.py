@@ -1,0 +1,189 @@
+"""Which network interface a worker's engine uses: the one that reaches the coordinator.
+
+Engines left to themselves advertise the address the host name resolves to, and stock Debian and Ubuntu
+hosts resolve their own name to a loopback address (``127.0.1.1 <hostname>`` in /etc/hosts): Gloo then
+tells the other hosts to connect to 127.0.x.x and the job never forms. distkeras instead asks the kernel
+which local address a socket to the coordinator would use (a UDP ``connect`` picks the route and sends
+nothing) and gives every engine the interface that holds that address:
+
+- torch.distributed: ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``;
+- JAX: the ``interface`` of jaxlib's Gloo TCP collectives;
+- TensorFlow: the worker's own address in TF_CONFIG (``distkeras launch`` gathers every host's).
+
+A user's choice wins: ``--interface`` of ``distkeras launch`` or the :data:`INTERFACE_ENV` variable (an
+interface name, ``eth0``, or one of this host's addresses), and an engine variable the user set
+(``GLOO_SOCKET_IFNAME``...) is left alone. When no interface reaches the coordinator, :func:`choose`
+raises :class:`~distkeras.NetworkError` saying so before anything starts.
+
+Standard library only (Linux for interface names); part of the Python 3.6-compatible core.
+"""
+
+import errno
+import os
+import socket
+import struct
+import typing
+from typing import Dict, List, Mapping, Optional
+
+from .errors import NetworkError
+
+#: Names the interface (or an address of it) every engine of this worker uses; overrides the choice.
+INTERFACE_ENV = "DISTKERAS_INTERFACE"
+#: The engine variables distkeras fills in with the chosen interface (unless the user set them).
+ENGINE_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+_SIOCGIFADDR = 0x8915
+
+
+class Route(
+    typing.NamedTuple("Route", [("interface", Optional[str]), ("address", str), ("coordinator", str), ("chosen_by", str)])
+):
+    """The interface a worker uses to reach the coordinator.
+
+    Attributes:
+        interface: the interface's name (``"eth0"``, ``"lo"``), None where the address belongs to none
+            that this host lists.
+        address: this host's address on it, the one the other hosts connect to.
+        coordinator: the coordinator's host, as given.
+        chosen_by: ``"route"`` (the kernel's route to the coordinator) or the option/variable that named it.
+    """
+
+    __slots__ = ()
+
+
+def interfaces():
+    # type: () -> Dict[str, List[str]]
+    """This host's interfaces and their addresses (IPv4 first, then IPv6), e.g. ``{"lo": ["127.0.0.1", "::1"]}``."""
+    found = {}  # type: Dict[str, List[str]]
+    if not hasattr(socket, "if_nameindex"):
+        return found
+    try:
+        import fcntl
+    except ImportError:  # not Linux/Unix: names without addresses
+        fcntl = None
+    for _, name in socket.if_nameindex():
+        found[name] = []
+        if fcntl is None:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                found[name].append(socket.inet_ntoa(packed[20:24]))
+            except OSError:  # no IPv4 address on it
+                pass
+    try:
+        with open("/proc/net/if_inet6") as table:
+            for line in table:
+                fields = line.split()
+                if len(fields) >= 6 and fields[5] in found:
+                    raw = bytes.fromhex(fields[0])
+                    found[fields[5]].append(socket.inet_ntop(socket.AF_INET6, raw))
+    except (IOError, OSError, ValueError):
+        pass
+    return found
+
+
+def listing(known):
+    # type: (Mapping[str, List[str]]) -> str
+    return ", ".join("{} ({})".format(name, ", ".join(addresses) or "no address") for name, addresses in sorted(known.items()))
+
+
+def interface_of(address, known=None):
+    # type: (str, Optional[Mapping[str, List[str]]]) -> Optional[str]
+    """The name of the interface that holds ``address``, or None."""
+    known = interfaces() if known is None else known
+    for name, addresses in sorted(known.items()):
+        if address in addresses:
+            return name
+    return None
+
+
+def local_address_to(host, port=9):
+    # type: (str, int) -> str
+    """The address of this host that a connection to ``host`` leaves from (nothing is sent).
+
+    Raises:
+        NetworkError: ``host`` doesn't resolve, or no route leads there.
+    """
+    try:
+        candidates = socket.getaddrinfo(host, port, 0, socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise NetworkError(
+            "Can't resolve the coordinator's host {!r} ({}). Expected an address or a host name this host "
+            "resolves, e.g. 10.0.0.1.".format(host, exc.strerror or exc)
+        )
+    problem = None
+    for family, kind, proto, _, target in candidates:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.connect(target)
+                return probe.getsockname()[0]
+            except OSError as exc:
+                problem = exc
+    raise NetworkError(
+        "No interface of this host reaches the coordinator {} ({}). This host has: {}. Check the coordinator "
+        "address, or name the interface to use with --interface (distkeras launch) or {}.".format(
+            host, os.strerror(problem.errno) if problem and problem.errno else problem, listing(interfaces()),
+            INTERFACE_ENV,
+        )
+    )
+
+
+def choose(coordinator, override=None, environ=None, known=None):
+    # type: (str, Optional[str], Optional[Mapping[str, str]], Optional[Mapping[str, List[str]]]) -> Route
+    """The interface this worker's engines use to reach ``coordinator`` (``host`` or ``host:port``).
+
+    Args:
+        coordinator: the coordinator's address, as the job names it.
+        override: an interface name or one of this host's addresses (``--interface``); wins over the
+            environment.
+        environ: the environment (``os.environ`` when None); :data:`INTERFACE_ENV` overrides the route.
+        known: this host's interfaces, as :func:`interfaces` returns them (for tests).
+
+    Raises:
+        NetworkError: the override names nothing of this host, or no interface reaches the coordinator.
+    """
+    env = os.environ if environ is None else environ
+    host = coordinator.rpartition(":")[0] if coordinator.count(":") == 1 or coordinator.startswith("[") else coordinator
+    host = host.strip("[]") or coordinator
+    known = interfaces() if known is None else known
+    named, source = override, "--interface"
+    if not named and env.get(INTERFACE_ENV, "").strip():
+        named, source = env[INTERFACE_ENV].strip(), INTERFACE_ENV
+    if named:
+        if named in known:
+            addresses = known[named]
+            if not addresses:
+                raise NetworkError("{}={!r} names an interface without an address. This host has: {}.".format(
+                    source, named, listing(known)))
+            return Route(named, addresses[0], host, source)
+        name = interface_of(named, known)
+        if name is None:
+            raise NetworkError(
+                "Expected {} to name an interface of this host or one of its addresses. Received: {}={!r}. "
+                "This host has: {}.".format(source, source, named, listing(known))
+            )
+        return Route(name, named, host, source)
+    address = local_address_to(host)
+    return Route(interface_of(address, known), address, host, "route")
+
+
+def engine_variables(route, environ=None):
+    # type: (Route, Optional[Mapping[str, str]]) -> Dict[str, str]
+    """The engine variables to set for ``route``: those the user hasn't set already."""
+    env = os.environ if environ is None else environ
+    if not route.interface:
+        return {}
+    return {name: route.interface for name in ENGINE_INTERFACE_VARIABLES if not env.get(name)}
+
+
+def describe_route(route):
+    # type: (Route) -> str
+    """``"eth0 (10.0.0.2)"``, for messages."""
+    return "{} ({})".format(route.interface or "an unnamed interface", route.address)
+
+
+def is_refused(exc):
+    # type: (BaseException) -> bool
+    """Whether ``exc`` says nothing listens at the other end (for retry loops)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH)
