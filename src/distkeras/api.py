@@ -145,13 +145,12 @@ def _adapter_for(model):
 
 
 def _record(model, adapter, devices, cluster, distributed):
-    workers = adapter.workers(cluster)
     info = {
         "backend": adapter.name,
         "devices": [str(d) for d in devices],
-        "replicas": len(devices) * workers,
+        "replicas": adapter.replicas(devices, cluster),
         "rank": cluster.rank,
-        "workers": workers,
+        "workers": cluster.world_size,
         "distributed": distributed,
     }
     try:
@@ -210,13 +209,15 @@ def distribute(model, devices=None, **options):
         _record(model, adapter, chosen, cluster, distributed=False)
         return model
     result = adapter.distribute(model, chosen, cluster, **options)
-    info = _record(result, adapter, chosen, cluster, distributed=True)
+    # Read again: distribute() may have made this process part of a job (PyTorch's self-launch makes a
+    # plain process rank 0 of the processes it starts, through os.environ).
+    info = _record(result, adapter, chosen, cluster_lib.from_env(), distributed=True)
     logger.info(
         "%s backend, %d replica(s) on %s%s; fit()'s batch_size is the global batch, split evenly",
         adapter.name,
         info["replicas"],
         ", ".join(info["devices"]),
-        " x {} workers".format(info["workers"]) if info["workers"] > 1 else "",
+        " in {} worker processes".format(info["workers"]) if info["workers"] > 1 else "",
     )
     return result
 
@@ -242,8 +243,14 @@ def describe(model):
     """What distkeras did with ``model``.
 
     Returns:
-        A dict with ``backend``, ``devices`` (strings), ``replicas`` (over all workers), ``rank``,
-        ``workers`` and ``distributed`` (False for a model distkeras left unchanged or never saw).
+        A dict with ``backend``; ``devices`` (strings: the devices given to this process, on PyTorch this
+        host's, one process each); ``replicas``: the devices training, over all processes; ``rank``;
+        ``workers``: the number of worker processes in the job, on every backend; and ``distributed``
+        (False for a model distkeras left unchanged or never saw).
+
+    Example:
+        >>> distkeras.describe(model)   # PyTorch, `python train.py` asking for devices=2
+        {'backend': 'torch', 'devices': ['cpu:0', 'cpu:1'], 'replicas': 2, 'rank': 0, 'workers': 2, 'distributed': True}
     """
     adapter = _adapter_for(model)
     try:
@@ -264,7 +271,8 @@ def global_batch_size(per_device, devices=None):
     Args:
         per_device: samples per replica per step.
         devices: a model returned by :func:`distribute`, or a device spec as :func:`distribute` takes
-            (``None`` = every device); multiplied by the number of workers in a multi-worker job.
+            (``None`` = every device), counted over all processes of a multi-worker job as
+            ``describe()["replicas"]`` counts them.
 
     Example:
         >>> distkeras.global_batch_size(32, devices=4)
@@ -275,5 +283,5 @@ def global_batch_size(per_device, devices=None):
     else:
         adapter = backends.get(backends.active_name())
         chosen = devices_lib.parse(devices, adapter.list_devices())  # type: List[devices_lib.Device]
-        replicas = len(chosen) * adapter.workers(cluster_lib.from_env())
+        replicas = adapter.replicas(chosen, cluster_lib.from_env())
     return sharding.global_batch_size(per_device, replicas)

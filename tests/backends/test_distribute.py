@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.backends.harness import BACKEND, CPU_DEVICES, keras, replicated  # noqa: F401 (skips if missing)
+from tests.backends.harness import BACKEND, CPU_DEVICES, PROCESS_BACKENDS, keras, replicated  # noqa: F401 (skips if missing)
 from tests.backends import scenarios
 
 import distkeras
@@ -101,7 +101,7 @@ def test_describe():
         "devices": ["cpu:0", "cpu:2"],
         "replicas": 2,
         "rank": 0,
-        "workers": 1,
+        "workers": 2 if BACKEND in PROCESS_BACKENDS else 1,  # the job's processes: on torch one per device
         "distributed": True,
     }
 

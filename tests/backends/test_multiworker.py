@@ -62,9 +62,8 @@ def test_two_workers_train_as_one_process(tmp_path, data):
     # One voice: rank 0 shows Keras' progress, rank 1 shows none.
     assert "[rank 0] Epoch 4/4" in out and "[rank 1] Epoch" not in out
     assert "[rank 1] describe {'backend': '" + BACKEND in done.stdout
-    # Two replicas in all (TF/JAX: one per worker process; torch: one per process, the host's two
-    # processes counting as one worker), and this is rank 1.
-    assert "'replicas': 2, 'rank': 1" in done.stdout and "'distributed': True" in done.stdout
+    # Two worker processes, one device each: two replicas in all, on every backend; this is rank 1.
+    assert "'replicas': 2, 'rank': 1, 'workers': 2, 'distributed': True" in done.stdout
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's exact loss scaling across workers")

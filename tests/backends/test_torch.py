@@ -195,7 +195,7 @@ def test_two_hosts_of_two_processes():
     # 4 processes as 2 simulated hosts: the rendezvous doesn't care where the ranks are.
     outcomes = job(4, local_size=2).run(scenarios.describe, 2, timeout=TIMEOUT)
     assert [o.result["rank"] for o in outcomes] == [0, 1, 2, 3]
-    assert outcomes[0].result["replicas"] == 4 and outcomes[0].result["workers"] == 2
+    assert outcomes[0].result["replicas"] == 4 and outcomes[0].result["workers"] == 4  # 4 processes, a device each
     expected, _ = scenarios.train("batch_not_divisible", 1)
     weights, _ = job(4, local_size=2).run(scenarios.train, "batch_not_divisible", 2, timeout=TIMEOUT)[0].result
     assert max_difference(expected, weights) < 1e-5

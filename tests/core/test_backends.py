@@ -145,3 +145,117 @@ def test_shutdown_asks_the_adapters_in_use_and_starts_none(monkeypatch):
     distkeras.shutdown()
     assert stopped == [stopping]
     assert "shutdown" in distkeras.__all__
+
+
+# ---- describe()'s "workers" and "replicas": one meaning on every backend (fake clusters, no framework)
+
+
+def _cluster(world, local, rank=0):
+    from distkeras.cluster import Cluster
+
+    return Cluster(rank=rank, world_size=world, local_rank=rank % local, local_world_size=local,
+                   coordinator=None if world == 1 else "127.0.0.1:29500", source="single" if world == 1 else "torchrun")
+
+
+def _devices(n):
+    from distkeras.devices import Device
+
+    return [Device("cpu", i) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "world,local,devices,replicas",
+    [
+        (1, 1, 2, 2),  # one process, two devices
+        (2, 2, 1, 2),  # two processes on one host, one device each
+        (4, 2, 2, 8),  # two hosts of two processes, two devices each
+    ],
+)
+def test_by_default_every_process_drives_its_devices(world, local, devices, replicas):
+    assert _Toy().replicas(_devices(devices), _cluster(world, local)) == replicas
+
+
+@pytest.mark.parametrize(
+    "world,local,devices,replicas",
+    [
+        (1, 1, 2, 2),  # a plain process asking for 2 devices: it starts a job of 2 processes
+        (2, 2, 2, 2),  # that job, or one launched with --nproc-per-node 2
+        (4, 2, 2, 4),  # two hosts of two processes
+    ],
+)
+def test_on_torch_the_replicas_are_the_processes(world, local, devices, replicas):
+    from distkeras.backends.torch import TorchAdapter  # imports no torch
+
+    assert TorchAdapter().replicas(_devices(devices), _cluster(world, local)) == replicas
+
+
+def test_cntk_runs_one_device_per_process():
+    from distkeras.backends.cntk import CNTKAdapter  # imports no cntk
+
+    assert CNTKAdapter().replicas(_devices(1), _cluster(3, 3)) == 3
+
+
+class _Model(object):
+    built = True
+
+
+class _SelfLaunching(_Toy):
+    """Like PyTorch in a plain process: distribute() makes it rank 0 of a job, through os.environ."""
+
+    def list_devices(self):
+        return _devices(2)
+
+    def distribute(self, model, devices, cluster, **options):
+        assert not cluster.is_multi_worker
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(len(devices)), LOCAL_WORLD_SIZE=str(len(devices)),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        return model
+
+    def replicas(self, devices, cluster):
+        from distkeras.backends.torch import TorchAdapter
+
+        return TorchAdapter.replicas(self, devices, cluster)
+
+
+_LAUNCHER_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TF_CONFIG", "JAX_", "KERAS_DISTRIBUTION_", "OMPI_",
+                      "PMI_", "MPI_", "DISTKERAS_")
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """No launcher variables; whatever the test sets (distribute() included) is removed after it."""
+    for name in list(os.environ):
+        if name.startswith(_LAUNCHER_PREFIXES):
+            monkeypatch.delenv(name)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded as absent, so restored as absent
+        monkeypatch.delenv(name)
+
+
+def test_workers_are_the_processes_of_the_job_distribute_made(monkeypatch, no_launcher):
+    from distkeras import api
+
+    model = _Model()
+    monkeypatch.setattr(api, "_adapter_for", lambda m: _SelfLaunching())
+    assert distkeras.distribute(model, devices=2) is model
+    info = distkeras.describe(model)
+    assert (info["workers"], info["replicas"], info["rank"], info["devices"]) == (2, 2, 0, ["cpu:0", "cpu:1"])
+
+
+@pytest.mark.parametrize("world,local,devices,replicas", [(1, 1, 2, 2), (2, 1, 2, 4), (2, 2, 1, 2)])
+def test_workers_are_the_processes_on_every_adapter(world, local, devices, replicas):
+    from distkeras import api
+
+    info = api._record(_Model(), _Toy(), _devices(devices), _cluster(world, local), distributed=True)
+    assert (info["workers"], info["replicas"]) == (world, replicas)
+
+
+def test_global_batch_size_counts_the_replicas_as_describe_does(monkeypatch, no_launcher):
+    monkeypatch.setattr(backends, "get", lambda name: _SelfLaunching())
+    assert distkeras.global_batch_size(32, devices=2) == 64
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for name, value in (("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    assert distkeras.global_batch_size(32, devices=2) == 128  # two hosts of two processes

@@ -49,14 +49,16 @@ class Adapter(abc.ABC):
         ``jax.distributed``) start here, usually through ``backends.when_imported``. Default: nothing.
         """
 
-    def workers(self, cluster):
-        # type: (Cluster) -> int
-        """How many workers of ``cluster`` each drive the devices given to :meth:`distribute`.
+    def replicas(self, devices, cluster):
+        # type: (Sequence[Device], Cluster) -> int
+        """How many replicas train in ``cluster`` when each process is given ``devices``: the devices
+        training, over all processes of the job (``describe()["replicas"]``).
 
-        One per process of the job by default. An adapter whose replicas are processes (one per device,
-        as PyTorch's) counts the hosts instead: there the processes of one host together are one worker.
+        By default every process of the job drives all of ``devices``: ``len(devices) * world_size``. An
+        adapter whose replicas are processes, one device each (PyTorch), counts its processes instead.
+        ``describe()["workers"]`` is not the adapter's to decide: it is the job's processes on every backend.
         """
-        return cluster.world_size
+        return len(devices) * cluster.world_size
 
     def shutdown(self):
         # type: () -> None

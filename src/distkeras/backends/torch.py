@@ -20,7 +20,7 @@ Keras ships no distribution for its torch backend, so the adapter builds one aro
   instance: how batches are split, gradients averaged, BatchNormalization statistics made global
   (``sync_batchnorm``), metrics aggregated, and what ranks other than 0 print and write.
 
-``describe()`` reports the processes as the replicas and the hosts as the workers.
+``describe()`` reports the processes as the replicas and as the workers: one device per process.
 """
 
 import datetime
@@ -95,8 +95,11 @@ class TorchAdapter(Adapter):
                 "building any model and calling distkeras.distribute().".format(running, count, count, count)
             )
 
-    def workers(self, cluster):
-        return max(1, cluster.world_size // max(1, cluster.local_world_size))
+    def replicas(self, devices, cluster):
+        """One process per device: each host of the job runs one process per device in ``devices``
+        (LOCAL_WORLD_SIZE of them, which :meth:`distribute` checks), so a job has ``world_size`` replicas;
+        a plain process starts one per device itself."""
+        return len(devices) * max(1, cluster.world_size // max(1, cluster.local_world_size))
 
     def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None, sync_batchnorm=True):
         import torch
