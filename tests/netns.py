@@ -156,6 +156,10 @@ class Hosts(object):
         _ip("link", "set", "port{}".format(host), "down", namespace=self.switch)
         _kill_all(self.names[host])
 
+    def reconnect(self, host):
+        """Bring a lost host's link back up (its processes stay dead)."""
+        _ip("link", "set", "port{}".format(host), "up", namespace=self.switch)
+
     def pids(self, host):
         """The processes running on host ``host``."""
         return _pids(self.names[host])

@@ -79,9 +79,12 @@ def free_port(host="127.0.0.1"):
 def check_port_free(host, port):
     # type: (str, int) -> None
     """Raise LaunchError if ``host:port`` can't be bound (in use, or not an address of this host)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the engines bind theirs: connections of an earlier job still in TIME_WAIT don't count, a listener does.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
+            sock.listen(1)
         except OSError as exc:
             raise LaunchError(
                 "The coordinator address {}:{} can't be used on this host ({}). Pick another port, or leave "

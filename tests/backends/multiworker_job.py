@@ -5,13 +5,17 @@
 MODE: "train" (numpy arrays, 100 samples at global batch 12, verbose=1), "tf.data" and "PyDataset"
 (the same batches from a tf.data.Dataset / keras.utils.PyDataset), "uneven" (arrays at global batch 11:
 6+5 over two workers, and a last batch of 1 that leaves a worker empty), "kill" (rank 1 SIGKILLs itself
-mid-epoch 2), "resume" (like train, with distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt). Every
-worker is given the whole data set; every rank writes its final weights to OUT_DIR/rank{R}.npz.
+mid-epoch 2), "resume" (like train, with distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt), "stall"
+(like resume, but mid-epoch 2 every rank other than 0 writes OUT_DIR/stalled-rank{R} and sleeps, so rank 0
+waits in a collective: the test then takes a host away). Every worker is given the whole data set; every
+rank writes its final weights to OUT_DIR/rank{R}.npz and prints how many replicas the framework itself
+counts ("framework replicas N").
 """
 
 import os
 import signal
 import sys
+import time
 
 import distkeras  # first: a multi-worker engine starts before the backend's first op
 import keras
@@ -30,6 +34,35 @@ class KillRankOne(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.epoch == 2 and batch == 3 and distkeras.cluster.from_env().rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StallOthers(keras.callbacks.Callback):
+    def __init__(self, out_dir):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        rank = distkeras.cluster.from_env().rank
+        if self.epoch == 2 and batch == 3 and rank != 0:
+            open(os.path.join(self.out_dir, "stalled-rank{}".format(rank)), "w").close()
+            time.sleep(600)
+
+
+def framework_replicas(model):
+    """The replica count as the framework itself reports it, not distkeras."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return model.distribute_strategy.num_replicas_in_sync
+    if backend == "jax":
+        import jax
+
+        return jax.device_count()
+    import torch.distributed
+
+    return torch.distributed.get_world_size()
 
 
 class Batches(keras.utils.PyDataset):
@@ -52,8 +85,10 @@ def main(out_dir, mode):
     model = distkeras.distribute(model)
     x, y = scenarios.data(100)
     callbacks = []
-    if mode in ("kill", "resume"):
+    if mode in ("kill", "resume", "stall"):
         callbacks.append(BackupAndRestore(os.path.join(out_dir, "ckpt")))
+    if mode == "stall":
+        callbacks.append(StallOthers(out_dir))
     if mode == "kill":
         callbacks.append(KillRankOne())
     if mode == "tf.data":
@@ -67,6 +102,7 @@ def main(out_dir, mode):
     model.fit(epochs=EPOCHS, verbose=1, shuffle=False, callbacks=callbacks, **data)
     np.savez(os.path.join(out_dir, "rank{}.npz".format(rank)), *model.get_weights())
     print("describe", distkeras.describe(model))
+    print("framework replicas", framework_replicas(model))
 
 
 if __name__ == "__main__":

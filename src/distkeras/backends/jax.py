@@ -88,8 +88,10 @@ class JaxAdapter(Adapter):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
             extra = {}
             parameters = inspect.signature(jax.distributed.initialize).parameters
-            if "heartbeat_timeout_seconds" in parameters:  # a lost process ends the job within this bound
-                extra["heartbeat_timeout_seconds"] = max(2, int(math.ceil(rendezvous.peer_timeout())))
+            if "heartbeat_timeout_seconds" in parameters:
+                # A lost process ends the job within a bound without distkeras launch too (JAX's default is
+                # 100 s); under distkeras launch the launchers, which name the lost host, speak first.
+                extra["heartbeat_timeout_seconds"] = int(math.ceil(rendezvous.peer_timeout())) + 10
             jax.distributed.initialize(
                 coordinator_address=cluster.coordinator, num_processes=cluster.world_size, process_id=cluster.rank,
                 **extra
