@@ -221,3 +221,31 @@ def test_a_module_flag_without_a_module_is_an_error(tmp_path):
     done = subprocess.run([sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "2", "-m"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert done.returncode == 2 and "-m needs a module" in done.stderr
+
+
+def test_a_failed_worker_exits_although_an_exit_handler_would_wait_forever(tmp_path):
+    """A worker of a job that raises ends within api.EXIT_GRACE seconds even when an engine's exit handler
+    (jax.distributed's shutdown barrier, a process group waiting on its peers) would block: its launcher
+    must see it fail."""
+    from distkeras import api
+
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, threading
+        import distkeras
+        atexit.register(threading.Event().wait)   # an exit handler that never returns
+        raise RuntimeError("the worker failed")
+    """))
+    env = dict(os.environ, PYTHONPATH=SRC, KERAS_BACKEND="tensorflow", RANK="1", WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1", KERAS_HOME=str(tmp_path))
+    started = time.time()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=api.EXIT_GRACE + 30)
+    elapsed = time.time() - started
+    assert done.returncode == 1 and "RuntimeError: the worker failed" in done.stderr
+    assert elapsed < api.EXIT_GRACE + 5
+    # One process without a job keeps Python's own behaviour (nothing is installed).
+    env = dict(env, RANK="0", WORLD_SIZE="1")
+    script.write_text("import distkeras, sys\nprint(sys.excepthook is sys.__excepthook__)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.stdout.strip() == "True", done.stderr

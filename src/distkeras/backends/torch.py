@@ -31,6 +31,7 @@ import socket
 import sys
 from typing import List
 
+from .. import network
 from ..devices import Device
 from ..errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
 from . import keras3, when_imported
@@ -219,13 +220,6 @@ def is_loopback(host):
         return False
 
 
-def _loopback_interface():
-    for _, interface in socket.if_nameindex():
-        if interface.startswith("lo"):
-            return interface
-    return None
-
-
 def _join(cluster, device, backend, timeout, listener=None):
     """Join (or check) the process group of ``cluster``; rendezvous at its coordinator."""
     global _store
@@ -254,6 +248,9 @@ def _join(cluster, device, backend, timeout, listener=None):
         )
     host, _, port = cluster.coordinator.rpartition(":")
     host, port = host.strip("[]"), int(port)
+    # Gloo and NCCL advertise the address the host name resolves to unless told an interface (a loopback
+    # one on stock Debian/Ubuntu hosts): give them the one that reaches the coordinator (lo on one host).
+    os.environ.update(network.engine_variables(network.choose(host)))
     wait = datetime.timedelta(seconds=timeout)
     if cluster.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # else torchrun serves it
         if listener is None and is_loopback(host):
@@ -261,10 +258,6 @@ def _join(cluster, device, backend, timeout, listener=None):
         store = _serve_store(dist, host, port, cluster.world_size, wait, listener)
     else:
         store = dist.TCPStore(host, port, cluster.world_size, False, wait)
-    if backend == "gloo" and is_loopback(host) and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        interface = _loopback_interface()
-        if interface:  # one host: keep gloo's connections on the loopback interface too
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
     extra = {}
     if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
         extra["device_id"] = torch.device("cuda", device.index)
