@@ -309,3 +309,21 @@ def test_optimizer_slots_made_before_distribute_take_their_variables_layout():
     slots = [v for v in dist.optimizer.variables if tuple(v.shape) == (6, 8)]
     assert len(slots) == 2 and all(shards(v) == {d: (6, 4) for d in mesh} for v in slots)
     dist.fit(np.ones((8, 6), "float32"), np.ones((8, 3), "float32"), batch_size=4, verbose=0)
+
+
+def test_private_api_pin_gloo_interface():
+    """jax.py's _gloo_on() replaces the CPU backend factory so that Gloo uses the interface that reaches the
+    coordinator (jax passes none, and Gloo then advertises the host name's loopback address). Pins what it
+    reaches into: the registration's mutable ``factory``, ``make_cpu_client(collectives=...)`` and jaxlib's
+    ``make_gloo_tcp_collectives(..., interface=...)``. The namespace-host tests (test_multihost.py) show it
+    working across hosts."""
+    import inspect
+
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    registration = xla_bridge._backend_factories["cpu"]
+    assert hasattr(registration, "factory")
+    assert "collectives" in inspect.signature(xla_bridge.make_cpu_client).parameters
+    assert "interface" in _jax.make_gloo_tcp_collectives.__doc__
+    assert hasattr(distributed.global_state, "client")
