@@ -5,7 +5,8 @@
 MODE: "train" (numpy arrays, 100 samples at global batch 12, verbose=1), "tf.data" and "PyDataset"
 (the same batches from a tf.data.Dataset / keras.utils.PyDataset), "uneven" (arrays at global batch 11:
 6+5 over two workers, and a last batch of 1 that leaves a worker empty), "kill" (rank 1 SIGKILLs itself
-mid-epoch 2), "resume" (like train, with distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt), "stall"
+mid-epoch 2), "raise" (rank 1 raises mid-epoch 2), "resume" (like train, with
+distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt), "stall"
 (like resume, but mid-epoch 2 every rank other than 0 writes OUT_DIR/stalled-rank{R} and sleeps, so rank 0
 waits in a collective: the test then takes a host away). Every worker is given the whole data set; every
 rank writes its final weights to OUT_DIR/rank{R}.npz and prints how many replicas the framework itself
@@ -28,11 +29,17 @@ EPOCHS = 4
 
 
 class KillRankOne(keras.callbacks.Callback):
+    def __init__(self, how="kill"):
+        super().__init__()
+        self.how = how
+
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
         if self.epoch == 2 and batch == 3 and distkeras.cluster.from_env().rank == 1:
+            if self.how == "raise":  # rank 0 is left waiting in the next step's collective
+                raise RuntimeError("rank 1 fails mid-epoch")
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -89,8 +96,8 @@ def main(out_dir, mode):
         callbacks.append(BackupAndRestore(os.path.join(out_dir, "ckpt")))
     if mode == "stall":
         callbacks.append(StallOthers(out_dir))
-    if mode == "kill":
-        callbacks.append(KillRankOne())
+    if mode in ("kill", "raise"):
+        callbacks.append(KillRankOne(mode))
     if mode == "tf.data":
         import tensorflow as tf
 

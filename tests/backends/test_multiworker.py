@@ -90,3 +90,16 @@ def test_a_worker_killed_mid_epoch_ends_the_job_in_bounded_time_and_the_job_resu
     assert "[rank 0] Epoch 3/4" in again.stdout and "[rank 0] Epoch 1/4" not in again.stdout
     assert_close(single_process_weights(), rank_weights(tmp_path, 0))
     assert_close(rank_weights(tmp_path, 0), rank_weights(tmp_path, 1))
+
+
+def test_a_worker_that_raises_exits_promptly_and_ends_the_job(tmp_path):
+    """An exception, not a signal: the worker's engine may wait on its peers at exit (jax.distributed's
+    shutdown barrier waited for a rank stuck in a collective: the job hung); distkeras ends it within
+    api.EXIT_GRACE seconds, so the launcher sees the failure and stops the job."""
+    done, elapsed = launch(tmp_path, "raise", timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "RuntimeError: rank 1 fails mid-epoch" in done.stderr
+    assert "rank 1 died (exit code 1); stopping the other workers" in done.stderr
+    stopped = float(done.stderr.split("all workers stopped ")[1].split(" s after")[0])
+    assert stopped <= STOP_TIMEOUT + 1
+    print("rank 1 raised: launcher exited {:.1f} s after start".format(elapsed))
