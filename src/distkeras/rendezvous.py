@@ -136,6 +136,8 @@ def _disagreement(mine, theirs):
 
 
 def _show(value):
+    if value is None:
+        return "nothing"
     if isinstance(value, list):
         return ",".join(map(str, value))
     return str(value)
