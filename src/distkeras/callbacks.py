@@ -29,8 +29,8 @@ MANIFEST = "checkpoint.json"
 def _atomic_write(path, write):
     """Call ``write(temp_path)``, flush it to disk, then rename it to ``path`` (atomic on POSIX).
 
-    The temporary name is fixed (``.tmp-<name>``), so every rank of a job names the same file: on
-    PyTorch the other ranks wait for rank 0 to have written exactly that path."""
+    The temporary name is fixed (``.tmp-<name>``): a crash leaves at most that one file, which the next
+    write of ``path`` replaces."""
     folder, name = os.path.split(path)
     temp = os.path.join(folder, ".tmp-" + name)
     try:
@@ -89,8 +89,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         name = "epoch-{:05d}.weights.h5".format(epoch + 1)
         if not self._writer:
-            # Every rank takes part in saving (collective reads on JAX; PyTorch's ranks wait for rank 0's
-            # file); distribute() made save_weights keep no file on ranks other than 0.
+            # Every rank takes part in saving (collective reads on JAX); distribute() made save_weights
+            # write a throwaway copy on ranks other than 0, which wait for nobody's file.
             self.model.save_weights(os.path.join(self.backup_dir, ".tmp-" + name))
             return
         os.makedirs(self.backup_dir, exist_ok=True)

@@ -7,6 +7,7 @@ back in a fresh Python process that never imports distkeras.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,7 +73,12 @@ def reload_elsewhere(path, x):
 
 
 def run(devices=2, epochs=30, per_device_batch=32, out_dir=None, seed=0):
-    """Run the demo; return a dict of what it measured. Raises SystemExit(1) below 0.9 test accuracy."""
+    """Run the demo; return a dict of what it measured. Raises SystemExit(1) below 0.9 test accuracy.
+
+    Every rank of the job (PyTorch starts one process per device) trains and saves; rank 0 alone prints,
+    writes ``digits_mlp.keras`` (in ``out_dir``, else in a new temporary folder it prints) and checks it in
+    a fresh process. The other ranks' ``save()`` writes a throwaway copy, and they return quietly (None).
+    """
     if not os.environ.get(distkeras.api.CPU_DEVICES_ENV):
         distkeras.use_cpu_devices(devices)  # on a machine without accelerators; before Keras starts
     import keras
@@ -83,18 +89,28 @@ def run(devices=2, epochs=30, per_device_batch=32, out_dir=None, seed=0):
     model = build_model(keras)
     model = distkeras.distribute(model, devices=devices)
     info = distkeras.describe(model)
-    print("devices: {} | replicas: {} | backend: {} | rank {} of {} worker(s)".format(
+    chief = info["rank"] == 0
+    say = print if chief else (lambda *args: None)  # rank 0 prints; the other ranks stay quiet
+    say("devices: {} | replicas: {} | backend: {} | rank {} of {} worker(s)".format(
         ", ".join(info["devices"]), info["replicas"], info["backend"], info["rank"], info["workers"]))
     batch = distkeras.global_batch_size(per_device_batch, model)
-    print("global batch: {} ({} per replica), {} training samples".format(batch, per_device_batch, len(x_train)))
-    model.fit(x_train, y_train, batch_size=batch, epochs=epochs, verbose=1 if info["rank"] == 0 else 0)
+    say("global batch: {} ({} per replica), {} training samples".format(batch, per_device_batch, len(x_train)))
+    model.fit(x_train, y_train, batch_size=batch, epochs=epochs, verbose=1 if chief else 0)
     _, accuracy = model.evaluate(x_test, y_test, batch_size=batch, verbose=0)
-    print("test accuracy: {:.4f} on {} held-out digits".format(accuracy, len(x_test)))
+    say("test accuracy: {:.4f} on {} held-out digits".format(accuracy, len(x_test)))
 
-    out_dir = out_dir or tempfile.mkdtemp(prefix="distkeras-demo-")
-    path = os.path.join(out_dir, "digits_mlp.keras")
-    model.save(path)
-    expected = model.predict(x_test, verbose=0)
+    # Every rank saves and predicts (on JAX each can be a collective step): rank 0 writes, the others'
+    # save() writes a throwaway copy, and their folder goes too.
+    folder = out_dir or tempfile.mkdtemp(prefix="distkeras-demo-")
+    path = os.path.join(folder, "digits_mlp.keras")
+    try:
+        model.save(path)
+        expected = model.predict(x_test, verbose=0)
+    finally:
+        if not chief and not out_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+    if not chief:
+        return None
     reloaded, report = reload_elsewhere(path, x_test)
     diff = float(np.abs(reloaded - expected).max())
     print("saved {} -> reloaded in a fresh process without distkeras ({} with {} layers, distkeras imported: {}); "

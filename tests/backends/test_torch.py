@@ -103,13 +103,33 @@ def wrong_device_count(devices):
 
 
 def failed_save(devices, directory):
-    """Rank 0 can't write (a bad file name); every rank's error."""
+    """Every rank saves under a bad file name; every rank's error."""
     model = distkeras.distribute(scenarios.build(keras), devices=devices)
     try:
         model.save(os.path.join(directory, "model.unknown-suffix"))
     except Exception as exc:
         return type(exc).__name__, str(exc)
     return None
+
+
+def saves_to_paths_of_its_own(devices, directory):
+    """Each rank saves to paths of its own (``rank<r>.keras``, ``rank<r>.weights.h5``), then every rank to
+    ``model.keras``: (rank, seconds each round took, throwaway folders of this rank left in the temp folder)."""
+    import glob
+    import tempfile
+
+    model = distkeras.distribute(scenarios.build(keras), devices=devices)
+    rank = distkeras.describe(model)["rank"]
+    pattern = os.path.join(tempfile.gettempdir(), "distkeras-rank{}-*".format(rank))
+    before = set(glob.glob(pattern))
+    started = time.monotonic()
+    model.save(os.path.join(directory, "rank{}.keras".format(rank)))
+    model.save_weights(os.path.join(directory, "rank{}.weights.h5".format(rank)))
+    own = time.monotonic() - started
+    started = time.monotonic()
+    model.save(os.path.join(directory, "model.keras"))
+    same = time.monotonic() - started
+    return rank, own, same, sorted(set(glob.glob(pattern)) - before)
 
 
 def threads_after_distribute(devices, omp):
@@ -184,11 +204,25 @@ def test_device_count_must_match_the_launched_processes():
     assert "started 2 process(es) on this host" in str(error) and "3 device(s)" in str(error)
 
 
-def test_a_failed_save_on_rank0_fails_every_rank(tmp_path):
+def test_a_failed_save_fails_on_every_rank_alike(tmp_path):
+    # Rank 1 runs Keras' save() too (into its throwaway folder), so it meets the same error as rank 0.
     outcomes = job(2).run(failed_save, 2, str(tmp_path), timeout=TIMEOUT)
-    assert outcomes[0].result[0] == "ValueError"
-    assert outcomes[1].result[0] == "DistKerasError" and "Rank 0 could not write" in outcomes[1].result[1]
+    assert [o.result[0] for o in outcomes] == ["ValueError", "ValueError"]
+    assert "Invalid filepath extension" in outcomes[1].result[1]
     assert os.listdir(tmp_path) == []
+
+
+def test_ranks_saving_to_different_paths_never_wait_for_each_other(tmp_path):
+    # Rank 0 never writes rank 1's paths: rank 1 neither waits for it nor writes there, nor does it wait for
+    # rank 0 when they name the same path. Rank 0 writes atomically and leaves no temporary file.
+    outcomes = job(2).run(saves_to_paths_of_its_own, 2, str(tmp_path), timeout=TIMEOUT)
+    assert [o.result[0] for o in outcomes] == [0, 1]
+    _, own, same, left = outcomes[1].result
+    assert own < 30 and same < 30, (own, same)
+    assert left == []  # rank 1's throwaway folders are gone
+    assert sorted(os.listdir(tmp_path)) == ["model.keras", "rank0.keras", "rank0.weights.h5"]
+    reloaded = keras.saving.load_model(str(tmp_path / "rank0.keras"))
+    assert len(reloaded.weights) == len(scenarios.build(keras).weights)
 
 
 def test_two_hosts_of_two_processes():

@@ -8,7 +8,11 @@ second ``distribute()`` replaces the first one's hooks instead of stacking on th
 :func:`clone` and :func:`compile_like` remain for tf.keras 2.x only (see the TensorFlow adapter).
 """
 
+import functools
 import importlib
+import inspect
+import os
+import tempfile
 
 from ..errors import ModelError
 from . import keras_package
@@ -155,17 +159,11 @@ def chief_speaks_and_writes(model, rank):
     """Rank 0 prints and writes; the other workers of a job stay quiet and keep no file.
 
     On ranks other than 0: ``fit``/``evaluate``/``predict`` run with ``verbose=0`` (no progress bar),
-    and ``save``/``save_weights`` (also when a callback such as ModelCheckpoint calls them) write to a
-    throwaway temporary folder instead of the path given. They still run: reading a multi-process JAX
-    array can be a collective step every process must take. Instance attributes: nothing is saved.
+    and ``save``/``save_weights`` (also when a callback such as ModelCheckpoint calls them) write a
+    throwaway copy (:func:`throwaway_saves`). Instance attributes: nothing is saved.
     """
     if rank == 0:
         return
-    import functools
-    import inspect
-    import os
-    import tempfile
-
     for name in ("fit", "evaluate", "predict"):
         method = getattr(model, name)
         signature = inspect.signature(method)
@@ -177,13 +175,25 @@ def chief_speaks_and_writes(model, rank):
 
         hook(model, name, functools.wraps(method)(quiet))
     for name in ("save", "save_weights"):
-        method = getattr(model, name)
-        signature = inspect.signature(method)
+        hook(model, name, throwaway_saves(getattr(model, name), rank))
 
-        def throwaway(*args, _method=method, _signature=signature, **kwargs):
-            bound = _signature.bind(*args, **kwargs)
-            with tempfile.TemporaryDirectory(prefix="distkeras-rank{}-".format(rank)) as folder:
-                bound.arguments["filepath"] = os.path.join(folder, os.path.basename(str(bound.arguments["filepath"])))
-                return _method(*bound.args, **bound.kwargs)
 
-        hook(model, name, functools.wraps(method)(throwaway))
+def throwaway_saves(method, rank):
+    """``method`` (a model's bound ``save`` or ``save_weights``), writing to a throwaway folder: the rule
+    for ranks other than 0.
+
+    The file is written under its own name in a new temporary folder, which is deleted when the call
+    returns; nothing is written at the path given, and the call never waits for another rank. It still
+    runs: reading a multi-process JAX array can be a collective step every process must take, and an
+    error (a bad file name) is raised on every rank alike.
+    """
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def throwaway(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        with tempfile.TemporaryDirectory(prefix="distkeras-rank{}-".format(rank)) as folder:
+            bound.arguments["filepath"] = os.path.join(folder, os.path.basename(str(bound.arguments["filepath"])))
+            return method(*bound.args, **bound.kwargs)
+
+    return throwaway

@@ -40,9 +40,12 @@ so distributing a model twice replaces the hooks instead of stacking them.
 - ``fit`` / ``evaluate`` / ``predict``: ``verbose=0`` on ranks other than 0. ``fit()`` starts, and
   every epoch begins, with rank 0's random state (Python, NumPy, torch), so shuffling and augmentation
   produce the same global batches on every rank. ``predict()`` runs the whole input on every rank.
-- ``save`` / ``save_weights``: rank 0 writes (a temporary file, then a rename); the other ranks write
-  nothing and return once rank 0's file is in place, so a script that saves and reloads runs unchanged
-  on every rank. Calling ``save()`` on rank 0 alone works as well.
+- ``save`` / ``save_weights`` (also when a callback such as ModelCheckpoint calls them): rank 0 writes
+  (a temporary file, then a rename); the other ranks write a throwaway copy into a temporary folder of
+  their own, deleted when the call returns (:func:`~distkeras.backends.keras3.throwaway_saves`, as on
+  TensorFlow and JAX). No rank waits for another, whatever path each one names, and calling ``save()``
+  on rank 0 alone works as well. A rank that must read rank 0's file waits for it itself, for example
+  after a ``torch.distributed.barrier()`` that every rank reaches once rank 0's ``save()`` returned.
 
 Every rank must call ``fit``/``evaluate`` alike: they are collective, and so is a BatchNormalization
 layer called in training mode. A custom ``train_step`` (the Keras guide's: ``loss.backward()``, then
@@ -50,8 +53,6 @@ layer called in training mode. A custom ``train_step`` (the Keras guide's: ``los
 ``model.optimizer``, once per step; a step that doesn't raises :class:`~distkeras.DistKerasError`.
 """
 
-import collections
-import datetime
 import functools
 import inspect
 import logging
@@ -77,8 +78,8 @@ class Replica(object):
     Args:
         rank: this process' rank.
         world: the number of processes.
-        store: the rendezvous store (for the save hand-over), or None.
-        timeout: seconds a rank waits for rank 0's file.
+        store: the job's rendezvous store, or None.
+        timeout: seconds a collective may wait for the other processes.
         launch_failure: ``failure(wait)`` of the self-launch watcher, or None.
     """
 
@@ -91,7 +92,6 @@ class Replica(object):
         self.count = None  # samples of the train step in flight (None outside one)
         self.last_count = None  # samples of the last train or test step
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
-        self._saves = collections.Counter()
 
     def share(self, data):
         """This rank's part ``[rank::world]`` of a global batch, and its number of samples."""
@@ -116,10 +116,6 @@ class Replica(object):
             return value[:1] if shape is not None and len(shape) else value
 
         return keras.tree.map_structure(first, data)
-
-    def save_key(self, path):
-        self._saves[path] += 1
-        return "save:{}:{}".format(path, self._saves[path])
 
 
 def _layers(model):
@@ -388,34 +384,15 @@ def _write_atomically(method, path, args, kwargs):
 
 
 def _rank0_writes(method, replica):
+    """``save``/``save_weights``: rank 0 writes (a local path atomically); the others a throwaway copy."""
+    if replica.rank != 0:
+        return keras3.throwaway_saves(method, replica.rank)
+
     @functools.wraps(method)
     def save(filepath, *args, **kwargs):
         path = _local_path(filepath)
-        if path is None:  # a file object or a remote path: rank 0 writes, nobody waits
-            return method(filepath, *args, **kwargs) if replica.rank == 0 else None
-        key = replica.save_key(path)
-        if replica.rank != 0:
-            return _wait_for_rank0(replica, key, path)
-        try:
-            result = _write_atomically(method, path, args, kwargs)
-        except BaseException as exc:
-            replica.store.set(key, "failed: {}: {}".format(type(exc).__name__, exc))
-            raise
-        replica.store.set(key, "ok")
-        return result
+        if path is None:  # not a local path (a remote one): written as it is
+            return method(filepath, *args, **kwargs)
+        return _write_atomically(method, path, args, kwargs)
 
     return save
-
-
-def _wait_for_rank0(replica, key, path):
-    try:
-        replica.store.wait([key], datetime.timedelta(seconds=replica.timeout))
-    except RuntimeError as exc:  # torch raises a DistStoreError (a RuntimeError) on timeout
-        raise DistKerasError(
-            "Rank {} waited {:.0f} s for rank 0 to write {} and it didn't: call save() on rank 0 too (every rank "
-            "may call it; only rank 0 writes). ({})".format(replica.rank, replica.timeout, path, exc)
-        )
-    status = replica.store.get(key).decode()
-    if status != "ok":
-        raise DistKerasError("Rank 0 could not write {}: {}".format(path, status.partition(": ")[2]))
-    return None
