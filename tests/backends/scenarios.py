@@ -190,6 +190,16 @@ def fit_and_save(devices, directory):
     return dist.predict(x, verbose=0)
 
 
+def after_rank0_wrote():
+    """What a user's script does before other ranks read rank 0's file (README: no rank waits for
+    another's file): on PyTorch, where replicas are processes, a barrier after rank 0's save() returned."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def save_load_rounds(devices, directory, rounds=3):
     """distribute, save, load, again: the loaded model's layer classes and weight count per round."""
     import keras
@@ -202,6 +212,7 @@ def save_load_rounds(devices, directory, rounds=3):
         model = distkeras.distribute(model, devices=devices)
         path = os.path.join(directory, "round{}.keras".format(round_))
         model.save(path)
+        after_rank0_wrote()
         model = keras.saving.load_model(path)
         seen.append(([type(l).__name__ for l in model.layers], len(model.weights)))
     return seen

@@ -135,9 +135,10 @@ def test_a_lost_host_ends_the_job_within_the_bound_naming_its_rank_and_the_job_r
     running[1].wait(10)
     assert code != 0
     # Named by host 0's launcher, or first by the engine's own failure detector where it has a faster one
-    # (TensorFlow's coordination service: "tasks are unhealthy (stopped sending heartbeats): .../task:1").
+    # (TensorFlow's and JAX's coordination service: "tasks are unhealthy (stopped sending heartbeats): .../task:1",
+    # JAX naming the task by its number alone).
     named = [r"node rank 1 \({}, rank 1\) is lost".format(re.escape(hosts.addresses[1])),
-             r"unhealthy \(stopped sending heartbeats\):\s*(\[rank \d+\] )?/job:worker/replica:0/task:1\b"]
+             r"unhealthy \(stopped sending heartbeats\):\s*(\[rank \d+\] )?(/job:worker/replica:0/task:)?1\b"]
     assert re.search("|".join(named), err), err[-3000:]
     assert elapsed <= 45 and elapsed <= PEER_TIMEOUT + STOP_TIMEOUT + 5, err[-3000:]
     assert os.path.exists(os.path.join(str(tmp_path), "ckpt", "checkpoint.json"))

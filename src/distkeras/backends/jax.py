@@ -90,8 +90,9 @@ class JaxAdapter(Adapter):
             parameters = inspect.signature(jax.distributed.initialize).parameters
             if "heartbeat_timeout_seconds" in parameters:
                 # A lost process ends the job within a bound without distkeras launch too (JAX's default is
-                # 100 s); under distkeras launch the launchers, which name the lost host, speak first.
-                extra["heartbeat_timeout_seconds"] = int(math.ceil(rendezvous.peer_timeout())) + 10
+                # 100 s); under distkeras launch the launchers, which name the lost host, mostly speak first
+                # (JAX's last heartbeat may predate the loss by part of its timeout).
+                extra["heartbeat_timeout_seconds"] = int(math.ceil(2 * rendezvous.peer_timeout())) + 10
             jax.distributed.initialize(
                 coordinator_address=cluster.coordinator, num_processes=cluster.world_size, process_id=cluster.rank,
                 **extra
