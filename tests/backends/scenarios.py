@@ -42,7 +42,7 @@ def build(keras, regularizer=None, seed=0):
     return model
 
 
-def train(case, devices):
+def train(case, devices, **options):
     import keras
 
     import distkeras
@@ -50,7 +50,7 @@ def train(case, devices):
     samples, batch, epochs, regularizer = CASES[case]
     model = build(keras, regularizer)
     if devices > 1:
-        model = distkeras.distribute(model, devices=devices)
+        model = distkeras.distribute(model, devices=devices, **options)
     x, y = data(samples)
     history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
     return [np.asarray(w) for w in model.get_weights()], history.history

@@ -1,11 +1,30 @@
 """The adapter interface every backend implements. Part of the Python 3.6-compatible core."""
 
 import abc
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from ..cluster import Cluster
 from ..devices import Device
 from ..errors import OptionError
+
+
+#: Values of the ``compression`` option: the dtype gradients travel in during the all-reduce.
+COMPRESSIONS = ("bf16", "fp16")
+COMPRESSION_HELP = ("the dtype gradients are all-reduced in: 'bf16' or 'fp16' (half the bytes; cast back before "
+                    "the optimizer), default None (the gradients' own dtype)")
+
+
+def check_compression(value):
+    # type: (object) -> Optional[str]
+    """``None``, ``"bf16"`` or ``"fp16"`` (also ``"bfloat16"``/``"float16"``); anything else is an OptionError."""
+    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+    if value is None:
+        return None
+    name = aliases.get(value, value) if isinstance(value, str) else value
+    if name not in COMPRESSIONS:
+        raise OptionError(
+            "Expected compression to be None, 'bf16' or 'fp16'. Received: compression={!r}".format(value))
+    return name
 
 
 class Adapter(abc.ABC):

@@ -35,9 +35,11 @@ from .. import cluster as cluster_lib
 from ..devices import Device
 from ..errors import ClusterError, DistKerasError, OptionError, TooLateError
 from . import keras3, when_imported
-from .base import Adapter
+from .base import COMPRESSION_HELP, Adapter, check_compression
 
 _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
+#: The wire dtype of each ``compression`` (TensorFlow's names).
+_WIRE = {"bf16": "bfloat16", "fp16": "float16"}
 _strategy_serial = itertools.count()
 
 
@@ -49,6 +51,7 @@ class TensorFlowAdapter(Adapter):
         "cross_device_ops": "how MirroredStrategy all-reduces: " + ", ".join(_CROSS_DEVICE_OPS),
         "exact_loss_scaling": "weigh replicas by their share of the global batch (default True)",
         "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
+        "compression": COMPRESSION_HELP,
     }
 
     def __init__(self):
@@ -88,9 +91,11 @@ class TensorFlowAdapter(Adapter):
             return  # MultiWorkerMirroredStrategy replicates over a worker's GPUs, or its one CPU
         when_imported("tensorflow", lambda: _split_cpu(count))
 
-    def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True, sync_batchnorm=True):
+    def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True, sync_batchnorm=True,
+                   compression=None):
         import tensorflow as tf
 
+        compression = check_compression(compression)
         for name, value in (("exact_loss_scaling", exact_loss_scaling), ("sync_batchnorm", sync_batchnorm)):
             if not isinstance(value, bool):
                 raise OptionError("Expected True or False for {}. Received: {}={!r}".format(name, name, value))
@@ -101,6 +106,9 @@ class TensorFlowAdapter(Adapter):
                 tf, ["/{}:{}".format(d.kind, d.index) for d in devices], _cross_device_ops(tf, cross_device_ops)
             )
         if keras3.keras_package(model) == "tf_keras":
+            if compression is not None:
+                raise OptionError("compression needs Keras 3; tf.keras 2.x all-reduces inside its own optimizer. "
+                                  "Received: compression={!r}".format(compression))
             # tf.keras 2.x layers keep their tf.Variable objects as plain attributes (``self.kernel``), with no
             # storage to re-create behind them: the model is rebuilt inside the scope. Its optimizer already
             # clips after the all-reduce (``apply_gradients`` aggregates first).
@@ -109,8 +117,8 @@ class TensorFlowAdapter(Adapter):
                 keras3.compile_like(new, model)
             model = new
         else:
-            _mirror_in_place(model, tf, strategy)
-            _global_gradient_first(model, tf, strategy)
+            _mirror_in_place(model, tf, strategy, compression)
+            _global_gradient_first(model, tf, strategy, compression)
             _batchnorm_moments(model, tf, sync_batchnorm)
         if exact_loss_scaling and _uses_default_compute_loss(model):
             # One host: every replica's batch is at hand when a step starts, so the global batch is too.
@@ -209,7 +217,7 @@ def _cross_device_ops(tf, name):
     return tf.distribute.ReductionToOneDevice()
 
 
-def _mirror_in_place(model, tf, strategy):
+def _mirror_in_place(model, tf, strategy, compression=None):
     """Make ``model`` (Keras 3) what it would be had it been created inside ``strategy.scope()``.
 
     Each variable's storage is re-created in the scope from its current value: a mirrored variable (a
@@ -247,7 +255,7 @@ def _mirror_in_place(model, tf, strategy):
         for optimizer in keras3.optimizers_of(model):
             keras3.unhook(optimizer)
             _adopt_optimizer(optimizer, strategy)
-        _global_gradient_first(model, tf, strategy)
+        _global_gradient_first(model, tf, strategy, compression)
 
     keras3.hook(model, "compile", compile)
 
@@ -260,13 +268,16 @@ def _adopt_optimizer(optimizer, strategy):
         }
 
 
-def _global_gradient_first(model, tf, strategy):
+def _global_gradient_first(model, tf, strategy, compression=None):
     """All-reduce the gradients when they reach ``optimizer.apply``, before clipping, accumulation or the
     loss-scale overflow check, and skip the all-reduce Keras' TensorFlow optimizer would do after them.
 
     ``_all_reduce_sum_gradients`` is the private method of Keras' TFOptimizer that sums the replicas'
     gradients inside ``_backend_update_step``; with the gradients already summed it must pass them
     through (on the wrapped optimizer of a LossScaleOptimizer too). Pinned by a test.
+
+    With ``compression`` the gradients are cast to bfloat16/float16 for the all-reduce and back to their
+    own dtype after it (half the bytes on the wire; Horovod's ``Compression.fp16``).
     """
     optimizers = keras3.optimizers_of(model)
     if not optimizers:
@@ -283,9 +294,12 @@ def _global_gradient_first(model, tf, strategy):
         if context is not None and context.num_replicas_in_sync > 1:
             present = [i for i, g in enumerate(grads) if g is not None]
             if present:
-                summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
+                sent = [grads[i] for i in present]
+                if compression is not None:
+                    sent = [tf.cast(g, _WIRE[compression]) for g in sent]
+                summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
                 for i, g in zip(present, summed):
-                    grads[i] = g
+                    grads[i] = tf.cast(g, grads[i].dtype) if compression is not None else g
         return apply(grads, trainable_variables)
 
     keras3.hook(outer, "apply", apply_global)

@@ -35,7 +35,7 @@ from .. import network
 from ..devices import Device
 from ..errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
 from . import keras3, when_imported
-from .base import Adapter
+from .base import COMPRESSION_HELP, Adapter, check_compression
 
 #: torch.distributed's own default: how long a collective (or the rendezvous) may wait.
 DEFAULT_TIMEOUT = 1800.0
@@ -55,6 +55,7 @@ class TorchAdapter(Adapter):
         "timeout": "seconds a collective or the rendezvous may wait for the other processes (default 1800)",
         "backend": "torch.distributed backend: " + ", ".join(_BACKENDS) + " (default: nccl on GPUs, gloo on CPU)",
         "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
+        "compression": COMPRESSION_HELP,
     }
 
     def prepare(self, cluster):
@@ -102,13 +103,15 @@ class TorchAdapter(Adapter):
         a plain process starts one per device itself."""
         return len(devices) * max(1, cluster.world_size // max(1, cluster.local_world_size))
 
-    def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None, sync_batchnorm=True):
+    def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None, sync_batchnorm=True,
+                   compression=None):
         import torch
 
         from . import torch_collectives, torch_launch, torch_trainer
 
         # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
+        compression = check_compression(compression)
         if not isinstance(sync_batchnorm, bool):
             raise OptionError(
                 "Expected True or False for sync_batchnorm. Received: sync_batchnorm={!r}".format(sync_batchnorm)
@@ -144,7 +147,7 @@ class TorchAdapter(Adapter):
         _join(cluster, device, backend, timeout, listener)
         torch_collectives.broadcast_from_rank0(model)
         replica = torch_trainer.Replica(
-            cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None
+            cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None, compression
         )
         torch_trainer.install(model, replica, sync_batchnorm)
         return model

@@ -41,32 +41,51 @@ def _scatter(flat, variables):
         offset += size
 
 
-def average_gradients(grads, variables, count):
+_WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def average_gradients(grads, variables, count, compression=None):
     """The gradients averaged over the ranks, each rank weighted by its ``count`` of samples.
 
-    One all-reduce of ``[count * grad for every variable] + [has-gradient flags] + [count]``. A variable
-    without a gradient on any rank keeps None (Keras skips it, as on one device).
+    Uncompressed: one all-reduce of ``[count * grad for every variable] + [has-gradient flags] + [count]``.
+    With ``compression`` (``"bf16"``/``"fp16"``) the flags and counts go first (a few floats, full
+    precision), each rank scales its gradients by its share ``count / total`` so the sum is already the
+    average (no overflow in fp16 from large counts), and the gradients travel in the compressed dtype, half
+    the bytes; they are cast back before the optimizer (``bf16_compress_hook`` of PyTorch DDP, with the
+    weighting kept). A variable without a gradient on any rank keeps None (Keras skips it, as on one device).
     """
     dtype = torch.float64 if any(g is not None and g.dtype == torch.float64 for g in grads) else torch.float32
     device = next((g.device for g in grads if g is not None), variables[0].value.device)
     sizes = [_numel(v) for v in variables]
     length = sum(sizes)
+    meta = [float(g is not None) for g in grads] + [float(count)]
+    weight = count
+    if compression is not None:
+        counts = torch.tensor(meta, dtype=torch.float64, device=device)
+        dist.all_reduce(counts)
+        meta = counts.tolist()
+        weight = count / (meta[-1] or 1.0)
     # One buffer; each gradient is written into its slice already weighted (no per-variable temporaries).
-    flat = torch.empty(length + len(grads) + 1, dtype=dtype, device=device)
+    flat = torch.empty(length + (len(grads) + 1 if compression is None else 0), dtype=dtype, device=device)
     offset = 0
     for grad, size in zip(grads, sizes):
         piece = flat[offset : offset + size]
         if grad is None:
             piece.zero_()
         else:
-            torch.mul(grad.detach().reshape(-1), count, out=piece)
+            torch.mul(grad.detach().reshape(-1), weight, out=piece)
         offset += size
-    flat[length:] = torch.tensor([float(g is not None) for g in grads] + [float(count)], dtype=dtype)
-    dist.all_reduce(flat)
-    flags = flat[length:].tolist()
-    flat[:length].div_(flags[-1] or 1.0)
+    if compression is None:
+        flat[length:] = torch.tensor(meta, dtype=dtype)
+        dist.all_reduce(flat)
+        meta = flat[length:].tolist()
+        flat[:length].div_(meta[-1] or 1.0)
+    else:
+        wire = flat.to(_WIRE[compression])
+        dist.all_reduce(wire)
+        flat.copy_(wire)
     averaged, offset = [], 0
-    for present, variable, size in zip(flags, variables, sizes):
+    for present, variable, size in zip(meta, variables, sizes):
         piece = flat[offset : offset + size]
         averaged.append(piece.view(variable.shape).to(variable.value.dtype) if present else None)
         offset += size

@@ -81,14 +81,16 @@ class Replica(object):
         store: the job's rendezvous store, or None.
         timeout: seconds a collective may wait for the other processes.
         launch_failure: ``failure(wait)`` of the self-launch watcher, or None.
+        compression: None, ``"bf16"`` or ``"fp16"``: the dtype gradients are all-reduced in.
     """
 
-    def __init__(self, rank, world, store, timeout, launch_failure=None):
+    def __init__(self, rank, world, store, timeout, launch_failure=None, compression=None):
         self.rank = rank
         self.world = world
         self.store = store
         self.timeout = timeout
         self.launch_failure = launch_failure
+        self.compression = compression
         self.count = None  # samples of the train step in flight (None outside one)
         self.last_count = None  # samples of the last train or test step
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
@@ -233,7 +235,7 @@ def _wrap_optimizer(optimizer, replica):
         count = 1 if replica.count is None else replica.count
         if not count:  # a stand-in sample's gradients: this rank joins the all-reduce with weight zero
             grads = [None] * len(grads)
-        return apply(collectives.average_gradients(grads, variables, count), trainable_variables)
+        return apply(collectives.average_gradients(grads, variables, count, replica.compression), trainable_variables)
 
     keras3.hook(optimizer, "apply", averaged_apply)
     keras3.hook(optimizer, "_distkeras_replica", replica)
