@@ -1,0 +1,200 @@
+"""Across hosts: step time over a bandwidth-limited link, against the ring all-reduce bound, with and without
+gradient compression.
+
+    python -m benchmarks.hosts measure --backends torch,tensorflow --hosts 2 --rate 100mbit --width 0.2 \\
+        --compression none,bf16 --out benchmarks/results-hosts
+
+For each backend it makes ``--hosts`` network-namespace hosts (tests/netns.py; root and iproute2), starts one
+``distkeras launch`` per host (one process each), and runs :func:`job` there: the workload's model is built
+once per compression setting from the same weights, each copy distributed with its ``compression``, and
+their timed windows of ``--steps`` steps are interleaved (A B A B ...), so every setting meets the same
+machine noise. The job runs twice: over links shaped to ``--rate`` (``tc ... tbf`` on every host's link,
+both ways) and over unshaped links; the difference of the medians is the step's communication time. The
+ring all-reduce bound is ``2 (N-1)/N * bytes / rate`` with the gradient bytes of the wire dtype.
+
+Then the digits model (the demo's) is trained for ``--loss-epochs`` epochs at each setting, unshaped, and
+its final training loss is reported: what compression does to the result.
+
+Writes ``results.json`` (every window, the machine, the command) and ``results.md`` (the table).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PORT = 29500
+_WIRE_BYTES = {"none": 4, "bf16": 2, "fp16": 2}
+
+
+def add_arguments(parser):
+    parser.add_argument("--backends", default=None, help="comma-separated (default: KERAS_BACKEND)")
+    parser.add_argument("--hosts", type=int, default=2, help="namespace hosts, one worker each (default 2)")
+    parser.add_argument("--rate", default="100mbit", help="each host's link rate, tc syntax (default 100mbit)")
+    parser.add_argument("--workload", default="mlp", help="benchmarks workload (default mlp)")
+    parser.add_argument("--width", type=float, default=0.2, help="MLP width scale (default 0.2: 1.6 M parameters)")
+    parser.add_argument("--batch", type=int, default=64, help="samples per worker per step (default 64)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed window (default 5)")
+    parser.add_argument("--windows", type=int, default=5, help="timed windows per setting (default 5)")
+    parser.add_argument("--compression", default="none,bf16", help="settings, of none, bf16, fp16 (default none,bf16)")
+    parser.add_argument("--loss-epochs", type=int, default=10, help="digits epochs for the loss check (0: skip)")
+    parser.add_argument("--out", default="bench-hosts", help="folder for results.json and results.md")
+
+
+def _rate_bits(rate):
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for unit, factor in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * factor
+    raise ValueError("Expected a rate like 100mbit. Received: {!r}".format(rate))
+
+
+def _setting(name):
+    return None if name == "none" else name
+
+
+def job(args):
+    """One worker: time the settings' windows interleaved; rank 0 prints one JSON line."""
+    import distkeras  # first: the engine starts at import
+
+    import keras
+    import numpy as np
+
+    from benchmarks import workloads
+
+    rank = distkeras.cluster.from_env().rank
+    settings = args.compression.split(",")
+    if args.workload == "digits":
+        from distkeras import demo
+
+        (x, y), _ = demo.load_digits()
+        results = {}
+        for name in settings:
+            keras.utils.set_random_seed(0)
+            model = distkeras.distribute(demo.build_model(keras), compression=_setting(name))
+            history = model.fit(x, y, batch_size=32 * args.hosts, epochs=args.loss_epochs, shuffle=False, verbose=0)
+            results[name] = {"final_loss": float(history.history["loss"][-1])}
+        if rank == 0:
+            print("RESULT " + json.dumps(results), flush=True)
+        return
+    workload = workloads.get(args.workload, args.width)
+    keras.utils.set_random_seed(0)
+    first = workload.build(keras)
+    models = {}
+    for name in settings:
+        model = workload.build(keras)
+        model.set_weights(first.get_weights())
+        models[name] = distkeras.distribute(model, compression=_setting(name))
+    global_batch = args.batch * args.hosts
+    batches = workload.batches(np.random.default_rng(0), global_batch * args.steps, 1)[0]
+    seconds = {name: [] for name in settings}
+    for window in range(args.windows + 1):  # window 0 warms up (tracing, compilation)
+        for name in settings[window % len(settings):] + settings[: window % len(settings)]:
+            started = time.perf_counter()
+            models[name].fit(batches[0], batches[1], batch_size=global_batch, epochs=1, shuffle=False, verbose=0)
+            if window:
+                seconds[name].append((time.perf_counter() - started) / args.steps)
+    if rank == 0:
+        params = sum(int(np.prod(w.shape)) for w in first.weights if w.trainable)
+        print("RESULT " + json.dumps({"seconds_per_step": seconds, "parameters": params}), flush=True)
+
+
+def _run_job(backend, args, rate):
+    from tests import netns
+
+    with netns.Hosts(args.hosts) as hosts:
+        if rate:
+            for host in range(args.hosts):
+                hosts.limit(host, rate)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_") and k != "XLA_FLAGS"}
+        env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND=backend)
+        forwarded = ["--workload", args.workload, "--width", str(args.width), "--batch", str(args.batch),
+                     "--steps", str(args.steps), "--windows", str(args.windows), "--compression", args.compression,
+                     "--hosts", str(args.hosts), "--loss-epochs", str(args.loss_epochs)]
+        launchers = []
+        for host in range(args.hosts):
+            command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "1", "--nnodes",
+                       str(args.hosts), "--node-rank", str(host), "--coordinator",
+                       "{}:{}".format(hosts.addresses[0], PORT), "--backend", backend,
+                       "-m", "benchmarks.hosts", "job"] + forwarded
+            launchers.append(hosts.popen(host, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         cwd=ROOT, env=env))
+        outputs = [p.communicate(timeout=3600) for p in launchers]
+        for p, (out, err) in zip(launchers, outputs):
+            if p.returncode != 0:
+                raise RuntimeError("{} job failed ({}):\n{}".format(backend, p.returncode, err[-3000:]))
+        line = [l for l in outputs[0][0].splitlines() if "RESULT " in l][0]
+        return json.loads(line.split("RESULT ", 1)[1])
+
+
+def _median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def measure(args):
+    from benchmarks import machine
+
+    backends = (args.backends or os.environ.get("KERAS_BACKEND", "tensorflow")).split(",")
+    report = {"command": " ".join(["python -m benchmarks.hosts"] + sys.argv[1:]), "machine": machine.describe(ROOT),
+              "rate": args.rate, "hosts": args.hosts, "runs": {}}
+    bits = _rate_bits(args.rate)
+    for backend in backends:
+        shaped = _run_job(backend, args, args.rate)
+        free = _run_job(backend, args, None)
+        entry = {"shaped": shaped, "unshaped": free, "settings": {}}
+        n = args.hosts
+        for name in args.compression.split(","):
+            step = _median(shaped["seconds_per_step"][name])
+            compute = _median(free["seconds_per_step"][name])
+            wire = shaped["parameters"] * _WIRE_BYTES[name]
+            bound = 2.0 * (n - 1) / n * wire * 8 / bits
+            entry["settings"][name] = {"step_s": step, "unshaped_step_s": compute, "communication_s": step - compute,
+                                       "ring_bound_s": bound, "communication_over_bound": (step - compute) / bound}
+        base = entry["settings"].get("none")
+        for name, setting in entry["settings"].items():
+            if base:
+                setting["speedup_over_none"] = base["step_s"] / setting["step_s"]
+        if args.loss_epochs:
+            digits = argparse.Namespace(**dict(vars(args), workload="digits"))
+            entry["digits_loss"] = _run_job(backend, digits, None)
+        report["runs"][backend] = entry
+        print(json.dumps({backend: entry["settings"], "digits": entry.get("digits_loss")}, indent=1), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table(report))
+    print(table(report))
+    return 0
+
+
+def table(report):
+    lines = ["{} hosts, each link {} (tc tbf); `{}`".format(report["hosts"], report["rate"], report["command"]), "",
+             "| backend | compression | step (s) | unshaped step (s) | communication (s) | ring bound (s) | "
+             "communication / bound | speed-up over none | digits loss |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for backend, entry in report["runs"].items():
+        for name, s in entry["settings"].items():
+            loss = (entry.get("digits_loss") or {}).get(name, {}).get("final_loss")
+            lines.append("| {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {} | {} |".format(
+                backend, name, s["step_s"], s["unshaped_step_s"], s["communication_s"], s["ring_bound_s"],
+                s["communication_over_bound"], "{:.2f}x".format(s["speedup_over_none"]) if "speedup_over_none" in s
+                else "", "{:.4f}".format(loss) if loss is not None else ""))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hosts")
+    parser.add_argument("mode", choices=("measure", "job"))
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return job(args) if args.mode == "job" else measure(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
