@@ -18,7 +18,6 @@ raises :class:`~distkeras.NetworkError` saying so before anything starts.
 Standard library only (Linux for interface names); part of the Python 3.6-compatible core.
 """
 
-import errno
 import os
 import socket
 import struct
@@ -182,8 +181,3 @@ def describe_route(route):
     """``"eth0 (10.0.0.2)"``, for messages."""
     return "{} ({})".format(route.interface or "an unnamed interface", route.address)
 
-
-def is_refused(exc):
-    # type: (BaseException) -> bool
-    """Whether ``exc`` says nothing listens at the other end (for retry loops)."""
-    return isinstance(exc, OSError) and exc.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH)
