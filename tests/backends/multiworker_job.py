@@ -89,7 +89,7 @@ def main(out_dir, mode):
     rank = distkeras.cluster.from_env().rank
     model = scenarios.build(keras)
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
-    model = distkeras.distribute(model)
+    model = distkeras.distribute(model, compression="bf16" if mode == "bf16" else None)
     x, y = scenarios.data(100)
     callbacks = []
     if mode in ("kill", "resume", "stall"):

@@ -51,8 +51,6 @@ def test_data_parallel_equals_single_device(single_device_runs, case, devices):
 def test_compressed_gradients_train_close_to_uncompressed(single_device_runs, compression):
     """compression=: the gradients travel in 16 bits. bf16 keeps 8 significant bits (relative rounding up to
     2**-8 per gradient element), fp16 11: 18 SGD steps land close to exact training, not on it."""
-    if BACKEND == "jax":
-        pytest.skip("compression is not implemented on JAX yet (issue: communication at the bandwidth limit)")
     expected, expected_history = single_device_runs["uneven_tail"]
     weights, history = replicated(2, scenarios.train, "uneven_tail", 2, compression=compression)
     tolerance = {"bf16": 2e-2, "fp16": 3e-3}[compression]
@@ -64,8 +62,6 @@ def test_compressed_gradients_train_close_to_uncompressed(single_device_runs, co
 
 
 def test_unknown_compression_is_refused_naming_the_valid_ones():
-    if BACKEND == "jax":
-        pytest.skip("compression is not implemented on JAX yet (issue: communication at the bandwidth limit)")
     with pytest.raises(distkeras.OptionError, match=r"Expected compression to be None, 'bf16' or 'fp16'\. "
                                                      r"Received: compression='int8'"):
         distkeras.distribute(scenarios.build(keras), devices=2, compression="int8")

@@ -66,6 +66,21 @@ def test_two_workers_train_as_one_process(tmp_path, data):
     assert "'replicas': 2, 'rank': 1, 'workers': 2, 'distributed': True" in done.stdout
 
 
+def test_two_workers_with_bf16_gradients_stay_equal_and_close_to_one_process(tmp_path):
+    """compression='bf16' across processes, on the backend's own engine: the 16-bit all-reduce gives every
+    rank the same sum, so the ranks stay bit-equal; 32 SGD steps land near exact training, not on it."""
+    done, _ = launch(tmp_path, "bf16")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    r0, r1 = rank_weights(tmp_path, 0), rank_weights(tmp_path, 1)
+    for a, b in zip(r0, r1):
+        np.testing.assert_array_equal(a, b)
+    expected = single_process_weights()
+    for e, a in zip(expected, r0):
+        np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-2)
+    assert max(float(np.abs(e - a).max()) for e, a in zip(expected, r0)) > 1e-7, "not compressed"
+    assert "framework replicas 2" in done.stdout
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's exact loss scaling across workers")
 def test_two_workers_weigh_an_uneven_split_by_batch_share(tmp_path):
     # Global batch 11: 6+5 over the workers, then 1+0. Each worker's replicas only see their own batches,

@@ -43,7 +43,7 @@ from typing import List
 from ..devices import Device
 from ..errors import DistKerasError, OptionError, TooLateError
 from . import keras3, when_imported
-from .base import Adapter
+from .base import COMPRESSION_HELP, Adapter, check_compression
 
 logger = logging.getLogger("distkeras")
 
@@ -68,6 +68,7 @@ class JaxAdapter(Adapter):
         "layout_map": "strategy='model': {variable path regex: axes}, e.g. {'.*dense.*kernel': (None, 'model')}; "
         "default: the last axis of every kernel and embedding table that the 'model' axis divides",
         "model_shards": "strategy='model': devices on the 'model' mesh axis (default: all); the rest form 'batch'",
+        "compression": COMPRESSION_HELP + "; strategy='data' only",
     }
 
     def __init__(self):
@@ -111,7 +112,8 @@ class JaxAdapter(Adapter):
             _set_jax_cpu_count(count)
         os.environ["XLA_FLAGS"] = _with_flag(os.environ.get("XLA_FLAGS", ""), _COUNT_FLAG, count)
 
-    def distribute(self, model, devices, cluster, strategy="data", layout_map=None, model_shards=None):
+    def distribute(self, model, devices, cluster, strategy="data", layout_map=None, model_shards=None,
+                   compression=None):
         """Lay ``model`` out under a Keras distribution over exactly ``devices``, in place.
 
         Args:
@@ -124,6 +126,8 @@ class JaxAdapter(Adapter):
                 "batch" or None per dimension; a ``keras.distribution.LayoutMap`` gives its rules.
                 Default: the last axis of every kernel and embedding table that "model" divides.
             model_shards: ``strategy="model"``: the size of the "model" axis (default: every device).
+            compression: ``"bf16"``/``"fp16"``: gradients all-reduced in 16 bits
+                (:mod:`distkeras.backends.jax_steps`); ``strategy="data"`` only.
 
         Returns:
             ``model`` itself, its variables on the mesh.
@@ -134,6 +138,12 @@ class JaxAdapter(Adapter):
         """
         import keras
 
+        from . import jax_steps
+
+        compression = check_compression(compression)
+        if compression is not None and strategy != "data":
+            raise OptionError("compression applies to strategy='data' (the gradient all-reduce of replicas). Received: "
+                              "strategy={!r}, compression={!r}".format(strategy, compression))
         by_device = dict(_local_devices())
         mesh_devices = [by_device[d] for d in devices]
         if cluster.is_multi_worker:
@@ -154,11 +164,15 @@ class JaxAdapter(Adapter):
         _ours[distribution] = set()
         _replicate_uneven_batches()
         keras3.unhook(model)  # an earlier distribute()'s hooks
+        jax_steps.uninstall(model)
         with distribution.scope():
             _assign_layouts(model, distribution)
             _lay_out(model, distribution)
         # Steps traced before (a model trained before distribute()) were compiled for the old placement.
         model.train_function = model.test_function = model.predict_function = None
+        if compression is not None:
+            jax_steps.install(model, distribution.device_mesh.backend_mesh, distribution.batch_dim_name,
+                              jax_steps.WIRE[compression])
         for name in _SCOPED:
             keras3.hook(model, name, _scoped(getattr(model, name), model, distribution))
         if cluster.is_multi_worker:

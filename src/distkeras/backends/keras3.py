@@ -197,3 +197,23 @@ def throwaway_saves(method, rank):
             return method(*bound.args, **bound.kwargs)
 
     return throwaway
+
+
+def layers_of(model):
+    """The model and every layer in it, nested models and layers included (through Keras' private
+    ``_flatten_layers``, the one walk that reaches layers held in attributes, lists and dicts alike)."""
+    flatten = getattr(model, "_flatten_layers", None)
+    return list(flatten(include_self=True, recursive=True)) if callable(flatten) else [model]
+
+
+def batchnorm_layers(model, method):
+    """The model's BatchNormalization instances whose class computes its statistics in Keras' own
+    ``method`` (``_moments``), which an adapter can make global, and the others (a subclass that
+    overrides it)."""
+    import keras
+
+    base = keras.layers.BatchNormalization
+    layers = [layer for layer in layers_of(model) if isinstance(layer, base)]
+    own = getattr(base, method, None)
+    synced = [layer for layer in layers if own is not None and getattr(type(layer), method, None) is own]
+    return synced, [layer for layer in layers if all(layer is not s for s in synced)]
