@@ -21,7 +21,7 @@ WRAP = """
     logging.getLogger("distkeras").addHandler(logging.FileHandler("log.txt"))
     adapter = backends.get("cntk")
     model = toy.model(seed=1)
-    model = adapter.distribute(model, adapter.list_devices(), distkeras.cluster.SINGLE, num_quantization_bits={bits})
+    model = adapter.distribute(model, adapter.list_devices(), distkeras.cluster.SINGLE, {option})
     new = model.train_function.function.trainer
     old = [t for t in made if t.loss_function is new.loss_function and t is not new]
     wrapped = [call for call in distributed._calls if call[0] is old[0].parameter_learners[0]]
@@ -35,13 +35,20 @@ WRAP = """
 
 
 def test_the_learner_is_wrapped_and_the_trainer_rebuilt_with_the_same_functions(tmp_path):
-    job = run(tmp_path, WRAP.format(bits=8))
+    job = run(tmp_path, WRAP.format(option="num_quantization_bits=8"))
     assert job.returncode == 0, job
     got = job.results[0]
     assert got["olds"] == 1 and got["same_model"] and got["same_loss"] and got["same_evaluation"]
     assert got["kinds"] == ["DistributedLearner"] and got["inner"] == [True]
     assert got["arguments"] == [{"distributed_after": 0, "num_quantization_bits": 8, "use_async_buffered_parameter_update": False}]
     assert "one CNTK worker: the distributed learner trains it alone" in got["log"]
+
+
+def test_compression_1bit_is_a_one_bit_distributed_learner(tmp_path):
+    job = run(tmp_path, WRAP.format(option="compression='1bit'"))
+    assert job.returncode == 0, job
+    assert job.results[0]["arguments"] == [
+        {"distributed_after": 0, "num_quantization_bits": 1, "use_async_buffered_parameter_update": False}]
 
 
 def test_one_bit_sgd_on_a_build_without_it_is_an_option_error(tmp_path):

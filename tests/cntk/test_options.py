@@ -27,7 +27,7 @@ def test_distributed_after_other_than_0_is_refused_with_the_reason(after):
 
 def test_unknown_options_name_the_known_ones():
     with pytest.raises(OptionError, match=r"Unknown option\(s\) num_quantisation_bits for the cntk backend\. Options it "
-                                          r"accepts: distributed_after \(.*\), num_quantization_bits \("):
+                                          r"accepts: compression \(.*\), distributed_after \(.*\), num_quantization_bits \("):
         CNTKAdapter().check_options({"num_quantisation_bits": 1})
 
 
@@ -55,3 +55,15 @@ def test_without_cntk_the_backend_is_unavailable_with_an_install_hint(monkeypatc
     with pytest.raises(ImportError, match=r"'cntk', but cntk is not installed\. Install it with `pip install cntk==2\.7 keras==2\.3\.1"):
         backends.get("cntk")
     assert adapter_module.CNTKAdapter.framework == "cntk"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"compression": "bf16"}, r"Expected compression to be None or '1bit' on CNTK: .*Received: compression='bf16'"),
+        ({"compression": "1bit", "num_quantization_bits": 8}, r"compression='1bit' is num_quantization_bits=1"),
+    ],
+)
+def test_compression_is_cntks_1bit_sgd_only(options, message):
+    with pytest.raises(OptionError, match=message):
+        CNTKAdapter().distribute(object(), [], None, **options)

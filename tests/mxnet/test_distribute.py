@@ -345,7 +345,7 @@ def test_duplicate_devices():
 
 
 def test_unknown_option_names_the_known_ones():
-    with pytest.raises(distkeras.OptionError, match=r"Unknown option\(s\) num_quantisation_bits for the mxnet backend\. Options it accepts: kvstore"):
+    with pytest.raises(distkeras.OptionError, match=r"Unknown option\(s\) num_quantisation_bits for the mxnet backend\. Options it accepts: compression \(.*\), kvstore"):
         distkeras.distribute(build(), devices=2, num_quantisation_bits=8)
 
 
@@ -391,3 +391,48 @@ def test_cpu_contexts_can_be_changed_at_any_time():
         assert len(distkeras.distribute(build(), devices=5)._context) == 5
     finally:
         distkeras.use_cpu_devices(CPU_DEVICES)
+
+
+def test_2bit_compression_quantizes_what_the_contexts_push():
+    """compression='2bit' is MXNet's own KVStore gradient compression, read from what training does: with SGD
+    (lr 1, no momentum) the first step moves every weight by -lr * (q_0 + q_1), each context's pushed gradient
+    q_i quantized to -t, 0 or +t, so every change is a multiple of the threshold t, and not all are zero."""
+    threshold = 0.25
+    model = build()
+    model.compile(optimizer=keras.optimizers.SGD(lr=1.0), loss="mse")
+    before = model.get_weights()
+    dist = distkeras.distribute(model, devices=2, compression={"type": "2bit", "threshold": threshold})
+    x, y = data(8)
+    dist.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    changes = np.concatenate([(a - b).ravel() for a, b in zip(dist.get_weights(), before)])
+    steps = changes / threshold
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
+    assert set(np.round(steps).astype(int)) <= {-2, -1, 0, 1, 2} and np.abs(steps).max() >= 1
+    # Uncompressed, the same step moves the weights by amounts that are no multiples of t.
+    exact = build()
+    exact.compile(optimizer=keras.optimizers.SGD(lr=1.0), loss="mse")
+    exact = distkeras.distribute(exact, devices=2)
+    exact.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    plain = np.concatenate([(a - b).ravel() for a, b in zip(exact.get_weights(), before)]) / threshold
+    assert np.abs(plain - np.round(plain)).max() > 1e-2
+
+
+def test_2bit_compression_with_error_feedback_still_trains():
+    x, y = data(64)
+    model = distkeras.distribute(build(), devices=2, compression="2bit")
+    history = model.fit(x, y, batch_size=16, epochs=15, shuffle=False, verbose=0).history
+    assert history["loss"][-1] < 0.7 * history["loss"][0]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"compression": "bf16"}, r"Expected compression to be None, '2bit' or .*2-bit quantization only .*"
+                                   r"Received: compression='bf16'"),
+        ({"compression": {"type": "2bit", "threshold": -1}}, "with t > 0"),
+        ({"compression": "2bit", "kvstore": "local"}, r"'device' KVStore, not in 'local'"),
+    ],
+)
+def test_bad_compression(options, message):
+    with pytest.raises(distkeras.OptionError, match=message):
+        distkeras.distribute(build(), devices=2, **options)

@@ -44,6 +44,8 @@ class CNTKAdapter(Adapter):
     options = {
         "num_quantization_bits": "bits per gradient value in the all-reduce, 1..32 (default 32; fewer: quantized SGD)",
         "distributed_after": "samples each worker trains alone before aggregation starts; only 0 (the default)",
+        "compression": "'1bit': CNTK's 1-bit SGD (num_quantization_bits=1, error feedback); CNTK has no 16-bit "
+        "all-reduce",
     }
 
     def __init__(self):
@@ -64,7 +66,7 @@ class CNTKAdapter(Adapter):
                 "CNTK computes on one device per process, so the CPU can't be split into {0} devices. Run {0} "
                 "processes instead: distkeras launch --backend cntk --nproc-per-node {0} script.py".format(count))
 
-    def distribute(self, model, devices, cluster, num_quantization_bits=32, distributed_after=0):
+    def distribute(self, model, devices, cluster, num_quantization_bits=32, distributed_after=0, compression=None):
         """Make ``model`` train data-parallel over the job's MPI ranks (in place; it is returned).
 
         Args:
@@ -74,6 +76,7 @@ class CNTKAdapter(Adapter):
             num_quantization_bits: bits per gradient value in CNTK's all-reduce, 1..32.
             distributed_after: must be 0: with more, CNTK trains each worker alone for that many samples
                 and does not synchronise their weights when aggregation starts.
+            compression: ``"1bit"``, CNTK's own gradient compression: ``num_quantization_bits=1``.
 
         Returns:
             ``model``; every worker now holds rank 0's weights.
@@ -83,6 +86,7 @@ class CNTKAdapter(Adapter):
             ClusterError: CNTK's MPI disagrees with the launch environment about rank or size.
             ModelError: the model has nothing to train.
         """
+        num_quantization_bits = _quantization_bits(compression, num_quantization_bits)
         _check_options(num_quantization_bits, distributed_after)
         from cntk.train.distributed import Communicator
 
@@ -142,6 +146,23 @@ class CNTKAdapter(Adapter):
 
             self._finalized = True
             Communicator.finalize()
+
+
+def _quantization_bits(compression, bits):
+    """``num_quantization_bits`` for the ``compression`` option: CNTK's compression is quantized SGD (1-bit SGD
+    with error feedback at 1 bit), a different trade from the 16-bit all-reduce of the other backends, so
+    'bf16'/'fp16' are refused rather than mapped onto it."""
+    if compression is None:
+        return bits
+    if compression != "1bit":
+        raise OptionError(
+            "Expected compression to be None or '1bit' on CNTK: it compresses gradients by quantization "
+            "(num_quantization_bits=1..31), not in 16-bit floats ('bf16'/'fp16' are TensorFlow's, JAX's and "
+            "PyTorch's). Received: compression={!r}".format(compression))
+    if bits not in (1, 32):
+        raise OptionError("compression='1bit' is num_quantization_bits=1. Received: compression='1bit', "
+                          "num_quantization_bits={!r}".format(bits))
+    return 1
 
 
 def _check_options(bits, after):
