@@ -3,6 +3,8 @@
     python -m benchmarks run [options]          measure; write results.json, results.md, throughput.png
     python -m benchmarks report results.json    write the table and plot again from a results file
     python -m benchmarks report a.json b.json --out DIR    one table and plot from several results files
+    python -m benchmarks hosts measure [options]   across network-namespace hosts over shaped links
+    python -m benchmarks hosts summary a.json b.json --out DIR   their table and plot (benchmarks/hosts.py)
 
 See benchmarks/README.md.
 """
@@ -31,6 +33,10 @@ def build_parser():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["hosts"]:  # its own options: benchmarks/hosts.py
+        from . import hosts
+
+        return hosts.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "run":
         args.command_line = "python -m benchmarks " + " ".join(shlex.quote(a) for a in argv)

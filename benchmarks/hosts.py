@@ -210,7 +210,65 @@ def table(report):
     return "\n".join(lines) + "\n"
 
 
+def summary(paths, out):
+    """One table (every run of every results file: backend, hosts, setting) and one plot, ``hosts.png``: per
+    backend and host count, the step time of each setting split into compute (unshaped) and communication,
+    with the ring bound of each setting marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reports = []
+    for path in paths:
+        with open(path) as handle:
+            reports.append(json.load(handle))
+    rows = []
+    for report in reports:
+        for backend, entry in report["runs"].items():
+            for name, s in entry["settings"].items():
+                loss = (entry.get("digits_loss") or {}).get(name, {}).get("final_loss")
+                rows.append((backend, report["hosts"], report["rate"], name, s, loss, report["command"]))
+    lines = ["| backend | hosts | link | setting | step (s) | compute (s) | communication (s) | ring bound (s) | "
+             "communication / bound | speed-up over none | digits loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for backend, hosts, rate, name, s, loss, _ in rows:
+        lines.append("| {} | {} | {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {} | {} |".format(
+            backend, hosts, rate, name, s["step_s"], s["unshaped_step_s"], s["communication_s"], s["ring_bound_s"],
+            s["communication_over_bound"], "{:.2f}x".format(s["speedup_over_none"]) if "speedup_over_none" in s
+            else "", "{:.4f}".format(loss) if loss is not None else ""))
+    lines += ["", "Commands:", ""] + sorted({"    " + command for *_, command in rows})
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.md"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    figure, axis = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4))
+    labels = ["{}\n{} hosts\n{}".format(backend, hosts, name) for backend, hosts, _, name, *_ in rows]
+    compute = [r[4]["unshaped_step_s"] for r in rows]
+    communication = [r[4]["step_s"] - r[4]["unshaped_step_s"] for r in rows]
+    positions = range(len(rows))
+    axis.bar(positions, compute, color="#9bb8d3", label="compute (unshaped step)")
+    axis.bar(positions, communication, bottom=compute, color="#e07b39", label="communication (shaped - unshaped)")
+    axis.scatter(positions, [c + r[4]["ring_bound_s"] for c, r in zip(compute, rows)], marker="_", s=400, color="k",
+                 label="compute + ring all-reduce bound", zorder=3)
+    axis.set_xticks(list(positions))
+    axis.set_xticklabels(labels, fontsize=7)
+    axis.set_ylabel("seconds per step (median)")
+    axis.set_title("Step time across namespace hosts, links shaped to {}".format(
+        ", ".join(sorted({r[2] for r in rows}))))
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(os.path.join(out, "hosts.png"), dpi=120)
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["summary"]:
+        parser = argparse.ArgumentParser(prog="python -m benchmarks.hosts summary")
+        parser.add_argument("results", nargs="+", help="results.json files written by `measure`")
+        parser.add_argument("--out", required=True, help="folder for results.md and hosts.png")
+        args = parser.parse_args(argv[1:])
+        return summary(args.results, args.out)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hosts")
     parser.add_argument("mode", choices=("measure", "job"))
     add_arguments(parser)
