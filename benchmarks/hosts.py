@@ -40,7 +40,8 @@ def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=5,
                         help="steps per window, one fit() call; the first is not timed (default 5)")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per setting (default 5)")
-    parser.add_argument("--compression", default="none,bf16", help="settings, of none, bf16, fp16 (default none,bf16)")
+    parser.add_argument("--compression", default="none,bf16",
+                        help="settings, of none, bf16, fp16, each optionally +no-overlap (PyTorch) (default none,bf16)")
     parser.add_argument("--loss-epochs", type=int, default=10, help="digits epochs for the loss check (0: skip)")
     parser.add_argument("--out", default="bench-hosts", help="folder for results.json and results.md")
 
@@ -54,7 +55,15 @@ def _rate_bits(rate):
 
 
 def _setting(name):
-    return None if name == "none" else name
+    """distribute()'s options for a setting: ``none``, ``bf16`` or ``fp16`` (compression), ``+no-overlap``
+    appended on PyTorch for its all-reduce after the backward pass instead of during it."""
+    compression, _, extra = name.partition("+")
+    options = {"compression": None if compression == "none" else compression}
+    if extra == "no-overlap":
+        options["overlap"] = False
+    elif extra:
+        raise SystemExit("unknown setting {!r}: expected none, bf16 or fp16, optionally +no-overlap".format(name))
+    return options
 
 
 def job(args):
@@ -75,7 +84,7 @@ def job(args):
         results = {}
         for name in settings:
             keras.utils.set_random_seed(0)
-            model = distkeras.distribute(demo.build_model(keras), compression=_setting(name))
+            model = distkeras.distribute(demo.build_model(keras), **_setting(name))
             history = model.fit(x, y, batch_size=32 * args.hosts, epochs=args.loss_epochs, shuffle=False, verbose=0)
             results[name] = {"final_loss": float(history.history["loss"][-1])}
         if rank == 0:
@@ -88,7 +97,7 @@ def job(args):
     for name in settings:
         model = workload.build(keras)
         model.set_weights(first.get_weights())
-        models[name] = distkeras.distribute(model, compression=_setting(name))
+        models[name] = distkeras.distribute(model, **_setting(name))
     global_batch = args.batch * args.hosts
     batches = workload.batches(np.random.default_rng(0), global_batch * args.steps, 1)[0]
     seconds = {name: [] for name in settings}
@@ -173,7 +182,7 @@ def measure(args):
         for name in args.compression.split(","):
             step = _median(shaped["seconds_per_step"][name])
             compute = _median(free["seconds_per_step"][name])
-            wire = shaped["parameters"] * _WIRE_BYTES[name]
+            wire = shaped["parameters"] * _WIRE_BYTES[name.partition("+")[0]]
             bound = 2.0 * (n - 1) / n * wire * 8 / bits
             entry["settings"][name] = {"step_s": step, "unshaped_step_s": compute, "communication_s": step - compute,
                                        "ring_bound_s": bound, "communication_over_bound": (step - compute) / bound}
