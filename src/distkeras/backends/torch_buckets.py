@@ -20,11 +20,14 @@ averages on: a step takes about max(compute, communication) once the model is la
   backward pass) and don't queue in front of them.
 - **Exact averages.** Each rank scales its gradients by ``count / total`` (its samples in the step over
   the global batch, which every rank holds, so known without communicating), and the buckets' sum is the
-  average, however unequal the shares; a rank with no samples (a stand-in step) sends zeros. One small
-  all-reduce at ``apply`` sums per-variable "has a gradient" flags (a variable without a gradient on any
-  rank stays None, as on one device) and the fallback flag below. With ``compression`` the buffers are in
-  the 16-bit wire dtype, cast back for the optimizer.
-- **Fallback**, decided by all ranks together (the flag is in that small all-reduce): when a hook fired
+  average, however unequal the shares; a rank with no samples (a stand-in step) sends zeros. The last
+  bucket (the model's first variables, whose gradients the backward pass produces last) leaves at
+  ``apply`` with a few numbers more: per-variable "has a gradient" flags (a variable without a gradient on
+  any rank stays None, as on one device) and the fallback flag below, so a step makes no all-reduce more
+  than the buckets (a model within one bucket: one, as without overlap). With ``compression`` the
+  buffers are in the 16-bit wire dtype (flags too: a sum of zeros and ones is zero only when all are),
+  cast back for the optimizer.
+- **Fallback**, decided by all ranks together (its flag travels in the last bucket): when a hook fired
   twice for one variable in a step (``backward()`` called more than once), or ``apply`` received anything
   but the very ``.grad`` tensors the hooks saw, unchanged (a ``train_step`` that transformed them, or
   computed them with ``torch.autograd.grad``, where no hook fires), the buckets are waited for and dropped,
@@ -171,9 +174,11 @@ class Buckets(object):
         self.versions = [0] * len(self._variables)
         self.reason = None
         self.next = 0
+        last = self._buckets[-1]  # with the flags after its gradients; held back until apply()
         for bucket in self._buckets:
-            bucket.buffer = torch.empty(bucket.length, dtype=bucket.dtype, device=bucket.device)
-            bucket.pending = len(bucket.indices)
+            flags = 1 + len(self._variables) if bucket is last else 0
+            bucket.buffer = torch.empty(bucket.length + flags, dtype=bucket.dtype, device=bucket.device)
+            bucket.pending = len(bucket.indices) + bool(flags)
             bucket.work = None
         self.collecting = True
 
@@ -210,8 +215,8 @@ class Buckets(object):
     def finish(self, grads, variables, count):
         """In ``optimizer.apply``: the averaged gradients of ``variables``, or None for the fallback.
 
-        Launches the buckets not launched yet (a variable without a gradient here counts zero), sums the
-        flags, waits for every bucket.
+        Writes the flags into the last bucket, launches the buckets not launched yet (a variable without a
+        gradient here counts zero), waits for every bucket.
         """
         self.collecting = False
         reason = self.reason or self._check(grads, variables)
@@ -220,19 +225,15 @@ class Buckets(object):
                 if self.seen[index] is None:
                     bucket.buffer[offset : offset + self._where[index][2]].zero_()
             bucket.pending = 0
-        self._launch_ready()
-        device = self._buckets[0].device
+        last = self._buckets[-1]
         flags = [float(reason is not None)] + [float(bool(count) and grad is not None) for grad in self.seen]
-        flags = torch.tensor(flags, dtype=torch.float32, device=device)
-        dist.all_reduce(flags)
+        last.buffer[last.length :].copy_(torch.tensor(flags))
+        self._launch_ready()
         for bucket in self._buckets:
             bucket.work.wait()
-        flags = flags.tolist()
-        buffers = {id(b): b.buffer for b in self._buckets}
-        for bucket in self._buckets:
-            bucket.buffer = bucket.work = None
-        self.seen = []
+        flags = last.buffer[last.length :].tolist()
         if flags[0]:
+            self.end()
             self.enabled = False
             if self.replica.rank == 0:
                 logger.warning(
@@ -249,8 +250,8 @@ class Buckets(object):
                 averaged.append(None)
                 continue
             bucket, offset, size = self._where[slot]
-            piece = buffers[id(bucket)][offset : offset + size].view(variable.shape)
-            averaged.append(piece.to(variable.value.dtype))
+            averaged.append(bucket.buffer[offset : offset + size].view(variable.shape).to(variable.value.dtype))
+        self.end()
         return averaged
 
     def end(self):
