@@ -115,7 +115,7 @@ class Buckets(object):
         self.group = bucket_group(replica.timeout)
         self.enabled = True
         self.collecting = False
-        self._ids = ()
+        self._ids, self._slot = (), {}
         self._variables, self._where, self._buckets, self._handles = [], [], [], []
 
     # -- layout
@@ -186,7 +186,7 @@ class Buckets(object):
         if grad is None:
             return
         if self.seen[index] is not None:
-            self.reason = self.reason or "a variable's gradient was accumulated twice in one step (backward() ran twice)"
+            self.reason = self.reason or "a gradient was accumulated twice in one step (backward() ran twice)"
             return
         self.seen[index], self.versions[index] = grad, grad._version
         bucket, offset, size = self._where[index]
@@ -206,9 +206,12 @@ class Buckets(object):
             self.next += 1
 
     def _check(self, grads, variables):
+        """Why these are not the gradients the hooks sent (None when they are)."""
         for grad, variable in zip(grads, variables):
             slot = self._slot.get(id(variable))
-            if slot is None or grad is not self.seen[slot] or (grad is not None and grad._version != self.versions[slot]):
+            # Tensor._version (a torch private, pinned by the tests) counts in-place changes of a tensor.
+            other = slot is None or grad is not self.seen[slot]
+            if other or (grad is not None and grad._version != self.versions[slot]):
                 return "optimizer.apply() received other gradients than the .grad tensors of the backward pass"
         return None
 
