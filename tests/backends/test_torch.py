@@ -417,6 +417,11 @@ def assert_ranks_agree(results, devices):
         assert other["history"] == results[0]["history"]
 
 
+#: Keras' own warning for the "unused_variable" case, whose unused layer has no gradient (on one device too).
+NO_GRADIENT = "ignore:Gradients do not exist for variables"
+
+
+@pytest.mark.filterwarnings(NO_GRADIENT)
 @pytest.mark.parametrize("devices", [2, 3])
 @pytest.mark.parametrize("case", sorted(torch_cases.CASES))
 def test_any_model_trains_in_place_as_on_one_device(case, devices):
@@ -455,13 +460,112 @@ def test_a_trained_model_keeps_its_state_and_hooks_never_stack(devices):
     assert got["before"]["iterations"] == got["after"]["iterations"] == 4
     for before, after in zip(got["before"]["optimizer"], got["after"]["optimizer"]):
         np.testing.assert_array_equal(before, after)
-    # One train step: one gradient all-reduce, and one forward and one backward for the BatchNormalization
-    # layer, after a second distribute() as after the first, and after compile() and distribute() again.
+    # One train step: one gradient all-reduce (this small model's gradients fit in one bucket), and one forward
+    # and one backward for the BatchNormalization layer, after a second distribute() as after the first, and
+    # after compile() and distribute() again.
     assert got["all_reduces"] == [3, 3]
     assert got["hooks"] == sorted(
-        ["train_step", "test_step", "_get_metrics_result_or_logs", "fit", "evaluate", "predict", "save", "save_weights"]
+        ["train_step", "test_step", "_get_metrics_result_or_logs", "fit", "evaluate", "predict", "save", "save_weights",
+         "_distkeras_buckets"]
     )
     assert_close(single["weights"], got["weights"], FLOAT32)
+
+
+# ---- the gradient all-reduce overlapped with the backward pass (torch_buckets)
+
+#: A bucket cap of 0.0001 MiB (104 bytes, 26 float32 numbers): the small test models' variables make several
+#: buckets.
+TINY_BUCKETS = 0.0001
+
+
+@pytest.mark.filterwarnings(NO_GRADIENT)
+@pytest.mark.parametrize("options", [dict(overlap=False), dict(bucket_mb=TINY_BUCKETS)], ids=["off", "tiny_buckets"])
+@pytest.mark.parametrize("case", ["batchnorm", "guide_step_tail", "unused_variable", "mixed_float16"])
+def test_overlap_on_and_off_train_as_on_one_device(case, options):
+    """3 ranks, global batches of 10 (4+3+3) or 12 with a last batch of 1 (two ranks on a stand-in): with the
+    all-reduce after the backward pass, and overlapped with it in many buckets, as on one device."""
+    initial, expected, _ = reference(case)
+    results = [o.result for o in job(3).run(torch_cases.train, case, 3, initial, timeout=TIMEOUT, **options)]
+    assert_ranks_agree(results, 3)
+    assert_close(expected, results[0]["weights"], TOLERANCE.get(case, FLOAT32))
+    launched = [elements for elements, asynchronous in results[0]["all_reduces"] if asynchronous]
+    if options.get("overlap", True):
+        assert len(launched) > 1  # buckets, really: several all-reduces of gradients, asynchronous
+    else:
+        assert launched == []
+
+
+def test_buckets_are_all_reduced_during_the_backward_pass():
+    got = job(2).run(torch_cases.launch_order, 2, TINY_BUCKETS, timeout=TIMEOUT)[0].result
+    sizes = got["sizes"]  # the MLP's kernel, bias, kernel, bias
+    for events in got["steps"]:
+        grads = [e[1] for e in events if e[0] == "grad"]
+        assert grads == [3, 2, 1, 0]  # torch's backward pass accumulates them in reverse order
+        all_reduces = [i for i, e in enumerate(events) if e[0] == "all_reduce"]
+        assert all(events[i][2] for i in all_reduces)  # every one asynchronous
+        # Reverse order, each bucket closes at 104 bytes or more: (bias, kernel), then (bias, kernel), the last
+        # one with 5 flags more (whether each of the 4 variables has a gradient; whether to fall back).
+        assert [events[i][1] for i in all_reduces] == [sizes[3] + sizes[2], sizes[1] + sizes[0] + 5]
+        last_grad = max(i for i, e in enumerate(events) if e[0] == "grad")
+        assert all_reduces[0] < last_grad  # launched while the backward pass still ran
+        assert max(all_reduces) < events.index(("apply",))  # and all of them before Keras' apply() started
+
+
+@pytest.mark.parametrize("kind", ["scaled", "in_place", "autograd", "twice"])
+def test_a_step_that_changes_its_gradients_falls_back_and_trains_as_on_one_device(kind):
+    case = "transformed_" + kind
+    initial, expected, _ = reference(case)
+    outcomes = job(2).run(torch_cases.train, case, 2, initial, bucket_mb=TINY_BUCKETS, timeout=TIMEOUT)
+    results = [o.result for o in outcomes]
+    assert_ranks_agree(results, 2)
+    assert_close(expected, results[0]["weights"], FLOAT32)
+    assert max_difference(initial, expected) > 1e-3
+    # Overlap turned itself off for the rest of the run: the gradients are all-reduced after the backward pass.
+    assert not any(asynchronous for _, asynchronous in results[0]["all_reduces"])
+    assert "not overlapped with it" in outcomes[0].stderr
+    assert "not overlapped" not in outcomes[1].stderr
+
+
+def test_buckets_hooks_are_replaced_and_idle_outside_a_train_step():
+    got = job(2).run(torch_cases.parameter_hooks, 2, timeout=TIMEOUT)[0].result
+    assert got["distributed"] == [0, 0, 0, 0]
+    assert got["trained"] == [1, 1, 1, 1]
+    assert got["again"] == [1, 1, 1, 1]  # a second distribute() replaced the first one's hooks
+    assert got["outside_step"] == []  # a backward pass of the user's own: no all-reduce
+    assert got["overlap_off"] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_compressed_buckets_train_close_to_uncompressed(compression):
+    initial, expected, _ = reference("batchnorm")
+    results = [
+        o.result
+        for o in job(2).run(torch_cases.train, "batchnorm", 2, initial, timeout=TIMEOUT, compression=compression,
+                            bucket_mb=TINY_BUCKETS)
+    ]
+    assert_ranks_agree(results, 2)
+    tolerance = {"bf16": 2e-2, "fp16": 3e-3}[compression]
+    assert_close(expected, results[0]["weights"], (tolerance, tolerance))
+    assert max_difference(expected, results[0]["weights"]) > 1e-7  # not exact: the gradients were sent in 16 bits
+    launched = [elements for elements, asynchronous in results[0]["all_reduces"] if asynchronous]
+    assert len(launched) > 1
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(overlap="yes"), r"Expected True or False for overlap\. Received: overlap='yes'"),
+        (dict(overlap=None), r"Expected True or False for overlap\. Received: overlap=None"),
+        (dict(bucket_mb=0), r"Expected a positive number of MiB for bucket_mb \(default 25\)\. Received: bucket_mb=0"),
+        (dict(bucket_mb=-1.5), r"Received: bucket_mb=-1\.5"),
+        (dict(bucket_mb="25"), r"Received: bucket_mb='25'"),
+        (dict(bucket_mb=True), r"Received: bucket_mb=True"),
+        (dict(bucket_mb=float("inf")), r"Received: bucket_mb=inf"),
+    ],
+)
+def test_bad_overlap_options_are_refused(options, message):
+    with pytest.raises(distkeras.OptionError, match=message):
+        distkeras.distribute(scenarios.build(keras), devices=2, **options)
 
 
 def test_a_custom_step_that_bypasses_model_optimizer_is_told_what_to_change():
@@ -601,3 +705,43 @@ def test_a_launched_process_makes_its_local_gpu_current_at_import(monkeypatch):
 def test_sync_batchnorm_must_be_a_bool():
     with pytest.raises(distkeras.OptionError, match="sync_batchnorm"):
         distkeras.distribute(scenarios.build(keras), devices=2, sync_batchnorm="yes")
+
+
+def test_bucket_assignment_follows_ddp():
+    """Reverse order; a bucket closes once it holds its cap (the first one 1 MiB at most); one key per bucket."""
+    from distkeras.backends.torch_buckets import FIRST_BUCKET_BYTES, MIB, assign
+
+    f32 = ("float32", "cpu")
+    assert assign([4, 4, 4], [f32] * 3, 25 * MIB) == [[2, 1, 0]]
+    assert assign([4, 8, 4, 4], [f32] * 4, 8) == [[3, 2], [1], [0]]
+    assert assign([MIB, MIB // 2, MIB // 2, 4], [f32] * 4, 25 * MIB) == [[3, 2, 1], [0]]  # the first: 1 MiB
+    assert FIRST_BUCKET_BYTES == 1 << 20
+    f64 = ("float64", "cpu")
+    assert assign([4, 4, 4, 4], [f32, f64, f32, f64], 8) == [[3, 1], [2, 0]]
+
+
+def test_torch_post_accumulate_grad_hooks_and_version_counters():
+    """What the overlapped all-reduce relies on. ``register_post_accumulate_grad_hook`` (public): the hook gets
+    the parameter once per backward pass, after its ``.grad`` holds the pass' gradient, and never for
+    ``torch.autograd.grad``. ``Tensor._version`` (a torch private, no public equivalent): it counts in-place
+    changes, so apply() can tell the very .grad tensors the hooks saw, unchanged, from altered ones."""
+    import torch
+
+    parameter = torch.nn.Parameter(torch.ones(3))
+    seen = []
+    handle = parameter.register_post_accumulate_grad_hook(lambda p: seen.append((p.grad.clone(), p.grad._version)))
+    (parameter * 2.0).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0][0], torch.full((3,), 2.0))
+    grad = parameter.grad
+    assert grad._version == seen[0][1]
+    (parameter * 3.0).sum().backward()  # accumulates in place: the hook again, the version counter moves
+    assert len(seen) == 2 and torch.equal(seen[1][0], torch.full((3,), 5.0)) and parameter.grad is grad
+    assert grad._version > seen[0][1]
+    version = grad._version
+    grad.mul_(2.0)
+    assert grad._version > version
+    torch.autograd.grad((parameter * 2.0).sum(), [parameter])
+    assert len(seen) == 2
+    handle.remove()
+    (parameter * 2.0).sum().backward()
+    assert len(seen) == 2

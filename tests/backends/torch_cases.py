@@ -86,6 +86,24 @@ def _guide(keras, batchnorm):
     return _compiled(keras, torch_models.GuideStep(inputs, outputs), keras.optimizers.SGD(0.1, momentum=0.5))
 
 
+def _unused(keras):
+    from tests.backends import torch_models
+
+    model = torch_models.WithUnused()
+    model(keras.ops.zeros((2, 5)))
+    return _compiled(keras, model, keras.optimizers.SGD(0.1, momentum=0.5))
+
+
+def _transformed(keras, kind):
+    from tests.backends import torch_models
+
+    inputs = keras.Input((5,))
+    outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(inputs))
+    model = torch_models.TransformedStep(inputs, outputs)
+    model.kind = kind
+    return _compiled(keras, model, keras.optimizers.SGD(0.05))
+
+
 def _mixed(keras, policy):
     # The output layer in float32, as Keras' mixed-precision guide advises.
     return _with_policy(keras, policy, lambda: _mlp(keras, keras.optimizers.Adam(0.05), dtype="float32"))
@@ -128,6 +146,14 @@ CASES = {
     "guide_step_batchnorm": (lambda k: _guide(k, True), 48, (5,), _TWELVE),
     # A last batch of 1: the ranks without a sample run the custom step on a stand-in.
     "guide_step_tail": (lambda k: _guide(k, True), 49, (5,), _TWELVE),
+    # A layer never called: its variables have no gradient on any rank, and keep None.
+    "unused_variable": (_unused, 40, (5,), _TEN),
+}
+#: Custom steps whose gradients are not the backward pass' .grad tensors as they were (see TransformedStep):
+#: the overlapped all-reduce falls back. Not in CASES: one run each is enough.
+TRANSFORMED = {
+    "transformed_" + kind: (lambda k, kind=kind: _transformed(k, kind), 40, (5,), _TEN)
+    for kind in ("scaled", "in_place", "autograd", "twice")
 }
 
 
@@ -135,7 +161,7 @@ def build(case):
     """The case's compiled model (seeded), data and fit() arguments."""
     import keras
 
-    make, samples, shape, fit = CASES[case]
+    make, samples, shape, fit = CASES[case] if case in CASES else TRANSFORMED[case]
     keras.utils.set_random_seed(0)
     return make(keras), _data(samples, shape), dict(fit, shuffle=False, verbose=0)
 
@@ -154,7 +180,8 @@ def reference(case):
 
 def train(case, devices, initial, **options):
     """On every rank: the case's model from ``initial``, distributed in place and trained. What ran where,
-    read from torch and the OS (not from distkeras): world size, pid; and the weights and history."""
+    read from torch and the OS (not from distkeras): world size, pid; the weights and history; and the
+    all-reduces of one more epoch of one step (``(elements, async_op)`` each, in launch order)."""
     import torch.distributed as dist
 
     import distkeras
@@ -163,15 +190,116 @@ def train(case, devices, initial, **options):
     model.set_weights(initial)
     same = distkeras.distribute(model, devices=devices, **options) is model
     history = model.fit(x, y, **fit)
+    weights = _weights(model)
+    events = _traced(lambda: model.fit(x[:10], y[:10], **dict(fit, batch_size=10, epochs=1)))
     return {
+        "all_reduces": [event[1:] for event in events if event[0] == "all_reduce"],
         "same_object": same,
         "world": dist.get_world_size(),
         "rank": dist.get_rank(),
         "pid": os.getpid(),
         "optimizer": type(model.optimizer).__name__,
-        "weights": _weights(model),
+        "weights": weights,
         "history": history.history,
     }
+
+
+#: The events list of the :func:`_traced` call in progress.
+_events = [[]]
+
+
+def _traced(step, parameters=()):
+    """Run ``step()``; what torch saw, in order: ``("all_reduce", elements, async_op)`` for every
+    all-reduce, ``("grad", i)`` whenever the backward pass has accumulated ``parameters[i].grad`` (a torch
+    hook of this function's own), and ``("apply",)`` when Keras' own ``optimizer.apply`` starts (where
+    :func:`_marking_apply` is in place)."""
+    import torch.distributed as dist
+
+    events, real = [], dist.all_reduce
+    _events[0] = events
+
+    def counted(tensor, *args, **kwargs):
+        events.append(("all_reduce", tensor.numel(), bool(kwargs.get("async_op"))))
+        return real(tensor, *args, **kwargs)
+
+    def hook(index):
+        return lambda parameter: events.append(("grad", index))
+
+    handles = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(parameters)]
+    dist.all_reduce = counted
+    try:
+        step()
+    finally:
+        dist.all_reduce = real
+        _events[0] = []
+        for handle in handles:
+            handle.remove()
+    return events
+
+
+def _marking_apply(optimizer):
+    """Mark ``("apply",)`` in the traced events whenever Keras' own apply() of ``optimizer`` starts (the one
+    distkeras' averaging apply() hands the averages to): on the class, before distkeras wraps the instance."""
+    real_apply = type(optimizer).apply
+
+    class Marking(type(optimizer)):
+        def apply(self, *args, **kwargs):
+            _events[0].append(("apply",))
+            return real_apply(self, *args, **kwargs)
+
+    optimizer.__class__ = Marking
+
+
+def launch_order(devices, bucket_mb):
+    """The MLP distributed with buckets of ``bucket_mb`` MiB: what torch saw in two train steps (see
+    :func:`_traced`), with hooks of this function's own on the variables' parameters, registered before
+    distkeras' (so each variable's "grad" comes just before distkeras' hook for it); the variables' sizes."""
+    import distkeras
+
+    model, (x, y), fit = build("clipnorm")
+    _marking_apply(model.optimizer)
+    distkeras.distribute(model, devices=devices, bucket_mb=bucket_mb)
+    parameters = [v.value for v in model.trainable_variables]
+    steps = [_traced(lambda: model.train_on_batch(x[:10], y[:10]), parameters) for _ in range(2)]
+    return {"steps": steps, "sizes": [p.numel() for p in parameters]}
+
+
+def parameter_hooks(devices):
+    """How many post-accumulate-grad hooks each parameter holds after distribute() with overlap, after one
+    step, after a second distribute() and a step, and after distribute(overlap=False); and the all-reduces of
+    a backward pass outside any train step. Reads torch's private ``Tensor._post_accumulate_grad_hooks``
+    (the hooks' dict): torch has no public way to list a tensor's hooks."""
+    import distkeras
+
+    model, (x, y), fit = build("clipnorm")
+    parameters = [v.value for v in model.trainable_variables]
+
+    def hooks():
+        return [len(p._post_accumulate_grad_hooks or {}) for p in parameters]
+
+    got = {}
+    distkeras.distribute(model, devices=devices)
+    got["distributed"] = hooks()  # the layout is made by the first train step
+    model.train_on_batch(x[:10], y[:10])
+    got["trained"] = hooks()
+    distkeras.distribute(model, devices=devices, bucket_mb=0.0001)
+    model.train_on_batch(x[:10], y[:10])
+    got["again"] = hooks()
+
+    def backward():
+        model.zero_grad()
+        model.compute_loss(y=keras_tensor(y), y_pred=model(keras_tensor(x))).backward()
+
+    got["outside_step"] = _traced(backward)
+    distkeras.distribute(model, devices=devices, overlap=False)
+    got["overlap_off"] = hooks()
+    return got
+
+
+def keras_tensor(array):
+    import keras
+
+    return keras.ops.convert_to_tensor(array)
 
 
 def _count_all_reduces(step):

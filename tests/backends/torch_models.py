@@ -125,3 +125,49 @@ class OwnOptimizer(keras.Model):
         with torch.no_grad():
             self.own_optimizer.apply([v.value.grad for v in self.trainable_weights], self.trainable_weights)
         return {"loss": loss}
+
+
+class WithUnused(keras.Model):
+    """A subclassed model with a layer it never calls: that layer's variables get no gradient (None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.head = keras.layers.Dense(3)
+        self.unused = keras.layers.Dense(4)
+        self.unused.build((None, 8))
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+class TransformedStep(GuideStep):
+    """The guide's step, with gradients that are not the backward pass' own ``.grad`` tensors as they were:
+    ``kind`` "scaled" (new tensors, twice the gradient), "in_place" (the .grad tensors doubled in place),
+    "autograd" (``torch.autograd.grad``, no ``.grad`` at all) or "twice" (``backward()`` on each half of the
+    loss, so .grad accumulates twice). On one device and distributed alike."""
+
+    kind = "scaled"
+
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        trainable_weights = [v for v in self.trainable_weights]
+        if self.kind == "autograd":
+            gradients = list(torch.autograd.grad(loss, [v.value for v in trainable_weights]))
+        elif self.kind == "twice":
+            (loss * 0.5).backward(retain_graph=True)
+            (loss * 0.5).backward()
+            gradients = [v.value.grad for v in trainable_weights]
+        else:
+            loss.backward()
+            gradients = [v.value.grad for v in trainable_weights]
+            if self.kind == "in_place":
+                for gradient in gradients:
+                    gradient.mul_(2.0)
+            else:
+                gradients = [2.0 * gradient for gradient in gradients]
+        with torch.no_grad():
+            self.optimizer.apply(gradients, trainable_weights)
+        return {"loss": loss}

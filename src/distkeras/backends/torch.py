@@ -17,8 +17,9 @@ Keras ships no distribution for its torch backend, so the adapter builds one aro
   launched process :meth:`TorchAdapter.prepare` makes the local GPU current before the model is built,
   so usually nothing moves), rank 0's weights, metric state and optimizer state are broadcast to every
   rank, then the training hooks of :mod:`distkeras.backends.torch_trainer` are installed on the
-  instance: how batches are split, gradients averaged, BatchNormalization statistics made global
-  (``sync_batchnorm``), metrics aggregated, and what ranks other than 0 print and write.
+  instance: how batches are split, gradients averaged (in buckets overlapped with the backward pass:
+  ``overlap``, ``bucket_mb``; in 16 bits with ``compression``), BatchNormalization statistics made
+  global (``sync_batchnorm``), metrics aggregated, and what ranks other than 0 print and write.
 
 ``describe()`` reports the processes as the replicas and as the workers: one device per process.
 """
@@ -39,6 +40,8 @@ from .base import COMPRESSION_HELP, Adapter, check_compression
 
 #: torch.distributed's own default: how long a collective (or the rendezvous) may wait.
 DEFAULT_TIMEOUT = 1800.0
+#: DDP's bucket_cap_mb default (torch_buckets.DEFAULT_BUCKET_MB, without importing torch here).
+DEFAULT_BUCKET_MB = 25
 _BACKENDS = ("gloo", "nccl")
 
 #: The store of the job's rendezvous (wrapped in a "distkeras" prefix), once this process has joined.
@@ -56,6 +59,9 @@ class TorchAdapter(Adapter):
         "backend": "torch.distributed backend: " + ", ".join(_BACKENDS) + " (default: nccl on GPUs, gloo on CPU)",
         "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
         "compression": COMPRESSION_HELP,
+        "overlap": "all-reduce the gradients in buckets during the backward pass, as DDP does (default True); "
+                   "False: all at once after it",
+        "bucket_mb": "MiB of gradients (as sent) per overlapped all-reduce (default 25, the first bucket 1 at most)",
     }
 
     def prepare(self, cluster):
@@ -104,7 +110,7 @@ class TorchAdapter(Adapter):
         return len(devices) * max(1, cluster.world_size // max(1, cluster.local_world_size))
 
     def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None, sync_batchnorm=True,
-                   compression=None):
+                   compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB):
         import torch
 
         from . import torch_collectives, torch_launch, torch_trainer
@@ -112,9 +118,13 @@ class TorchAdapter(Adapter):
         # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
         compression = check_compression(compression)
-        if not isinstance(sync_batchnorm, bool):
+        for name, value in (("sync_batchnorm", sync_batchnorm), ("overlap", overlap)):
+            if not isinstance(value, bool):
+                raise OptionError("Expected True or False for {0}. Received: {0}={1!r}".format(name, value))
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):
             raise OptionError(
-                "Expected True or False for sync_batchnorm. Received: sync_batchnorm={!r}".format(sync_batchnorm)
+                "Expected a positive number of MiB for bucket_mb (default {}). Received: bucket_mb={!r}".format(
+                    DEFAULT_BUCKET_MB, bucket_mb)
             )
         if len({d.kind for d in devices}) > 1:
             raise DeviceSpecError(
@@ -149,7 +159,7 @@ class TorchAdapter(Adapter):
         replica = torch_trainer.Replica(
             cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None, compression
         )
-        torch_trainer.install(model, replica, sync_batchnorm)
+        torch_trainer.install(model, replica, sync_batchnorm, overlap, bucket_mb)
         return model
 
 

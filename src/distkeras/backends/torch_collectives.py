@@ -41,7 +41,8 @@ def _scatter(flat, variables):
         offset += size
 
 
-_WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: The dtype gradients travel in, per ``compression`` value.
+WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def average_gradients(grads, variables, count, compression=None):
@@ -81,7 +82,7 @@ def average_gradients(grads, variables, count, compression=None):
         meta = flat[length:].tolist()
         flat[:length].div_(meta[-1] or 1.0)
     else:
-        wire = flat.to(_WIRE[compression])
+        wire = flat.to(WIRE[compression])
         dist.all_reduce(wire)
         flat.copy_(wire)
     averaged, offset = [], 0

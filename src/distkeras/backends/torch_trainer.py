@@ -18,13 +18,23 @@ so distributing a model twice replaces the hooks instead of stacking them.
   but its gradients and statistics count for nothing, and its metric states and its model's local state
   (per-replica statistics, seed generators) are put back as they were.
 - ``optimizer.apply``: Horovod's DistributedOptimizer idea, on the instance, so the optimizer keeps its
-  exact class. One all-reduce sums ``n_r * grad_r`` and ``n_r`` over the ranks (``n_r``: the rank's
-  samples in the step); the optimizer applies ``sum / sum(n_r)``, the gradient of the mean loss over the
-  whole global batch, regularisation included, however unequal the shares. Everything the optimizer
-  does next (clipping, gradient accumulation, loss scaling, weight decay, EMA, learning-rate schedules)
-  acts on that average, as on one device. Exact for losses that average over the batch (Keras' default
+  exact class. It hands the optimizer the average over the ranks of ``n_r * grad_r / N`` (``n_r``: the
+  rank's samples in the step, ``N`` the global batch's): the gradient of the mean loss over the whole
+  global batch, regularisation included, however unequal the shares. Everything the optimizer does next
+  (clipping, gradient accumulation, loss scaling, weight decay, EMA, learning-rate schedules) acts on
+  that average, as on one device. Exact for losses that average over the batch (Keras' default
   reduction); with ``reduction="sum"`` each rank's sum is weighted by its share, which gives about
-  1/world of the one-device gradient.
+  1/world of the one-device gradient. With ``overlap`` (the default, more than one rank) most of that
+  all-reduce has already run during the backward pass (next item), and ``apply`` launches what is left
+  and waits; without it, or when the step's gradients are not the backward pass' own, one all-reduce
+  sums the weighted gradients and the counts after the backward pass
+  (:func:`~distkeras.backends.torch_collectives.average_gradients`).
+- the trainable variables' torch parameters (``register_post_accumulate_grad_hook``, public torch): with
+  ``overlap``, each variable's gradient goes into a bucket as soon as the backward pass has accumulated
+  it, and a full bucket's all-reduce starts at once, as in PyTorch DDP
+  (:class:`~distkeras.backends.torch_buckets.Buckets`, which describes the buckets, their order on
+  every rank and the fallback). The hooks act only in a train step in flight; the model holds them in
+  its instance attribute ``_distkeras_buckets``, and :func:`uninstall` takes them off the parameters.
 - ``BatchNormalization._moments`` (a Keras private, the one place the layer computes its batch
   statistics; :func:`install` checks that it exists): with ``sync_batchnorm`` (the default) every
   BatchNormalization instance in the model, nested models and layers included, takes the mean and
@@ -63,11 +73,14 @@ import torch
 
 from ..errors import DistKerasError, LaunchError
 from . import keras3
+from . import torch_buckets
 from . import torch_collectives as collectives
 
 _PRIVATE_LOGS = "_get_metrics_result_or_logs"
 _PRIVATE_LAYERS = "_flatten_layers"
 _PRIVATE_MOMENTS = "_moments"
+#: The instance attribute that holds a model's :class:`~distkeras.backends.torch_buckets.Buckets`.
+_BUCKETS = "_distkeras_buckets"
 
 logger = logging.getLogger("distkeras")
 
@@ -92,8 +105,10 @@ class Replica(object):
         self.launch_failure = launch_failure
         self.compression = compression
         self.count = None  # samples of the train step in flight (None outside one)
+        self.total = None  # samples of the whole global batch of that step (every rank's counts summed)
         self.last_count = None  # samples of the last train or test step
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
+        self.buckets = None  # the overlapping all-reduce (torch_buckets.Buckets), when on
 
     def share(self, data):
         """This rank's part ``[rank::world]`` of a global batch, and its number of samples."""
@@ -108,6 +123,15 @@ class Replica(object):
             if shape is not None and len(shape):
                 return local, int(shape[0])
         return data, 1  # no batch dimension to split: every rank takes the whole step, weighted alike
+
+    def global_count(self, data):
+        """The samples of a global batch over every rank: the sum of their :meth:`share` counts, known to
+        each rank without communicating (each holds the whole batch)."""
+        for leaf in keras.tree.flatten(data):
+            shape = getattr(leaf, "shape", None)
+            if shape is not None and len(shape):
+                return int(shape[0])
+        return self.world
 
     @staticmethod
     def stand_in(data):
@@ -126,7 +150,11 @@ def _layers(model):
 
 
 def uninstall(model):
-    """Remove the hooks of an earlier :func:`install` from ``model``, its layers and its optimizers."""
+    """Remove the hooks of an earlier :func:`install` from ``model``, its layers, its optimizers and its
+    variables' parameters."""
+    buckets = model.__dict__.get(_BUCKETS)
+    if buckets is not None:
+        buckets.remove()
     for obj in _layers(model) + keras3.optimizers_of(model):
         keras3.unhook(obj)
 
@@ -157,11 +185,13 @@ def _batchnorm_layers(model):
     return synced, [layer for layer in layers if all(layer is not s for s in synced)]
 
 
-def install(model, replica, sync_batchnorm=True):
+def install(model, replica, sync_batchnorm=True, overlap=True, bucket_mb=torch_buckets.DEFAULT_BUCKET_MB):
     """Install the hooks of the module docstring on ``model`` (already on this rank's device).
 
     Hooks an earlier call installed are removed first. Keras' cached step functions are dropped, so a
-    model trained before makes them again.
+    model trained before makes them again. With ``overlap`` (and more than one rank) the gradients are
+    all-reduced in buckets of ``bucket_mb`` MiB during the backward pass
+    (:class:`~distkeras.backends.torch_buckets.Buckets`).
     """
     uninstall(model)
     for name in (_PRIVATE_LOGS, _PRIVATE_LAYERS):
@@ -203,6 +233,9 @@ def install(model, replica, sync_batchnorm=True):
     unreduced = _unreduced_metrics_result(model)
     if unreduced is not None:
         hooks["get_metrics_result"] = unreduced
+    replica.buckets = torch_buckets.Buckets(replica, bucket_mb) if overlap and replica.world > 1 else None
+    if replica.buckets is not None:
+        hooks[_BUCKETS] = replica.buckets
     for name, hook in hooks.items():
         keras3.hook(model, name, hook)
     model.train_function = model.test_function = model.predict_function = None
@@ -233,6 +266,11 @@ def _wrap_optimizer(optimizer, replica):
             return apply(grads, trainable_variables)  # Keras' own checks and messages
         replica.applied += 1
         count = 1 if replica.count is None else replica.count
+        buckets = replica.buckets
+        if buckets is not None and buckets.collecting:  # the backward pass all-reduced them already
+            averaged = buckets.finish(grads, variables, count)
+            if averaged is not None:
+                return apply(averaged, trainable_variables)
         if not count:  # a stand-in sample's gradients: this rank joins the all-reduce with weight zero
             grads = [None] * len(grads)
         return apply(collectives.average_gradients(grads, variables, count, replica.compression), trainable_variables)
@@ -264,7 +302,10 @@ def _train_step(model, step, replica, global_state):
         _wrap_optimizer(model.optimizer, replica)
         local, count = replica.share(data)
         replica.count = replica.last_count = count
+        replica.total = replica.global_count(data)
         replica.applied = 0
+        if replica.buckets is not None:
+            replica.buckets.begin(model.trainable_variables)
         try:
             if count:
                 logs = step(local)
@@ -272,6 +313,8 @@ def _train_step(model, step, replica, global_state):
                 logs = _without_trace(step, replica.stand_in(data), _local_state(model, global_state))
         finally:
             replica.count = None
+            if replica.buckets is not None:
+                replica.buckets.end()
         if not replica.applied and model.trainable_weights:
             raise DistKerasError(
                 "distkeras averages the replicas' gradients in model.optimizer.apply(), and {}.train_step() ended a "

@@ -1,0 +1,265 @@
+"""The gradient all-reduce overlapped with the backward pass, in buckets (PyTorch DDP's Reducer, for a Keras model).
+
+Without overlap a step computes every gradient, then sends them all: compute plus communication. Here
+every trainable variable's torch parameter carries a ``register_post_accumulate_grad_hook``: as soon as
+the backward pass has written a variable's ``.grad``, the hook copies it, already weighted by this rank's
+share of the global batch, into its bucket's buffer, and when a bucket is full its all-reduce starts
+(``async_op=True``) while the backward pass goes on with earlier layers. The optimizer's ``apply`` (see
+:mod:`~distkeras.backends.torch_trainer`) launches what is left, waits for every bucket and hands the
+averages on: a step takes about max(compute, communication) once the model is large enough.
+
+- **Buckets** (:func:`assign`): the variables in reverse order (the order the backward pass produces
+  their gradients, roughly), grouped until a bucket holds ``bucket_mb`` MiB as sent (the first one 1 MiB
+  at most, so communication starts early), as DDP's ``bucket_cap_mb`` and its 1 MiB first bucket. A
+  variable without a gradient in a step (a layer the step doesn't call) holds its bucket, and the ones
+  after it, until ``apply``: correct, less overlapped (DDP's ``find_unused_parameters`` would learn it).
+- **One order on every rank.** Collectives pair up by the order each rank issues them, so bucket k is
+  launched only once buckets 0..k-1 are: a full bucket waits for the ones before it, as in DDP's
+  Reducer. The buckets travel on a process group of their own (:func:`bucket_group`), so they never pair
+  with another collective of the step (BatchNormalization's statistics, which cross ranks inside the
+  backward pass) and don't queue in front of them.
+- **Exact averages.** Each rank scales its gradients by ``count / total`` (its samples in the step over
+  the global batch, which every rank holds, so known without communicating), and the buckets' sum is the
+  average, however unequal the shares; a rank with no samples (a stand-in step) sends zeros. The last
+  bucket (the model's first variables, whose gradients the backward pass produces last) leaves at
+  ``apply`` with a few numbers more: per-variable "has a gradient" flags (a variable without a gradient on
+  any rank stays None, as on one device) and the fallback flag below, so a step makes no all-reduce more
+  than the buckets (a model within one bucket: one, as without overlap). With ``compression`` the
+  buffers are in the 16-bit wire dtype (flags too: a sum of zeros and ones is zero only when all are),
+  cast back for the optimizer.
+- **Fallback**, decided by all ranks together (its flag travels in the last bucket): when a hook fired
+  twice for one variable in a step (``backward()`` called more than once), or ``apply`` received anything
+  but the very ``.grad`` tensors the hooks saw, unchanged (a ``train_step`` that transformed them, or
+  computed them with ``torch.autograd.grad``, where no hook fires), the buckets are waited for and dropped,
+  and the gradients ``apply`` received are averaged as without overlap
+  (:func:`~distkeras.backends.torch_collectives.average_gradients`). Overlap is then off for the rest of
+  this distribution (the step does the same next time), with a warning on rank 0.
+
+Hooks do nothing outside a train step in flight. :meth:`Buckets.remove` takes them off the parameters.
+"""
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+from . import torch_collectives as collectives
+from .torch import DEFAULT_BUCKET_MB
+
+logger = logging.getLogger("distkeras")
+
+MIB = 1 << 20
+#: DDP's default first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``); DEFAULT_BUCKET_MB is
+#: its ``bucket_cap_mb`` default.
+FIRST_BUCKET_BYTES = 1 << 20
+
+#: (the default group, the timeout, the buckets' group made for them): once per process, not per distribute().
+_group = [None, None, None]
+
+
+def bucket_group(timeout):
+    """A process group of every rank for the buckets only, whose collectives wait ``timeout`` seconds
+    (made on first use, and again for another timeout: a collective call, as distribute() is)."""
+    world = dist.group.WORLD
+    if _group[0] is not world or _group[1] != timeout:
+        _group[:] = [world, timeout, dist.new_group(timeout=datetime.timedelta(seconds=timeout))]
+    return _group[2]
+
+
+def assign(sizes, keys, bucket_bytes, first_bytes=FIRST_BUCKET_BYTES):
+    """Variables ``0..n-1`` (``sizes`` in bytes, ``keys`` their buffer dtype and device) in buckets.
+
+    Reverse order; a bucket of one key closes once it holds ``bucket_bytes`` (the first bucket of a key
+    ``min(first_bytes, bucket_bytes)``), as ``torch.distributed._compute_bucket_assignment_by_size`` does.
+    Returns lists of variable indices, ordered by the first variable each holds in reverse order.
+    """
+    done, open_buckets = [], {}
+    for index in reversed(range(len(sizes))):
+        key = keys[index]
+        bucket = open_buckets.setdefault(key, {"indices": [], "bytes": 0, "first": not any(key == k for k, _ in done)})
+        bucket["indices"].append(index)
+        bucket["bytes"] += sizes[index]
+        limit = min(first_bytes, bucket_bytes) if bucket["first"] else bucket_bytes
+        if bucket["bytes"] >= limit:
+            done.append((key, open_buckets.pop(key)["indices"]))
+    done.extend((key, bucket["indices"]) for key, bucket in open_buckets.items())
+    return sorted((indices for _, indices in done), key=lambda indices: -indices[0])
+
+
+class _Bucket(object):
+    def __init__(self, indices, offsets, length, dtype, device):
+        self.indices, self.offsets, self.length, self.dtype, self.device = indices, offsets, length, dtype, device
+        self.buffer = self.work = None
+        self.pending = 0
+
+
+def _buffer_dtype(variable, compression):
+    if compression is not None:
+        return collectives.WIRE[compression]
+    return torch.float64 if variable.value.dtype == torch.float64 else torch.float32
+
+
+class Buckets(object):
+    """The hooks and buckets of one distributed model (see the module docstring).
+
+    Args:
+        replica: the :class:`~distkeras.backends.torch_trainer.Replica` (rank, world, compression, and the
+            sample counts of the step in flight).
+        bucket_mb: MiB of gradients (as sent) per bucket.
+    """
+
+    def __init__(self, replica, bucket_mb=DEFAULT_BUCKET_MB):
+        self.replica = replica
+        self.bucket_bytes = max(1, int(bucket_mb * MIB))
+        self.group = bucket_group(replica.timeout)
+        self.enabled = True
+        self.collecting = False
+        self._ids, self._slot = (), {}
+        self._variables, self._where, self._buckets, self._handles = [], [], [], []
+
+    # -- layout
+
+    def _layout(self, variables):
+        self.remove()
+        compression = self.replica.compression
+        self._variables = list(variables)
+        self._ids = tuple(id(v) for v in variables)
+        self._slot = {id(v): i for i, v in enumerate(variables)}
+        dtypes = [_buffer_dtype(v, compression) for v in variables]
+        sizes = [v.value.numel() * dtype.itemsize for v, dtype in zip(variables, dtypes)]
+        keys = [(dtype, v.value.device) for v, dtype in zip(variables, dtypes)]
+        self._buckets, self._where = [], [None] * len(variables)
+        for indices in assign(sizes, keys, self.bucket_bytes):
+            offsets, length = [], 0
+            for index in indices:
+                offsets.append(length)
+                length += variables[index].value.numel()
+            bucket = _Bucket(indices, offsets, length, *keys[indices[0]])
+            for index, offset in zip(indices, offsets):
+                self._where[index] = (bucket, offset, variables[index].value.numel())
+            self._buckets.append(bucket)
+        for index, variable in enumerate(variables):
+            parameter = variable.value
+            if parameter.is_leaf and parameter.requires_grad:
+                self._handles.append(parameter.register_post_accumulate_grad_hook(self._hook(index)))
+
+    def _hook(self, index):
+        def on_grad(parameter):
+            if self.collecting and self.replica.count is not None:
+                self._accumulated(index, parameter.grad)
+
+        return on_grad
+
+    def remove(self):
+        """Take the hooks off the parameters."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._ids = ()
+
+    # -- one step
+
+    def begin(self, variables):
+        """A train step starts: ``variables`` are the model's trainable ones (the layout follows them)."""
+        self.collecting = False
+        if not self.enabled or not variables:
+            return
+        if tuple(id(v) for v in variables) != self._ids:
+            self._layout(variables)
+        replica = self.replica
+        total = replica.total or 1
+        self.weight = replica.count / total if replica.count else 0.0
+        self.seen = [None] * len(self._variables)
+        self.versions = [0] * len(self._variables)
+        self.reason = None
+        self.next = 0
+        last = self._buckets[-1]  # with the flags after its gradients; held back until apply()
+        for bucket in self._buckets:
+            flags = 1 + len(self._variables) if bucket is last else 0
+            bucket.buffer = torch.empty(bucket.length + flags, dtype=bucket.dtype, device=bucket.device)
+            bucket.pending = len(bucket.indices) + bool(flags)
+            bucket.work = None
+        self.collecting = True
+
+    def _accumulated(self, index, grad):
+        if grad is None:
+            return
+        if self.seen[index] is not None:
+            self.reason = self.reason or "a gradient was accumulated twice in one step (backward() ran twice)"
+            return
+        self.seen[index], self.versions[index] = grad, grad._version
+        bucket, offset, size = self._where[index]
+        piece = bucket.buffer[offset : offset + size]
+        if self.weight:
+            torch.mul(grad.detach().reshape(-1), self.weight, out=piece)
+        else:  # a stand-in step: zeros (a product could carry its inf or nan to the other ranks)
+            piece.zero_()
+        bucket.pending -= 1
+        if not bucket.pending:
+            self._launch_ready()
+
+    def _launch_ready(self):
+        while self.next < len(self._buckets) and not self._buckets[self.next].pending:
+            bucket = self._buckets[self.next]
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            self.next += 1
+
+    def _check(self, grads, variables):
+        """Why these are not the gradients the hooks sent (None when they are)."""
+        for grad, variable in zip(grads, variables):
+            slot = self._slot.get(id(variable))
+            # Tensor._version (a torch private, pinned by the tests) counts in-place changes of a tensor.
+            other = slot is None or grad is not self.seen[slot]
+            if other or (grad is not None and grad._version != self.versions[slot]):
+                return "optimizer.apply() received other gradients than the .grad tensors of the backward pass"
+        return None
+
+    def finish(self, grads, variables, count):
+        """In ``optimizer.apply``: the averaged gradients of ``variables``, or None for the fallback.
+
+        Writes the flags into the last bucket, launches the buckets not launched yet (a variable without a
+        gradient here counts zero), waits for every bucket.
+        """
+        self.collecting = False
+        reason = self.reason or self._check(grads, variables)
+        for bucket in self._buckets[self.next :]:
+            for index, offset in zip(bucket.indices, bucket.offsets):
+                if self.seen[index] is None:
+                    bucket.buffer[offset : offset + self._where[index][2]].zero_()
+            bucket.pending = 0
+        last = self._buckets[-1]
+        flags = [float(reason is not None)] + [float(bool(count) and grad is not None) for grad in self.seen]
+        last.buffer[last.length :].copy_(torch.tensor(flags))
+        self._launch_ready()
+        for bucket in self._buckets:
+            bucket.work.wait()
+        flags = last.buffer[last.length :].tolist()
+        if flags[0]:
+            self.end()
+            self.enabled = False
+            if self.replica.rank == 0:
+                logger.warning(
+                    "gradients are all-reduced after the backward pass from now on, not overlapped with it: %s. "
+                    "Pass overlap=False to distribute() to skip the attempt.",
+                    reason or "on another rank, optimizer.apply() received other gradients than the .grad tensors "
+                    "of the backward pass",
+                )
+            return None
+        averaged = []
+        for variable in variables:
+            slot = self._slot[id(variable)]
+            if not flags[1 + slot]:
+                averaged.append(None)
+                continue
+            bucket, offset, size = self._where[slot]
+            averaged.append(bucket.buffer[offset : offset + size].view(variable.shape).to(variable.value.dtype))
+        self.end()
+        return averaged
+
+    def end(self):
+        """The train step is over (also when it failed): nothing is collected until the next one."""
+        self.collecting = False
+        self.seen = []
+        for bucket in self._buckets:
+            bucket.buffer = bucket.work = None
