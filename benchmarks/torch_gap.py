@@ -3,13 +3,14 @@
     distkeras launch --nproc-per-node 2 -m benchmarks.torch_gap --workload mlp --width 0.2
 
 On the PyTorch backend c (the Keras guide's recipe) is not ``model.fit()``: it is a bare loop of
-``DistributedDataParallel`` and ``torch.optim``. So b/c mixes two costs, which this splits by timing five
+``DistributedDataParallel`` and ``torch.optim``. So b/c mixes two costs, which this splits by timing six
 loops side by side in one job, their windows alternated, every rank training at once:
 
 - ``keras``: plain ``model.fit`` on this rank's share of each global batch, no communication (Keras' own
   loop, what b costs if communication and distkeras were free);
 - ``distkeras``: b;
-- ``distkeras, no all-reduce``: b with its gradient all-reduce replaced by the local gradients (wrong
+- ``distkeras, overlap off``: b with ``overlap=False``, one all-reduce after the backward pass;
+- ``distkeras, no all-reduce``: that, with its all-reduce replaced by the local gradients (wrong
   training, timing only: what the hooks cost besides communication);
 - ``ddp loop``: c;
 - ``ddp loop, no all-reduce``: c under ``DistributedDataParallel.no_sync()``.
@@ -41,7 +42,7 @@ def build_parser():
 
 
 def loops(workload, rank, world):
-    """The five loops, by name: ``(train, batches)`` pairs, ``train(batches, steps)`` timing ``steps`` steps
+    """The six loops, by name: ``(train, batches)`` pairs, ``train(batches, steps)`` timing ``steps`` steps
     (module docstring). Every loop trains with the threads distkeras gives a CPU rank (b's and c's set-up
     set them)."""
     import keras
@@ -58,6 +59,9 @@ def loops(workload, rank, world):
     alone = variants.fit_variant("keras", workload.build(keras), 1, share, {})
     facade = variants.fit_variant("distkeras", distkeras.distribute(workload.build(keras), devices=world), world,
                                   share * world, {})
+    # Its all-reduce after the backward pass, in one call that the "no all-reduce" loop can replace.
+    after = variants.fit_variant("distkeras", distkeras.distribute(workload.build(keras), devices=world, overlap=False),
+                                 world, share * world, {})
     native = plan.native(workload, world)
     ddp = native.ddp
 
@@ -84,7 +88,8 @@ def loops(workload, rank, world):
     return {
         "keras": (alone.train, own),
         "distkeras": (facade.train, pool),
-        "distkeras, no all-reduce": (without_allreduce(facade.train), pool),
+        "distkeras, overlap off": (after.train, pool),
+        "distkeras, no all-reduce": (without_allreduce(after.train), pool),
         "ddp loop": (native.train, pool),
         "ddp loop, no all-reduce": (without_sync(native.train), pool),
     }
@@ -116,6 +121,7 @@ def table(seconds, workload):
         ("Keras fit() over a bare torch loop", median["keras"] - median["ddp loop, no all-reduce"]),
         ("distkeras' hooks besides communication", median["distkeras, no all-reduce"] - median["keras"]),
         ("communication in distkeras", median["distkeras"] - median["distkeras, no all-reduce"]),
+        ("communication in distkeras, overlap off", median["distkeras, overlap off"] - median["distkeras, no all-reduce"]),
         ("communication in the DDP loop", median["ddp loop"] - median["ddp loop, no all-reduce"]),
     ]
     lines += ["", "| of which | ms/step |", "|---|---|"] + ["| {} | {:+.2f} |".format(n, 1e3 * v) for n, v in parts]
