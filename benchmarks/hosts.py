@@ -41,7 +41,7 @@ def add_arguments(parser):
                         help="steps per window, one fit() call; the first is not timed (default 5)")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per setting (default 5)")
     parser.add_argument("--compression", default="none,bf16",
-                        help="settings, of none, bf16, fp16, each optionally +no-overlap (PyTorch) (default none,bf16)")
+                        help="settings, of none, bf16, fp16, each optionally +overlap or +no-overlap (PyTorch) (default none,bf16)")
     parser.add_argument("--loss-epochs", type=int, default=10, help="digits epochs for the loss check (0: skip)")
     parser.add_argument("--out", default="bench-hosts", help="folder for results.json and results.md")
 
@@ -55,14 +55,15 @@ def _rate_bits(rate):
 
 
 def _setting(name):
-    """distribute()'s options for a setting: ``none``, ``bf16`` or ``fp16`` (compression), ``+no-overlap``
-    appended on PyTorch for its all-reduce after the backward pass instead of during it."""
+    """distribute()'s options for a setting: ``none``, ``bf16`` or ``fp16`` (compression), ``+overlap`` or
+    ``+no-overlap`` appended on PyTorch for its all-reduce during or after the backward pass."""
     compression, _, extra = name.partition("+")
     options = {"compression": None if compression == "none" else compression}
-    if extra == "no-overlap":
-        options["overlap"] = False
+    if extra in ("overlap", "no-overlap"):
+        options["overlap"] = extra == "overlap"
     elif extra:
-        raise SystemExit("unknown setting {!r}: expected none, bf16 or fp16, optionally +no-overlap".format(name))
+        raise SystemExit("unknown setting {!r}: expected none, bf16 or fp16, optionally +overlap or +no-overlap".format(
+            name))
     return options
 
 
