@@ -59,9 +59,8 @@ class TorchAdapter(Adapter):
         "backend": "torch.distributed backend: " + ", ".join(_BACKENDS) + " (default: nccl on GPUs, gloo on CPU)",
         "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
         "compression": COMPRESSION_HELP,
-        "overlap": "all-reduce the gradients in buckets during the backward pass, as DDP does; False: all at once "
-                   "after it (default: True with nccl, False with gloo, where it measured slower; True if bucket_mb "
-                   "is given)",
+        "overlap": "all-reduce the gradients in buckets during the backward pass, as DDP does (default True); "
+                   "False: all at once after it",
         "bucket_mb": "MiB of gradients (as sent) per overlapped all-reduce (default 25, the first bucket 1 at most)",
     }
 
@@ -111,7 +110,7 @@ class TorchAdapter(Adapter):
         return len(devices) * max(1, cluster.world_size // max(1, cluster.local_world_size))
 
     def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None, sync_batchnorm=True,
-                   compression=None, overlap=None, bucket_mb=None):
+                   compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB):
         import torch
 
         from . import torch_collectives, torch_launch, torch_trainer
@@ -119,12 +118,9 @@ class TorchAdapter(Adapter):
         # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
         compression = check_compression(compression)
-        for name, value in (("sync_batchnorm", sync_batchnorm), ("overlap", True if overlap is None else overlap)):
+        for name, value in (("sync_batchnorm", sync_batchnorm), ("overlap", overlap)):
             if not isinstance(value, bool):
                 raise OptionError("Expected True or False for {0}. Received: {0}={1!r}".format(name, value))
-        if bucket_mb is not None and overlap is None:
-            overlap = True  # buckets asked for: overlapped
-        bucket_mb = DEFAULT_BUCKET_MB if bucket_mb is None else bucket_mb
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):
             raise OptionError(
                 "Expected a positive number of MiB for bucket_mb (default {}). Received: bucket_mb={!r}".format(
@@ -146,12 +142,6 @@ class TorchAdapter(Adapter):
             )
         device = devices[cluster.local_rank if cluster.is_multi_worker else 0]
         backend = _backend(backend, device)
-        if overlap is None:
-            # On GPUs NCCL runs on streams of its own, beside the backward pass. With gloo on CPU the overlap
-            # competes with the backward pass for the cores and splits one all-reduce into several: across two
-            # hosts at 100 Mbit/s a step took 0.747 s overlapped against 0.655 s after the backward pass
-            # (benchmarks/results-hosts), so it is off there unless asked for.
-            overlap = backend == "nccl"
         if device.kind == "gpu":
             torch.cuda.set_device(device.index)
         else:
