@@ -1,7 +1,7 @@
 """Across hosts: step time over a bandwidth-limited link, against the ring all-reduce bound, with and without
 gradient compression.
 
-    python -m benchmarks.hosts measure --backends torch,tensorflow --hosts 2 --rate 100mbit --width 0.2 \\
+    python -m benchmarks hosts measure --backends torch,tensorflow --hosts 2 --rate 100mbit --width 0.2 \\
         --compression none,bf16 --out benchmarks/results-hosts
 
 For each backend it makes ``--hosts`` network-namespace hosts (tests/netns.py; root and iproute2), starts one
@@ -21,6 +21,7 @@ Writes ``results.json`` (every window, the machine, the command) and ``results.m
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -172,7 +173,7 @@ def measure(args):
     if args.steps < 2:
         raise SystemExit("--steps must be 2 or more: a window is timed from the end of its first step")
     backends = (args.backends or os.environ.get("KERAS_BACKEND", "tensorflow")).split(",")
-    report = {"command": " ".join(["python -m benchmarks.hosts"] + sys.argv[1:]), "machine": machine.describe(ROOT),
+    report = {"command": args.command_line, "machine": machine.describe(ROOT),
               "rate": args.rate, "hosts": args.hosts, "runs": {}}
     bits = _rate_bits(args.rate)
     for backend in backends:
@@ -274,15 +275,16 @@ def summary(paths, out):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["summary"]:
-        parser = argparse.ArgumentParser(prog="python -m benchmarks.hosts summary")
+        parser = argparse.ArgumentParser(prog="python -m benchmarks hosts summary")
         parser.add_argument("results", nargs="+", help="results.json files written by `measure`")
         parser.add_argument("--out", required=True, help="folder for results.md and hosts.png")
         args = parser.parse_args(argv[1:])
         return summary(args.results, args.out)
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.hosts")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks hosts")
     parser.add_argument("mode", choices=("measure", "job"))
     add_arguments(parser)
     args = parser.parse_args(argv)
+    args.command_line = " ".join(["python -m benchmarks hosts"] + [shlex.quote(a) for a in argv])
     return job(args) if args.mode == "job" else measure(args)
 
 
