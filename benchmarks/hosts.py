@@ -252,7 +252,7 @@ def summary(paths, out):
     with open(os.path.join(out, "results.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     figure, axis = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4))
-    labels = ["{}\n{} hosts\n{}".format(backend, hosts, name) for backend, hosts, _, name, *_ in rows]
+    labels = ["{}\n{} hosts\n{}".format(backend, hosts, name.replace("+", "\n+")) for backend, hosts, _, name, *_ in rows]
     compute = [r[4]["unshaped_step_s"] for r in rows]
     communication = [r[4]["step_s"] - r[4]["unshaped_step_s"] for r in rows]
     positions = range(len(rows))
