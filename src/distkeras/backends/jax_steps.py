@@ -7,8 +7,8 @@ dtype. With compression the model's ``train_step`` is replaced (on the instance)
 "batch" axis, so each device computes the gradient of the loss on its own shard of the batch, scales it
 by its share 1/N, casts it to the wire dtype, and the sum over the devices travels in 16 bits (see
 :func:`_average`: XLA's CPU compiler would widen a 16-bit ``psum`` to float32; a test reads the compiled
-program's collectives). The sum is cast back
-before the optimizer, which then acts on the averaged global gradient as on one device. Shards are
+program's collectives). The sum is cast back before the optimizer, which then acts on the averaged
+global gradient as on one device. Shards are
 equal (JAX splits evenly), so the mean of the shards' losses is the global batch's loss.
 
 Outside the gradient nothing changes: the optimizer and the metrics run on the global arrays as before.
@@ -36,13 +36,14 @@ WIRE = {"bf16": "bfloat16", "fp16": "float16"}
 _PRIVATE_MOMENTS = "_moments"
 _PRIVATE_METRICS_UPDATE = "_update_metrics_variables"
 
-#: The mesh axis name while :func:`_local_gradients` is traced (None otherwise), per thread.
+#: The mesh axis name while the compressed step's per-shard gradient is traced (None otherwise), per thread.
 _tracing = threading.local()
 
 
 def install(model, mesh, axis, wire):
     """Replace ``model.train_step`` by the step whose gradients travel in dtype ``wire`` (``WIRE[compression]``;
-    "float32" gives the exact average, for tests) over ``axis`` of ``mesh`` (a ``jax.sharding.Mesh``), and make its BatchNormalization layers' statistics global inside it.
+    "float32" gives the exact average, for tests) over ``axis`` of ``mesh`` (a ``jax.sharding.Mesh``), and
+    make its BatchNormalization layers' statistics global inside it.
 
     Raises:
         OptionError: the model's class defines its own ``train_step`` (it computes its gradient itself, so
@@ -64,7 +65,6 @@ def install(model, mesh, axis, wire):
     for layer in synced:
         keras3.hook(layer, _PRIVATE_MOMENTS, _global_moments(layer, getattr(type(layer), _PRIVATE_MOMENTS).__get__(layer)))
     keras3.hook(model, "train_step", _train_step(model, model.train_step, mesh, axis, wire))
-    return synced
 
 
 def uninstall(model):

@@ -215,5 +215,5 @@ def batchnorm_layers(model, method):
     base = keras.layers.BatchNormalization
     layers = [layer for layer in layers_of(model) if isinstance(layer, base)]
     own = getattr(base, method, None)
-    synced = [layer for layer in layers if own is not None and getattr(type(layer), method, None) is own]
+    synced = [layer for layer in layers if callable(own) and getattr(type(layer), method, None) is own]
     return synced, [layer for layer in layers if all(layer is not s for s in synced)]

@@ -40,7 +40,7 @@ from .base import COMPRESSION_HELP, Adapter, check_compression
 
 #: torch.distributed's own default: how long a collective (or the rendezvous) may wait.
 DEFAULT_TIMEOUT = 1800.0
-#: DDP's bucket_cap_mb default (torch_buckets.DEFAULT_BUCKET_MB, without importing torch here).
+#: DDP's bucket_cap_mb default. Here, where options are checked before torch is imported; torch_buckets uses it.
 DEFAULT_BUCKET_MB = 25
 _BACKENDS = ("gloo", "nccl")
 

@@ -144,18 +144,13 @@ class Replica(object):
         return keras.tree.map_structure(first, data)
 
 
-def _layers(model):
-    flatten = getattr(model, _PRIVATE_LAYERS, None)
-    return list(flatten(include_self=True, recursive=True)) if callable(flatten) else [model]
-
-
 def uninstall(model):
     """Remove the hooks of an earlier :func:`install` from ``model``, its layers, its optimizers and its
     variables' parameters."""
     buckets = model.__dict__.get(_BUCKETS)
     if buckets is not None:
         buckets.remove()
-    for obj in _layers(model) + keras3.optimizers_of(model):
+    for obj in keras3.layers_of(model) + keras3.optimizers_of(model):
         keras3.unhook(obj)
 
 
@@ -172,17 +167,14 @@ def _unreduced_metrics_result(model):
 def _batchnorm_layers(model):
     """The model's BatchNormalization instances whose statistics distkeras can make global, and the others
     (a subclass that computes its statistics in a ``_moments`` of its own)."""
-    base = keras.layers.BatchNormalization
-    layers = [layer for layer in _layers(model) if isinstance(layer, base)]
-    keras_moments = getattr(base, _PRIVATE_MOMENTS, None)
-    if layers and not callable(keras_moments):
+    synced, other = keras3.batchnorm_layers(model, _PRIVATE_MOMENTS)
+    if other and not callable(getattr(keras.layers.BatchNormalization, _PRIVATE_MOMENTS, None)):
         raise DistKerasError(
             "distkeras synchronizes BatchNormalization through Keras' BatchNormalization.{}, and this Keras ({}) "
             "has none. Pass sync_batchnorm=False to distribute() (each replica then normalizes with the "
             "statistics of its own share of the batch).".format(_PRIVATE_MOMENTS, keras.__version__)
         )
-    synced = [layer for layer in layers if getattr(type(layer), _PRIVATE_MOMENTS) is keras_moments]
-    return synced, [layer for layer in layers if all(layer is not s for s in synced)]
+    return synced, other
 
 
 def install(model, replica, sync_batchnorm=True, overlap=True, bucket_mb=torch_buckets.DEFAULT_BUCKET_MB):
