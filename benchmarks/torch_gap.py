@@ -3,7 +3,7 @@
     distkeras launch --nproc-per-node 2 -m benchmarks.torch_gap --workload mlp --width 0.2
 
 On the PyTorch backend c (the Keras guide's recipe) is not ``model.fit()``: it is a bare loop of
-``DistributedDataParallel`` and ``torch.optim``. So b/c mixes two costs, which this splits by timing six
+``DistributedDataParallel`` and ``torch.optim``. So b/c mixes two costs, which this splits by timing seven
 loops side by side in one job, their windows alternated, every rank training at once:
 
 - ``keras``: plain ``model.fit`` on this rank's share of each global batch, no communication (Keras' own
@@ -13,21 +13,32 @@ loops side by side in one job, their windows alternated, every rank training at 
 - ``distkeras, no all-reduce``: that, with its all-reduce replaced by the local gradients (wrong
   training, timing only: what the hooks cost besides communication);
 - ``ddp loop``: c;
-- ``ddp loop, no all-reduce``: c under ``DistributedDataParallel.no_sync()``.
+- ``ddp loop, no all-reduce``: c under ``DistributedDataParallel.no_sync()``;
+- ``distkeras, whole batch read``: b with every rank reading the whole global batch (below).
 
 Then ``keras - ddp loop, no all-reduce`` is what Keras' ``fit()`` costs over a bare torch loop (distkeras
 can't remove it without leaving ``fit()``), ``distkeras, no all-reduce - keras`` is the hooks' own cost,
 and ``x - x, no all-reduce`` is the communication each way pays, waiting for the slower rank included.
-Rank 0 prints a markdown table (and writes ``--out`` as JSON when given).
+A seventh loop, ``distkeras, whole batch read``, is b with every rank reading and converting the whole
+global batch, then slicing it (what distkeras did before it read each rank only its rows): the fit()
+loops take a keras PyDataset of whole batches (``--feed pydataset``, the default, as ``python -m
+benchmarks run``: distkeras converts only this rank's rows of each) or NumPy arrays (``--feed arrays``:
+distkeras reads and converts only this rank's rows). Rank 0 prints a markdown table (and writes ``--out`` as
+JSON when given).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 
 import numpy as np
+
+
+#: The seventh loop: b with every rank reading (arrays) or converting (a PyDataset) the whole global batch.
+WHOLE = "distkeras, whole batch read"
 
 
 def build_parser():
@@ -37,18 +48,21 @@ def build_parser():
     parser.add_argument("--steps", type=int, default=20, help="steps per timed window (default 20)")
     parser.add_argument("--windows", type=int, default=9, help="timed windows per loop (default 9)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per loop first (default 3)")
+    parser.add_argument("--feed", default="pydataset", choices=("pydataset", "arrays"),
+                        help="how the fit() loops get their batches: a keras PyDataset of whole batches, or NumPy "
+                             "arrays, which distkeras reads each rank its own rows of (default pydataset)")
     parser.add_argument("--out", default=None, help="write the figures to this JSON file (rank 0)")
     return parser
 
 
-def loops(workload, rank, world):
-    """The six loops, by name: ``(train, batches)`` pairs, ``train(batches, steps)`` timing ``steps`` steps
+def loops(workload, rank, world, feed="pydataset"):
+    """The seven loops, by name: ``(train, batches)`` pairs, ``train(batches, steps)`` timing ``steps`` steps
     (module docstring). Every loop trains with the threads distkeras gives a CPU rank (b's and c's set-up
-    set them)."""
+    set them); the ``fit()`` loops are fed as ``feed`` says."""
     import keras
 
     import distkeras
-    from distkeras.backends import torch_collectives
+    from distkeras.backends import torch_collectives, torch_trainer
 
     from . import variants
     from .backends import torch as plan
@@ -56,12 +70,12 @@ def loops(workload, rank, world):
     share = workload.per_device_batch
     pool = workload.batches(np.random.default_rng(0), share * world, 4)
     own = [(x[rank::world], y[rank::world]) for x, y in pool]  # the rows distkeras gives this rank
-    alone = variants.fit_variant("keras", workload.build(keras), 1, share, {})
-    facade = variants.fit_variant("distkeras", distkeras.distribute(workload.build(keras), devices=world), world,
-                                  share * world, {})
+    fit = variants.array_fit_variant if feed == "arrays" else variants.fit_variant
+    alone = fit("keras", workload.build(keras), 1, share, {})
+    facade = fit("distkeras", distkeras.distribute(workload.build(keras), devices=world), world, share * world, {})
     # Its all-reduce after the backward pass, in one call that the "no all-reduce" loop can replace.
-    after = variants.fit_variant("distkeras", distkeras.distribute(workload.build(keras), devices=world, overlap=False),
-                                 world, share * world, {})
+    after = fit("distkeras", distkeras.distribute(workload.build(keras), devices=world, overlap=False), world,
+                share * world, {})
     native = plan.native(workload, world)
     ddp = native.ddp
 
@@ -85,7 +99,17 @@ def loops(workload, rank, world):
 
         return timed
 
-    return {
+    def reading_whole_batches(train):
+        def timed(batches, steps):
+            torch_trainer.sharded_batches, saved = (lambda replica: contextlib.nullcontext()), torch_trainer.sharded_batches
+            try:
+                return train(batches, steps)
+            finally:
+                torch_trainer.sharded_batches = saved
+
+        return timed
+
+    runs = {
         "keras": (alone.train, own),
         "distkeras": (facade.train, pool),
         "distkeras, overlap off": (after.train, pool),
@@ -93,6 +117,8 @@ def loops(workload, rank, world):
         "ddp loop": (native.train, pool),
         "ddp loop, no all-reduce": (without_sync(native.train), pool),
     }
+    runs[WHOLE] = (reading_whole_batches(facade.train), pool)
+    return runs
 
 
 def measure(runs, steps, windows, warmup, barrier):
@@ -124,6 +150,8 @@ def table(seconds, workload):
         ("communication in distkeras, overlap off", median["distkeras, overlap off"] - median["distkeras, no all-reduce"]),
         ("communication in the DDP loop", median["ddp loop"] - median["ddp loop, no all-reduce"]),
     ]
+    if WHOLE in median:
+        parts.append(("every rank reading the whole global batch", median[WHOLE] - median["distkeras"]))
     lines += ["", "| of which | ms/step |", "|---|---|"] + ["| {} | {:+.2f} |".format(n, 1e3 * v) for n, v in parts]
     return "\n".join(lines)
 
@@ -147,12 +175,13 @@ def main(argv=None):
     workload = workloads.get(args.workload, args.width)
     plan.prepare(int(os.environ["WORLD_SIZE"]), {})
     rank, world = dist.get_rank(), dist.get_world_size()
-    seconds = measure(loops(workload, rank, world), args.steps, args.windows, args.warmup, dist.barrier)
+    seconds = measure(loops(workload, rank, world, args.feed), args.steps, args.windows, args.warmup, dist.barrier)
     if rank == 0:
+        print("Fed: {}.".format(args.feed))
         print(table(seconds, workload))
         if args.out:
             with open(args.out, "w") as handle:
-                json.dump({"workload": workload.description, "processes": world, "steps": args.steps,
+                json.dump({"workload": workload.description, "processes": world, "steps": args.steps, "feed": args.feed,
                            "seconds_per_step": seconds}, handle, indent=1)
     return 0
 

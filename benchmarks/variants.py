@@ -105,6 +105,28 @@ def fit_variant(key, model, devices, global_batch, marks, scope=None):
     return Variant(key, devices, global_batch, train, marks, model)
 
 
+def array_fit_variant(key, model, devices, global_batch, marks, scope=None):
+    """:func:`fit_variant`, fed NumPy arrays (``model.fit(x, y, batch_size=...)``: Keras' array data
+    adapter) instead of a PyDataset; the arrays of a window are ``pool`` cycled, concatenated once per step
+    count."""
+    import keras
+    import numpy as np
+
+    arrays = {}
+
+    def train(pool, steps):
+        if (id(pool), steps) not in arrays:
+            picks = [pool[i % len(pool)] for i in range(steps)]
+            arrays[id(pool), steps] = tuple(np.concatenate([pick[j] for pick in picks]) for j in range(2))
+        x, y = arrays[id(pool), steps]
+        clock = _step_clock(keras)
+        with scope() if scope is not None else contextlib.nullcontext():
+            model.fit(x, y, batch_size=len(pool[0][0]), epochs=1, shuffle=False, verbose=0, callbacks=[clock])
+        return clock.done[steps - 1] - clock.done[0]
+
+    return Variant(key, devices, global_batch, train, marks, model)
+
+
 def plain(workload, devices, fit=fit_variant):
     """a: the workload's model on the backend's default device, at the per-device batch."""
     import keras

@@ -94,6 +94,32 @@ def from_loader(devices, kind):
     return single.get_weights(), model.get_weights()
 
 
+class Counting(np.ndarray):
+    """A NumPy array that counts the rows Keras' data loader reads from it (by index lists or arrays)."""
+
+    rows = 0
+
+    def __getitem__(self, index):
+        if isinstance(index, (list, np.ndarray)):
+            Counting.rows += len(index)
+        return super().__getitem__(index)
+
+
+def rows_read(devices):
+    """Rows each rank read from array data in fit (validation_split included) and evaluate: (rank, rows,
+    weights); one process' figures when ``devices`` is 1."""
+    x, y = scenarios.data(60)
+    x, y = x.view(Counting), y.view(Counting)
+    model = scenarios.build(keras)
+    if devices > 1:
+        distkeras.distribute(model, devices=devices)
+    Counting.rows = 0
+    model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0, validation_split=0.2)
+    model.evaluate(x, y, batch_size=12, verbose=0)
+    rank = distkeras.describe(model)["rank"] if devices > 1 else 0
+    return rank, Counting.rows, model.get_weights()
+
+
 def wrong_device_count(devices):
     try:
         distkeras.distribute(scenarios.build(keras), devices=devices)
@@ -196,6 +222,17 @@ def test_shuffled_fit_uses_the_same_global_batches():
 def test_data_loaders_split_each_batch(kind):
     single, weights = job(3).run(from_loader, 3, kind, timeout=TIMEOUT)[0].result
     assert max_difference(single, weights) < 1e-5
+
+
+def test_each_rank_reads_only_its_rows_of_array_data():
+    """fit()/evaluate() on NumPy data: the ranks together read the rows one process reads (each its own
+    third), not every rank the whole global batch, and train as one process does."""
+    _, single_rows, single = rows_read(1)
+    outcomes = sorted(o.result for o in job(3).run(rows_read, 3, timeout=TIMEOUT))
+    assert [rank for rank, _, _ in outcomes] == [0, 1, 2]
+    assert sum(rows for _, rows, _ in outcomes) == single_rows
+    assert all(rows == single_rows // 3 for _, rows, _ in outcomes)  # 12-sample batches: 4 rows each
+    assert all(max_difference(single, weights) < 1e-5 for _, _, weights in outcomes)
 
 
 def test_device_count_must_match_the_launched_processes():
@@ -656,6 +693,60 @@ def test_every_batchnorm_is_found_in_nested_and_subclassed_models():
     synced, other = torch_trainer._batchnorm_layers(torch_models.nested())
     assert len(synced) == 2 and other == []  # in the Sequential inside the Functional, and in Block's list
     assert all(isinstance(layer, keras.layers.BatchNormalization) for layer in synced)
+
+
+@pytest.mark.parametrize("shuffle", [False, True, "batch"])
+def test_keras_torch_epoch_iterator_can_read_each_rank_its_rows(shuffle):
+    """distkeras points the private name ``TorchEpochIterator`` of Keras' torch trainer module at a subclass
+    while a distributed fit()/evaluate() runs, whose loader reads rank r's rows ``[r::world]`` of each
+    global batch (a stand-in, the batch's first row, where that share is empty). Pinned: the name, the
+    ArrayDataAdapter's loader with its ``__getitems__(indices)``, the generator/PyDataset loader with its
+    ``iterable``, and that the rows are those one process draws, shuffled or not; outside the block, and
+    for a user's DataLoader, nothing changes."""
+    import torch
+    from keras.src.backend.torch import trainer as keras_trainer
+
+    from distkeras.backends.torch_trainer import Replica, sharded_batches
+
+    original = keras_trainer.TorchEpochIterator
+    x, y = scenarios.data(10)
+
+    def batches(make, **kwargs):  # one at a time, as fit() steps on them
+        torch.manual_seed(7)
+        np.random.seed(7)
+        iterator = make(x=x, batch_size=kwargs.pop("batch_size", 4), shuffle=shuffle, **kwargs)
+        return (data[0] for _, _, data in iterator.enumerate_epoch())
+
+    whole = list(batches(original, y=y))
+    for rank in range(3):
+        replica = Replica(rank, 3, None, 10)
+        with sharded_batches(replica):
+            iterator_class = keras_trainer.TorchEpochIterator
+            assert issubclass(iterator_class, original) and iterator_class is not original
+            for global_batch, batch in zip(whole, batches(iterator_class, y=y), strict=True):
+                rows, count, total = replica.split(batch)
+                assert rows is batch and total == len(global_batch[0])
+                assert count == len(range(total)[rank::3])
+                expected = slice(rank, None, 3) if count else slice(0, 1)
+                for got, want in zip(rows, global_batch, strict=True):
+                    np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[expected])
+            only_x = next(batches(iterator_class, batch_size=10))
+            assert replica.split(only_x)[1:] == (len(range(10)[rank::3]), 10)
+            generator = ((x[i : i + 4], y[i : i + 4]) for i in range(0, 10, 4))  # converted after slicing
+            for i, (_, _, data) in enumerate(iterator_class(x=generator).enumerate_epoch()):
+                rows, count, total = replica.split(data[0])
+                assert rows is data[0] and total == len(x[4 * i : 4 * i + 4]) and count == len(range(total)[rank::3])
+                np.testing.assert_array_equal(np.asarray(rows[1]), y[4 * i : 4 * i + 4][rank::3] if count else y[4 * i : 4 * i + 1])
+            loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.from_numpy(x)), batch_size=4)
+            unsplit = [data[0] for _, _, data in iterator_class(x=loader).enumerate_epoch()]
+            assert [len(batch[0]) for batch in unsplit] == [4, 4, 2]  # a user's DataLoader: whole batches, sliced in the step
+            assert not replica.read
+        assert keras_trainer.TorchEpochIterator is original
+    outside = batches(iterator_class, y=y)  # the subclass outside the block: Keras' own batches
+    assert [len(batch[0]) for batch in outside] == [4, 4, 2]
+    replica.read.append((object(), 1, 3))  # a batch read for this rank, and the step gets another object:
+    with pytest.raises(distkeras.DistKerasError, match="another object than the loader made"):
+        replica.split(whole[0])  # slicing it again would train on the wrong samples
 
 
 def test_keras_torch_variables_keep_their_storage_in_value():

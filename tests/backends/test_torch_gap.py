@@ -16,20 +16,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LOOPS = ["keras", "distkeras", "distkeras, overlap off", "distkeras, no all-reduce", "ddp loop", "ddp loop, no all-reduce"]
 
 
-def test_six_loops_timed_and_the_gap_split(tmp_path):
+@pytest.mark.parametrize("feed", ["pydataset", "arrays"])
+def test_seven_loops_timed_and_the_gap_split(tmp_path, feed):
     out = tmp_path / "gap.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
     env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND="torch")
     command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "2", "-m", "benchmarks.torch_gap",
-               "--workload", "digits", "--steps", "2", "--windows", "2", "--warmup", "0", "--out", str(out)]
+               "--workload", "digits", "--steps", "2", "--windows", "2", "--warmup", "0", "--feed", feed, "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("[rank 0] | ")]
-    assert [row.split(" | ")[1] for row in rows[1:1 + len(LOOPS)]] == LOOPS
+    loops = LOOPS + ["distkeras, whole batch read"]
+    assert [row.split(" | ")[1] for row in rows[1:1 + len(loops)]] == loops
     assert "Keras fit() over a bare torch loop" in done.stdout and "communication in distkeras" in done.stdout
     assert "[rank 1] |" not in done.stdout  # rank 0 alone reports
     figures = json.loads(out.read_text())
-    assert list(figures["seconds_per_step"]) == LOOPS and figures["processes"] == 2
+    assert list(figures["seconds_per_step"]) == loops and figures["processes"] == 2 and figures["feed"] == feed
     assert all(len(values) == 2 and min(values) > 0 for values in figures["seconds_per_step"].values())
 
 

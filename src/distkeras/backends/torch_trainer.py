@@ -16,7 +16,11 @@ so distributing a model twice replaces the hooks instead of stacking them.
   first sample) with weight zero: it joins every collective of the step (the gradient all-reduce, the
   BatchNormalization statistics forward and backward) and returns logs shaped like the other ranks',
   but its gradients and statistics count for nothing, and its metric states and its model's local state
-  (per-replica statistics, seed generators) are put back as they were.
+  (per-replica statistics, seed generators) are put back as they were. ``fit``/``evaluate`` read only those rows
+  where Keras reads the data (:func:`sharded_batches`): for arrays (NumPy, tensors) the global batch's
+  indices, in the order one process draws them, are split before the rows are gathered and converted; a
+  PyDataset's or generator's whole batches are sliced before Keras converts (copies) them. A DataLoader
+  the user passes yields whole global batches of tensors, which each rank slices in the step.
 - ``optimizer.apply``: Horovod's DistributedOptimizer idea, on the instance, so the optimizer keeps its
   exact class. It hands the optimizer the average over the ranks of ``n_r * grad_r / N`` (``n_r``: the
   rank's samples in the step, ``N`` the global batch's): the gradient of the mean loss over the whole
@@ -63,10 +67,14 @@ layer called in training mode. A custom ``train_step`` (the Keras guide's: ``los
 ``model.optimizer``, once per step; a step that doesn't raises :class:`~distkeras.DistKerasError`.
 """
 
+import collections
+import contextlib
 import functools
+import importlib
 import inspect
 import logging
 import os
+import threading
 
 import keras
 import torch
@@ -109,39 +117,166 @@ class Replica(object):
         self.last_count = None  # samples of the last train or test step
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
         self.buckets = None  # the overlapping all-reduce (torch_buckets.Buckets), when on
+        # (rows, count, total) of the batches the sharded loader in its pass read and no step has taken yet.
+        self.read = collections.deque()
 
-    def share(self, data):
-        """This rank's part ``[rank::world]`` of a global batch, and its number of samples."""
+    def split(self, data):
+        """What this rank's step runs on, its sample count and the global batch's: ``(rows, count, total)``.
 
-        def part(value):
-            shape = getattr(value, "shape", None)
-            return value[self.rank :: self.world] if shape is not None and len(shape) else value
+        ``data`` is this rank's rows as its data loader read them (:func:`sharded_batches`, found in
+        :attr:`read` by identity: Keras hands the loader's object to the step unchanged) or a whole global
+        batch, of which this rank keeps ``[rank::world]``. ``rows`` is a stand-in (the global batch's first
+        sample) where ``count`` is 0; where the batch has no batch dimension every rank takes the whole step,
+        weighted alike.
+        """
+        for index, entry in enumerate(self.read):
+            if entry[0] is data:
+                del self.read[index]  # by position: comparing entries would compare tensors
+                return entry
+        if self.read:  # slicing the rows of a sharded read again would train on the wrong samples, silently
+            raise DistKerasError(
+                "distkeras read this rank's rows of a batch in Keras' data loader, but the step got another "
+                "object than the loader made (this Keras, {}, changes batches between its data loader and "
+                "train_step). Please report it; feeding fit() a torch DataLoader avoids the sharded read.".format(
+                    keras.__version__)
+            )
+        return self.rows_of(data)
 
-        local = keras.tree.map_structure(part, data)
-        for leaf in keras.tree.flatten(local):
-            shape = getattr(leaf, "shape", None)
-            if shape is not None and len(shape):
-                return local, int(shape[0])
-        return data, 1  # no batch dimension to split: every rank takes the whole step, weighted alike
-
-    def global_count(self, data):
-        """The samples of a global batch over every rank: the sum of their :meth:`share` counts, known to
-        each rank without communicating (each holds the whole batch)."""
+    def rows_of(self, data):
+        """``(rows, count, total)`` of :meth:`split` for a whole global batch (tensors or NumPy arrays)."""
+        total = None
         for leaf in keras.tree.flatten(data):
             shape = getattr(leaf, "shape", None)
             if shape is not None and len(shape):
-                return int(shape[0])
-        return self.world
+                total = int(shape[0])
+                break
+        if total is None:
+            return data, 1, self.world
 
-    @staticmethod
-    def stand_in(data):
-        """The first sample of a global batch, for a rank whose share of it is empty."""
-
-        def first(value):
+        def part(value, rows):
             shape = getattr(value, "shape", None)
-            return value[:1] if shape is not None and len(shape) else value
+            return value[rows] if shape is not None and len(shape) else value
 
-        return keras.tree.map_structure(first, data)
+        count = len(range(total)[self.rank :: self.world])
+        rows = slice(self.rank, None, self.world) if count else slice(0, 1)
+        return keras.tree.map_structure(lambda value: part(value, rows), data), count, total
+
+
+#: Keras' torch trainer module and the epoch iterator class its fit() and evaluate() look up in it (privates).
+_PRIVATE_TRAINER_MODULE = "keras.src.backend.torch.trainer"
+_PRIVATE_EPOCH_ITERATOR = "TorchEpochIterator"
+#: The replica whose fit()/evaluate() is in flight in this thread (None: Keras' own behaviour).
+_reading = threading.local()
+
+
+@functools.lru_cache(maxsize=None)
+def _epoch_iterator_class(base):
+    """A subclass of Keras' ``TorchEpochIterator`` ``base`` whose data loader, while a distributed
+    ``fit``/``evaluate`` runs in this thread, reads or converts only this rank's rows of each global batch
+    (:func:`_sharded_loader`)."""
+    if getattr(base, "_distkeras_sharded", False):
+        return base
+
+    class ShardedEpochIterator(base):
+        _distkeras_sharded = True
+
+        def _get_iterator(self):
+            loader = super()._get_iterator()
+            replica = getattr(_reading, "replica", None)
+            return loader if replica is None else _sharded_loader(loader, replica)
+
+    ShardedEpochIterator.__name__ = ShardedEpochIterator.__qualname__ = base.__name__
+    ShardedEpochIterator.__module__ = base.__module__
+    return ShardedEpochIterator
+
+
+#: The datasets of the loaders Keras' data adapters make (privates, defined inside those functions):
+#: arrays (ArrayDataAdapter: indices in, converted rows out) and batches an iterable yields, converted one by
+#: one (PyDataset, generators, tf.data: ``data_adapter_utils.get_torch_dataloader``).
+_PRIVATE_DATASETS = ("ArrayDataset", "ConverterIterableDataset")
+
+
+def _sharded_loader(loader, replica):
+    """The loader Keras made for a fit()/evaluate(), reading or converting only this rank's rows.
+
+    - Arrays: each batch's ``__getitems__(indices)`` (the global batch's indices, in the order one process
+      draws them) reads ``indices[rank::world]`` only (the first index alone where that is empty: a
+      stand-in).
+    - Batches an iterable yields (a PyDataset, a generator): each whole batch is sliced ``[rank::world]``
+      (:meth:`Replica.rows_of`) before Keras' ``convert_to_tensor`` copies it, instead of after.
+
+    Each batch is noted in ``replica.read`` with its count and the global batch's. Any other loader (a
+    DataLoader the user passed, whose batches are tensors already) is returned as it is: its whole batches
+    are sliced in the step."""
+    dataset = getattr(loader, "dataset", None)
+    kind = type(dataset).__name__ if type(dataset).__module__.startswith("keras.") else None
+    if not isinstance(loader, torch.utils.data.DataLoader) or kind not in _PRIVATE_DATASETS:
+        return loader
+    if kind == "ArrayDataset":
+
+        class ShardedDataset(torch.utils.data.Dataset):
+            def __getitems__(self, indices):
+                local = list(indices)[replica.rank :: replica.world]
+                rows = dataset.__getitems__(local or list(indices)[:1])
+                replica.read.append((rows, len(local), len(indices)))
+                return rows
+
+            def __len__(self):
+                return len(dataset)
+
+        return _Passes(torch.utils.data.DataLoader(ShardedDataset(), batch_sampler=loader.batch_sampler,
+                                                   collate_fn=loader.collate_fn), replica)
+    from keras.src.backend.torch.core import convert_to_tensor
+
+    class ShardedBatches(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for batch in dataset.iterable:
+                rows, count, total = replica.rows_of(batch)
+                # What Keras' loader yields: converted, then (batch_size=None) torch's default_convert.
+                rows = torch.utils.data.default_convert(
+                    keras.tree.map_structure(convert_to_tensor, rows, none_is_leaf=False))
+                replica.read.append((rows, count, total))
+                yield rows
+
+    return _Passes(torch.utils.data.DataLoader(ShardedBatches(), batch_size=None, collate_fn=_as_is), replica)
+
+
+def _as_is(batch):
+    return batch
+
+
+class _Passes(object):
+    """A sharded loader: each pass over it starts with ``replica.read`` empty (a pass Keras broke off, as
+    fit() does after one batch to build the metrics, leaves none of its batches behind)."""
+
+    def __init__(self, loader, replica):
+        self.loader, self.replica = loader, replica
+
+    def __iter__(self):
+        self.replica.read.clear()
+        return iter(self.loader)
+
+    def __len__(self):
+        return len(self.loader)
+
+
+@contextlib.contextmanager
+def sharded_batches(replica):
+    """While it is open, this thread's ``fit()``/``evaluate()`` on array data read only ``replica``'s rows of
+    each global batch instead of every row (then sliced): Keras' torch trainer module names
+    ``TorchEpochIterator`` when a call starts, so the module's name is pointed at a subclass
+    (:func:`_epoch_iterator_class`, which changes nothing in other threads or outside this block) and put
+    back when the block closes."""
+    module = importlib.import_module(_PRIVATE_TRAINER_MODULE)
+    original = getattr(module, _PRIVATE_EPOCH_ITERATOR)
+    outer = getattr(_reading, "replica", None)
+    setattr(module, _PRIVATE_EPOCH_ITERATOR, _epoch_iterator_class(original))
+    _reading.replica = replica
+    try:
+        yield
+    finally:
+        _reading.replica = outer
+        setattr(module, _PRIVATE_EPOCH_ITERATOR, original)
 
 
 def uninstall(model):
@@ -208,8 +343,8 @@ def install(model, replica, sync_batchnorm=True, overlap=True, bucket_mb=torch_b
         "train_step": _train_step(model, model.train_step, replica, global_state),
         "test_step": _test_step(model, model.test_step, replica),
         _PRIVATE_LOGS: _global_logs(model, getattr(model, _PRIVATE_LOGS), replica),
-        "fit": _entry(model.fit, replica, sync_random=True),
-        "evaluate": _entry(model.evaluate, replica),
+        "fit": _entry(model.fit, replica, sync_random=True, sharded=True),
+        "evaluate": _entry(model.evaluate, replica, sharded=True),
         "predict": _entry(model.predict, replica),
         "save": _rank0_writes(model.save, replica),
         "save_weights": _rank0_writes(model.save_weights, replica),
@@ -292,9 +427,9 @@ def _train_step(model, step, replica, global_state):
     def train_step(data):
         # Wrapped here, not once: compile() after distribute() brings a new optimizer.
         _wrap_optimizer(model.optimizer, replica)
-        local, count = replica.share(data)
+        local, count, total = replica.split(data)
         replica.count = replica.last_count = count
-        replica.total = replica.global_count(data)
+        replica.total = total
         replica.applied = 0
         if replica.buckets is not None:
             replica.buckets.begin(model.trainable_variables)
@@ -302,7 +437,7 @@ def _train_step(model, step, replica, global_state):
             if count:
                 logs = step(local)
             else:  # no samples here: a stand-in with weight zero joins the step's collectives
-                logs = _without_trace(step, replica.stand_in(data), _local_state(model, global_state))
+                logs = _without_trace(step, local, _local_state(model, global_state))
         finally:
             replica.count = None
             if replica.buckets is not None:
@@ -323,11 +458,11 @@ def _train_step(model, step, replica, global_state):
 
 def _test_step(model, step, replica):
     def test_step(data):
-        local, count = replica.share(data)
+        local, count, _ = replica.split(data)
         replica.last_count = count
         if count:
             return step(local)
-        return _without_trace(step, replica.stand_in(data), _metric_variables(model))
+        return _without_trace(step, local, _metric_variables(model))
 
     return test_step
 
@@ -370,8 +505,9 @@ class _SyncRandomState(keras.callbacks.Callback):
         collectives.sync_random_state()
 
 
-def _entry(method, replica, sync_random=False):
-    """fit/evaluate/predict: quiet off rank 0; a dead self-launched worker reported by rank and exit code."""
+def _entry(method, replica, sync_random=False, sharded=False):
+    """fit/evaluate/predict: quiet off rank 0; a dead self-launched worker reported by rank and exit code;
+    with ``sharded``, each rank reads only its rows of array data (:func:`sharded_batches`)."""
     signature = inspect.signature(method)
 
     @functools.wraps(method)
@@ -385,7 +521,10 @@ def _entry(method, replica, sync_random=False):
                 callbacks = bound.arguments.get("callbacks")
                 if callbacks is None or isinstance(callbacks, (list, tuple)):
                     bound.arguments["callbacks"] = [_SyncRandomState()] + list(callbacks or [])
-            return method(*bound.args, **bound.kwargs)
+            if not sharded:
+                return method(*bound.args, **bound.kwargs)
+            with sharded_batches(replica):
+                return method(*bound.args, **bound.kwargs)
         except Exception as exc:
             # A collective with a dead rank fails (RuntimeError) about when the watcher sees the exit.
             wait = 2.0 if isinstance(exc, RuntimeError) else 0.0
