@@ -226,15 +226,14 @@ def _sharded_loader(loader, replica):
 
         return _Passes(torch.utils.data.DataLoader(ShardedDataset(), batch_sampler=loader.batch_sampler,
                                                    collate_fn=loader.collate_fn), replica)
-    from keras.src.backend.torch.core import convert_to_tensor
-
     class ShardedBatches(torch.utils.data.IterableDataset):
         def __iter__(self):
             for batch in dataset.iterable:
                 rows, count, total = replica.rows_of(batch)
-                # What Keras' loader yields: converted, then (batch_size=None) torch's default_convert.
+                # What Keras' loader yields: converted (by the backend's convert_to_tensor, which keras.ops'
+                # calls), then (batch_size=None) torch's default_convert.
                 rows = torch.utils.data.default_convert(
-                    keras.tree.map_structure(convert_to_tensor, rows, none_is_leaf=False))
+                    keras.tree.map_structure(keras.ops.convert_to_tensor, rows, none_is_leaf=False))
                 replica.read.append((rows, count, total))
                 yield rows
 
