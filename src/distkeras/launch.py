@@ -7,9 +7,12 @@ Each worker gets the variables its backend's own engine reads: RANK / WORLD_SIZE
 LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torch.distributed's env:// rendezvous, as torchrun sets
 them), JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jax.distributed), and TF_CONFIG
 (MultiWorkerMirroredStrategy). With the CNTK backend the workers are MPI ranks, started by ``mpiexec``.
+With the MXNet backend the launchers also start MXNet's parameter-server processes (:func:`ps_roles`): node 0
+a scheduler, every node one server, all of them and the workers described by the ``DMLC_*`` variables.
 Every output line is prefixed with its rank; SIGINT/SIGTERM are forwarded to every worker; when a
 worker fails, the others are stopped within ``--stop-timeout`` seconds and the launcher exits with the
-failing worker's code, saying which rank died and how. It never waits on a dead job.
+failing worker's code, saying which rank (or which scheduler or server) died and how. It never waits on a
+dead job.
 
 Part of the Python 3.6-compatible core: no framework import, standard library only.
 """
@@ -114,10 +117,16 @@ def worker_env(backend, rank, world_size, local_rank, local_world_size, coordina
     return env
 
 
+#: Seconds the parameter-server processes get to exit on their own once every worker has exited.
+ROLE_EXIT_GRACE = 10.0
+
+
 class _Worker(object):
-    def __init__(self, rank, process):
-        self.rank = rank
+    def __init__(self, rank, process, label):
+        self.rank = rank  # None for a process of the job that is no worker (MXNet's scheduler and servers)
         self.process = process
+        self.label = label
+        self.ended_at = None  # type: Optional[float]
         self.pumps = []  # type: List[threading.Thread]
 
 
@@ -142,11 +151,16 @@ class Launcher(object):
     """Runs one host's workers to completion; see the module docstring."""
 
     def __init__(self, commands, envs, ranks, stop_timeout=DEFAULT_STOP_TIMEOUT, stdout=None, stderr=None,
-                 supervisor=None):
-        # type: (Sequence[List[str]], Sequence[Dict[str, str]], Sequence[int], float, object, object, object) -> None
-        self.commands = list(commands)
-        self.envs = list(envs)
-        self.ranks = list(ranks)
+                 supervisor=None, roles=()):
+        # type: (Sequence[List[str]], Sequence[Dict[str, str]], Sequence[int], float, object, object, object, Sequence[Tuple[List[str], Dict[str, str], str]]) -> None
+        """``roles``: ``(command, env, label)`` of processes that serve the workers (MXNet's scheduler and
+        servers): started first; while any worker runs, one that fails fails the job, and so does one that
+        exited with code 0 ``stop_timeout`` seconds before; after the workers they get :data:`ROLE_EXIT_GRACE`
+        seconds to end on their own."""
+        self.commands = [r[0] for r in roles] + list(commands)
+        self.envs = [r[1] for r in roles] + list(envs)
+        self.ranks = [None] * len(roles) + list(ranks)  # type: List[Optional[int]]
+        self.labels = [r[2] for r in roles] + ["rank {}".format(rank) for rank in ranks]
         self.stop_timeout = stop_timeout
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
@@ -162,7 +176,7 @@ class Launcher(object):
             self.stderr.flush()
 
     def start(self):
-        for command, env, rank in zip(self.commands, self.envs, self.ranks):
+        for command, env, rank, label in zip(self.commands, self.envs, self.ranks, self.labels):
             process = subprocess.Popen(
                 orphan_proof(command, LAUNCHER_ENV) if LAUNCHER_ENV in env else command,
                 env=env,
@@ -172,8 +186,8 @@ class Launcher(object):
                 bufsize=1,
                 start_new_session=True,  # its own process group: stopping it stops its children too
             )
-            worker = _Worker(rank, process)
-            prefix = "[rank {}] ".format(rank)
+            worker = _Worker(rank, process, label)
+            prefix = "[{}] ".format(label)
             for stream, sink in ((process.stdout, self.stdout), (process.stderr, self.stderr)):
                 pump = threading.Thread(target=_pump, args=(stream, sink, prefix, self.lock), daemon=True)
                 pump.start()
@@ -205,22 +219,26 @@ class Launcher(object):
         """Block until every worker has exited (and, across hosts, every host's); return the exit code."""
         while True:
             running = False
+            workers_running = any(w.rank is not None and w.process.poll() is None for w in self.workers)
             for worker in self.workers:
                 code = worker.process.poll()
                 if code is None:
-                    running = True
-                elif code != 0 and self.failure is None and self.interrupted_at is not None:
+                    running = running or worker.rank is not None
+                elif self.failure is not None:
+                    pass
+                elif worker.rank is None and workers_running and code == 0 and self.interrupted_at is None:
+                    # A server ends once every worker has said goodbye, a moment before the workers end:
+                    # only workers still running long after that are a job its servers left.
+                    worker.ended_at = worker.ended_at or time.time()
+                    if time.time() - worker.ended_at > self.stop_timeout:
+                        self._fail(worker, 1, "exited (exit code 0) {:.0f} s ago and the workers are still "
+                                              "running".format(self.stop_timeout))
+                elif code != 0 and (worker.rank is not None or workers_running) and self.interrupted_at is not None:
                     self.failure = (worker.rank, code)  # ended by the forwarded signal: let the others end too
                     if self.supervisor is not None:
-                        self.supervisor.failed(worker.rank, _describe_exit(code))
-                elif code != 0 and self.failure is None:
-                    self.failure = (worker.rank, code)
-                    if self.supervisor is not None:
-                        self.supervisor.failed(worker.rank, _describe_exit(code))
-                    started = time.time()
-                    self._say("rank {} died ({}); stopping the other workers".format(worker.rank, _describe_exit(code)))
-                    self.stop_all()
-                    self._say("all workers stopped {:.1f} s after rank {} died".format(time.time() - started, worker.rank))
+                        self.supervisor.failed(worker.label, "died ({})".format(_describe_exit(code)))
+                elif code != 0 and (worker.rank is not None or workers_running):
+                    self._fail(worker, code, "died ({})".format(_describe_exit(code)))
             if self.failure is None and self.supervisor is not None:
                 verdict = self.supervisor.poll() if running else self.supervisor.finish()
                 if verdict is not None:
@@ -231,6 +249,7 @@ class Launcher(object):
                 self._say("workers still running {:.0f} s after the signal; stopping them".format(self.stop_timeout))
                 self.stop_all()
             time.sleep(0.05)
+        self._end_roles()
         for worker in self.workers:
             for pump in worker.pumps:
                 pump.join(timeout=5)
@@ -238,6 +257,25 @@ class Launcher(object):
             rank, code = self.failure
             return code if code > 0 else 128 - code
         return 0
+
+    def _fail(self, worker, code, how):
+        self.failure = (worker.rank, code)
+        if self.supervisor is not None:
+            self.supervisor.failed(worker.label, how)
+        started = time.time()
+        self._say("{} {}; stopping the other workers".format(worker.label, how))
+        self.stop_all()
+        self._say("all workers stopped {:.1f} s after {} {}".format(time.time() - started, worker.label, how.split(" (")[0]))
+
+    def _end_roles(self):
+        """Once the workers are done: give the parameter-server processes time to end, then stop them."""
+        deadline = time.time() + ROLE_EXIT_GRACE
+        while time.time() < deadline and any(w.process.poll() is None for w in self.workers):
+            time.sleep(0.05)
+        left = [w.label for w in self.workers if w.process.poll() is None]
+        if left:
+            self._say("{} still running {:.0f} s after the workers; stopping them".format(", ".join(left), ROLE_EXIT_GRACE))
+            self.stop_all()
 
     def _remote_failure(self, verdict):
         """Another host failed or was lost: stop this host's workers, exit 1 naming what happened."""
@@ -320,11 +358,53 @@ def plan(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None, b
         rank = node_rank * nproc_per_node + local_rank
         env = dict(base_env)
         env.update(worker_env(backend, rank, world_size, local_rank, nproc_per_node, engine, tf_workers))
+        if backend == "mxnet":
+            env.update(dmlc_env("worker", engine, nnodes, world_size, addresses[node_rank] if nnodes > 1 else None))
         env[LAUNCHER_ENV] = str(os.getpid())
         commands.append(command)
         envs.append(env)
         ranks.append(rank)
     return commands, envs, ranks
+
+
+def dmlc_env(role, engine, nnodes, world_size, node_host=None):
+    # type: (str, str, int, int, Optional[str]) -> Dict[str, str]
+    """The ``DMLC_*`` variables MXNet's parameter server (ps-lite) reads, for a process of ``role``.
+
+    Every process meets the scheduler at ``engine`` (HOST:PORT); the job has one server per host and
+    ``world_size`` workers. ``DMLC_NODE_HOST`` is the address this process tells the others to reach it at:
+    the address of this host the launchers agreed on (``node_host``), or on one host the engine's
+    (loopback) -- never what ps-lite would guess from the host's interfaces.
+    """
+    host, port = parse_address(engine)
+    return {
+        "DMLC_ROLE": role,
+        "DMLC_PS_ROOT_URI": host,
+        "DMLC_PS_ROOT_PORT": str(port),
+        "DMLC_NUM_SERVER": str(nnodes),
+        "DMLC_NUM_WORKER": str(world_size),
+        "DMLC_NODE_HOST": node_host or host,
+    }
+
+
+def ps_roles(engine, nnodes, node_rank, world_size, node_host=None, python=None, environ=None):
+    # type: (str, int, int, int, Optional[str], Optional[str], Optional[Dict[str, str]]) -> List[Tuple[List[str], Dict[str, str], str]]
+    """``(command, env, label)`` of this host's MXNet parameter-server processes: on node rank 0 the
+    scheduler, on every host one server (server ``node_rank``). Each is a Python importing mxnet with its
+    ``DMLC_ROLE``: ``mxnet/kvstore/kvstore_server.py`` then runs the role until the workers finish, and exits."""
+    base = dict(os.environ if environ is None else environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES",
+                 "JAX_COORDINATOR_ADDRESS", "TF_CONFIG"):
+        base.pop(name, None)
+    base["PYTHONUNBUFFERED"] = "1"
+    base[LAUNCHER_ENV] = str(os.getpid())
+    command = [python or sys.executable, "-c", "import mxnet"]
+    roles = []
+    for role, label in ([("scheduler", "scheduler")] if node_rank == 0 else []) + [("server", "server {}".format(node_rank))]:
+        env = dict(base)
+        env.update(dmlc_env(role, engine, nnodes, world_size, node_host))
+        roles.append((command, env, label))
+    return roles
 
 
 def check_counts(script_args, nproc_per_node, nnodes, node_rank):
@@ -374,7 +454,12 @@ def run_job(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None
             host, port = parse_address(coordinator)
             check_port_free(_local_host(host), port)
         commands, envs, ranks = plan(script_args, nproc_per_node, 1, 0, coordinator, backend, environ=env)
-        return Launcher(commands, envs, ranks, stop_timeout=stop_timeout).run()
+        roles = []  # type: List[Tuple[List[str], Dict[str, str], str]]
+        if backend == "mxnet":
+            first = envs[0]
+            roles = ps_roles("{}:{}".format(first["DMLC_PS_ROOT_URI"], first["DMLC_PS_ROOT_PORT"]), 1, 0,
+                             nproc_per_node, environ=env)
+        return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, roles=roles).run()
     join_timeout = _seconds(join_timeout, rendezvous.JOIN_TIMEOUT_ENV, rendezvous.DEFAULT_JOIN_TIMEOUT, "--join-timeout", env)
     peer_timeout = _seconds(peer_timeout, rendezvous.PEER_TIMEOUT_ENV, rendezvous.DEFAULT_PEER_TIMEOUT, "--peer-timeout", env)
     if coordinator is None:
@@ -415,10 +500,14 @@ def run_job(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None
         if nproc_per_node > 1 else "rank {}".format(node_rank), network.describe_route(route), route.chosen_by,
         ", ".join(supervisor.plan["addresses"])))
     try:
+        addresses = list(supervisor.plan["addresses"])
         commands, envs, ranks = plan(script_args, nproc_per_node, nnodes, node_rank, coordinator, backend,
-                                     environ=env, addresses=list(supervisor.plan["addresses"]),
-                                     interface=route.interface or route.address)
-        return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, supervisor=supervisor).run()
+                                     environ=env, addresses=addresses, interface=route.interface or route.address)
+        roles = []
+        if backend == "mxnet":
+            roles = ps_roles("{}:{}".format(host, engine_port(port)), nnodes, node_rank, nnodes * nproc_per_node,
+                             addresses[node_rank], environ=env)
+        return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, supervisor=supervisor, roles=roles).run()
     finally:
         supervisor.close()
 

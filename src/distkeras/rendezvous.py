@@ -229,11 +229,13 @@ class Supervisor(object):
             self._broadcast({"abort": reason})
         self.verdict = reason
 
-    def failed(self, rank, how):
-        # type: (int, str) -> None
-        """A worker of this host died: tell every host (through node 0)."""
-        reason = "rank {} on node rank {} ({}) died ({})".format(
-            rank, self.node_rank, (self.plan.get("addresses") or ["?"] * (self.node_rank + 1))[self.node_rank], how)
+    def failed(self, who, how):
+        # type: (object, str) -> None
+        """A process of this host's (``who``: a worker's rank, or a label such as ``"server 1"``) ended
+        ``how`` (``"died (exit code 1)"``...): tell every host (through node 0)."""
+        reason = "{} on node rank {} ({}) {}".format(
+            "rank {}".format(who) if isinstance(who, int) else who, self.node_rank,
+            (self.plan.get("addresses") or ["?"] * (self.node_rank + 1))[self.node_rank], how)
         if self.node_rank == 0:
             self._broadcast({"abort": reason})
         else:

@@ -361,15 +361,34 @@ def test_local_kvstore_trains_the_same(single_device_runs):
     assert_weights_close(single_device_runs["even"][0], dist.get_weights())
 
 
-def test_multi_worker_is_refused(monkeypatch):
+def test_a_worker_outside_an_mxnet_job_is_told_how_to_start_one(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(distkeras.DistKerasError, match="multi-worker MXNet training .* is not supported"):
+    for name in ("DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(distkeras.DistKerasError, match=r"not a worker of an MXNet parameter-server job: DMLC_ROLE=None.*"
+                                                       r"distkeras launch --backend mxnet"):
         distkeras.distribute(build(), devices=2)
 
 
-def test_dist_kvstore_is_refused():
-    with pytest.raises(distkeras.DistKerasError, match="kvstore='dist_sync': multi-worker MXNet training"):
+def test_an_unreachable_scheduler_is_a_clear_error(monkeypatch):
+    from distkeras.launch import free_port
+
+    port = free_port()  # nobody listens there
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("DMLC_ROLE", "worker")
+    monkeypatch.setenv("DMLC_PS_ROOT_URI", "127.0.0.1")
+    monkeypatch.setenv("DMLC_PS_ROOT_PORT", str(port))
+    monkeypatch.setenv("DISTKERAS_SCHEDULER_TIMEOUT", "1")
+    with pytest.raises(distkeras.NetworkError, match=r"MXNet's scheduler at 127\.0\.0\.1:{} .* can't be reached "
+                                                     r"after 1 s".format(port)):
+        distkeras.distribute(build(), devices=2)
+
+
+def test_dist_kvstore_in_one_process_is_refused():
+    with pytest.raises(distkeras.OptionError, match=r"kvstore='dist_sync' needs MXNet's parameter-server job: start "
+                                                    r"the workers with `distkeras launch --backend mxnet"):
         distkeras.distribute(build(), devices=2, kvstore="dist_sync")
 
 

@@ -18,8 +18,28 @@ splits every batch along the first axis and adds the contexts' gradients in a KV
 The user's model itself is distributed, in place: its contexts are set and it is compiled again with
 its own loss, metrics and an optimizer of the same configuration (keras-mxnet binds its MXNet module,
 and with it the contexts, when it compiles; it drops the optimizer's state on every compile anyway).
-Nothing is rebuilt from a config, and ``save()`` writes the plain model. MXNet runs one module per
-process; multi-worker training (KVStore ``dist_*``) is not supported in this version.
+Nothing is rebuilt from a config, and ``save()`` writes the plain model.
+
+**Across processes** (``distkeras launch --backend mxnet``, which also starts MXNet's scheduler and servers
+with the ``DMLC_*`` variables) each worker's module adds its contexts' gradients and the other workers' in
+one ``dist_sync`` KVStore per process (:class:`_Job`): the servers sum what the workers push, every worker
+pulls the sum and applies the same update with its own copy of the optimizer. The optimizer can't run on
+the servers: keras-mxnet's optimizers are classes local to a function, which MXNet can't pickle to them.
+The module itself is bound without a KVStore (``model._kvstore = None``) and the train step pushes and
+pulls; so the keys are the adapter's, one set per module (a model compiled again gets new ones, where MXNet
+refuses a second ``init`` of a key), and
+
+- each context's gradient is weighed by its count of samples (nonzero sample weights), the sums divided by
+  the job's count of the step, pulled in the same round: the gradient of the global batch, exactly, also
+  for uneven last batches and sample weights. The loss and metrics reported are the global batch's too.
+- ``fit()`` on arrays gives worker r the rows ``[r::W]`` of every global batch of ``batch_size`` rows
+  (:func:`distkeras.sharding.step_rows`); a worker with no row of a short last batch takes one with sample
+  weight 0, so every worker takes the same steps.
+- every module starts from rank 0's weights (parameters and auxiliary states): rank 0 pushes them, the
+  others zeros, and all pull the sum. The KVStore's own ``init`` would take those of whichever worker
+  ps-lite numbered 0, which need not be distkeras' rank 0.
+
+Rank 0 alone prints and saves; ``evaluate`` and ``predict`` run whole on every worker, with equal results.
 
 The per-step code talks to keras-mxnet's Model internals (``_adjust_module``, ``_module``,
 ``_update``...), as keras-mxnet's own train/test/predict functions do: it has no public hook between
@@ -27,13 +47,25 @@ backward and update. Those functions are replaced per model through the ``_make_
 Keras calls before every fit/evaluate/predict; they are instance attributes and nothing of them is saved.
 """
 
+import atexit
 import functools
+import inspect
+import os
+import socket
+import time
 
+from .. import sharding
 from ..devices import Device
-from ..errors import DistKerasError, OptionError
+from ..errors import ClusterError, DistKerasError, NetworkError, OptionError, ShardError
+from . import keras3
 from .base import Adapter
 
 _KVSTORES = ("device", "local")
+#: The KVStores of a multi-worker job: 'dist_sync' adds a worker's contexts on the CPU, 'dist_sync_device'
+#: on its GPUs, before pushing to the servers.
+_DIST_KVSTORES = ("dist_sync", "dist_sync_device")
+#: Seconds a worker waits for MXNet's scheduler to listen before it gives up.
+SCHEDULER_TIMEOUT = 60.0
 #: MXNet hyper-parameters that keras-mxnet's optimizers take but leave out of get_config()
 #: (``clipnorm`` becomes ``clip_gradient``; ``wd`` and the rest come in through ``**kwargs``).
 _OPTIMIZER_EXTRAS = ("clip_gradient", "wd", "rescale_grad", "multi_precision")
@@ -44,13 +76,20 @@ class MXNetAdapter(Adapter):
     framework = "mxnet"
     install_hint = "mxnet==1.9.1 keras-mxnet==2.2.4.3 'numpy<1.24'"
     options = {
-        "kvstore": "where the contexts' gradients are added: 'device' (default, on the GPUs) or 'local' (CPU)",
+        "kvstore": "where the contexts' gradients are added: 'device' (default, on the GPUs) or 'local' (CPU); in a "
+        "multi-worker job 'dist_sync' (default) or 'dist_sync_device'",
         "compression": "'2bit': MXNet's KVStore gradient compression (2-bit quantization with error feedback, "
         "threshold 0.5), or {'type': '2bit', 'threshold': t}; kvstore='device' only. MXNet has no 16-bit all-reduce",
     }
 
     def __init__(self):
         self._cpu_devices = 1
+        self._job = None
+
+    @property
+    def kvstore(self):
+        """The ``dist_sync`` KVStore of this worker's job (MXNet's own object), or None outside a job."""
+        return None if self._job is None else self._job.kv
 
     def list_devices(self):
         """Every GPU MXNet sees, then the CPU devices: ``cpu(0)`` .. ``cpu(N-1)``, N from :meth:`set_cpu_devices`."""
@@ -63,14 +102,15 @@ class MXNetAdapter(Adapter):
         """Use ``count`` CPU contexts. MXNet takes any ``cpu(i)`` at any time, so this is never too late."""
         self._cpu_devices = count
 
-    def distribute(self, model, devices, cluster, kvstore="device", compression=None):
+    def distribute(self, model, devices, cluster, kvstore=None, compression=None):
         """``model`` itself, made to train data-parallel over ``devices`` (see the module docstring).
 
         Args:
             model: a built keras-mxnet model, compiled or not.
             devices: the devices to replicate over; ``gpu:i`` becomes ``mx.gpu(i)``, ``cpu:i`` ``mx.cpu(i)``.
-            cluster: the job; only a one-process job is supported.
-            kvstore: where MXNet adds the contexts' gradients, ``"device"`` or ``"local"``.
+            cluster: the job: one process, or a worker of ``distkeras launch --backend mxnet``.
+            kvstore: where MXNet adds the contexts' gradients, ``"device"`` (default) or ``"local"``; in a
+                multi-worker job ``"dist_sync"`` (default) or ``"dist_sync_device"``.
             compression: ``"2bit"`` or ``{"type": "2bit", "threshold": t}``: MXNet's own gradient
                 compression in the KVStore (:func:`_compression_params`).
 
@@ -78,17 +118,21 @@ class MXNetAdapter(Adapter):
             ``model``.
 
         Raises:
-            DistKerasError: a multi-worker job, or a ``dist_*`` KVStore.
-            OptionError: an unknown ``kvstore`` or ``compression``.
+            OptionError: an unknown ``kvstore`` or ``compression``, a ``dist_*`` KVStore in one process, or
+                compression in a multi-worker job.
+            DistKerasError: a multi-worker job not started as MXNet's parameter-server job, or whose
+                scheduler can't be reached.
         """
         import mxnet as mx
 
-        if cluster.is_multi_worker or str(kvstore).startswith("dist"):
-            raise DistKerasError(
-                "This process is rank {} of {} workers ({}), kvstore={!r}: multi-worker MXNet training (KVStore "
-                "'dist_*') is not supported in this version of distkeras. Run one process per host and "
-                "distribute over its devices.".format(cluster.rank, cluster.world_size, cluster.source, kvstore)
-            )
+        if cluster.is_multi_worker:
+            return self._distribute_in_job(model, devices, cluster, kvstore or "dist_sync", compression)
+        kvstore = kvstore or "device"
+        if str(kvstore).startswith("dist"):
+            raise OptionError(
+                "kvstore={!r} needs MXNet's parameter-server job: start the workers with `distkeras launch --backend "
+                "mxnet --nproc-per-node N script.py`. This process is alone ({}). Received: kvstore={!r}".format(
+                    kvstore, cluster.source, kvstore))
         if kvstore not in _KVSTORES:
             raise OptionError("Expected kvstore in {}. Received: kvstore={!r}".format(_KVSTORES, kvstore))
         # keras-mxnet reads the contexts from Model._context when it builds its modules (in compile(),
@@ -103,6 +147,115 @@ class MXNetAdapter(Adapter):
         model._make_test_function = functools.partial(_install, model, "test_function", _test_step)
         model._make_predict_function = functools.partial(_install, model, "predict_function", _predict_step)
         return model
+
+    def _distribute_in_job(self, model, devices, cluster, kvstore, compression):
+        """:meth:`distribute` in a worker of a multi-worker job (see the module docstring)."""
+        import mxnet as mx
+
+        if kvstore not in _DIST_KVSTORES:
+            raise OptionError("Expected kvstore in {} in a multi-worker job (rank {} of {}). Received: kvstore={!r}".format(
+                _DIST_KVSTORES, cluster.rank, cluster.world_size, kvstore))
+        if compression is not None:
+            raise OptionError("compression is not supported across MXNet workers in this version of distkeras "
+                              "(only within one process, kvstore='device'). Received: compression={!r}".format(compression))
+        if self._job is None:
+            self._job = _Job(kvstore, cluster)
+        elif self._job.kv.type != kvstore:
+            raise OptionError("This worker's job already uses kvstore={!r}; one KVStore per process. Received: "
+                              "kvstore={!r}".format(self._job.kv.type, kvstore))
+        model._context = [mx.gpu(d.index) if d.kind == "gpu" else mx.cpu(d.index) for d in devices]
+        model._kvstore = None  # the module adds nothing: the train step pushes and pulls (module docstring)
+        model._distkeras_compression = None
+        model._distkeras_job = self._job
+        _compile_again(model)
+        model._make_train_function = functools.partial(_install, model, "train_function", _train_step)
+        model._make_test_function = functools.partial(_install, model, "test_function", _test_step)
+        model._make_predict_function = functools.partial(_install, model, "predict_function", _predict_step)
+        if not getattr(model, "_distkeras_fit", False):
+            keras3.chief_speaks_and_writes(model, cluster.rank)  # first: it binds verbose in Keras' signature
+            model.fit = functools.partial(_fit, model, model.fit)
+            model._distkeras_fit = True
+        return model
+
+    def shutdown(self):
+        """End this worker's part in the job: free its KVStore, whose destructor waits for every worker and
+        then (on ps-lite's rank 0) stops the servers. Registered to run at exit; no training may follow."""
+        if self._job is not None:
+            self._job.close()
+
+
+class _Job(object):
+    """This worker's ``dist_sync`` KVStore and the keys the adapter made in it."""
+
+    def __init__(self, kvstore, cluster):
+        import mxnet as mx
+
+        env = os.environ
+        if env.get("DMLC_ROLE") != "worker" or not env.get("DMLC_PS_ROOT_URI") or not env.get("DMLC_PS_ROOT_PORT"):
+            raise DistKerasError(
+                "This process is rank {} of {} workers ({}), but not a worker of an MXNet parameter-server job: "
+                "DMLC_ROLE={!r}, DMLC_PS_ROOT_URI={!r}, DMLC_PS_ROOT_PORT={!r}. Start the job with `distkeras launch "
+                "--backend mxnet --nproc-per-node N script.py`, which starts MXNet's scheduler and servers too.".format(
+                    cluster.rank, cluster.world_size, cluster.source, env.get("DMLC_ROLE"),
+                    env.get("DMLC_PS_ROOT_URI"), env.get("DMLC_PS_ROOT_PORT")))
+        wait_for_scheduler(env["DMLC_PS_ROOT_URI"], int(env["DMLC_PS_ROOT_PORT"]),
+                           float(env.get("DISTKERAS_SCHEDULER_TIMEOUT", SCHEDULER_TIMEOUT)))
+        self.kv = mx.kv.create(kvstore)  # ps-lite starts; returns once every process of the job is connected
+        self.rank, self.workers = cluster.rank, cluster.world_size
+        if self.kv.num_workers != cluster.world_size:
+            raise ClusterError("The launch environment ({}) says {} workers, but MXNet's KVStore has {} "
+                               "(DMLC_NUM_WORKER={}).".format(cluster.source, cluster.world_size, self.kv.num_workers,
+                                                             env.get("DMLC_NUM_WORKER")))
+        self.modules = 0
+        self.sizes = set()
+        atexit.register(self.close)
+
+    def key(self, *parts):
+        return "/".join(str(p) for p in parts)
+
+    def init(self, key, value):
+        """``kv.init`` of a new key (every worker, same order): allocates it on the servers."""
+        self.kv.init(key, value)
+
+    def sum(self, key, value, out):
+        """Push ``value`` (one array, or one per context) under ``key``; ``out`` gets the job's sum."""
+        self.kv.pushpull(key, value, out=out)
+
+    def all_sum(self, vector):
+        """The sum over the workers of a float32 numpy ``vector`` (every worker calls it, in the same order)."""
+        import mxnet as mx
+
+        key = self.key("sum", len(vector))
+        array = mx.nd.array(vector, dtype="float32")
+        if len(vector) not in self.sizes:
+            self.sizes.add(len(vector))
+            self.init(key, array)
+        self.sum(key, array, array)
+        return array.asnumpy()
+
+    def close(self):
+        if getattr(self, "kv", None) is not None:
+            kv, self.kv = self.kv, None
+            del kv  # the KVStore's destructor: a barrier of every worker, then the servers stop
+
+
+def wait_for_scheduler(host, port, timeout):
+    """Return once MXNet's scheduler accepts connections at ``host:port``; raise a clear error after ``timeout`` s.
+
+    ps-lite itself would retry the connection forever, with nothing said.
+    """
+    deadline = time.time() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return
+        except OSError as exc:
+            if time.time() > deadline:
+                raise NetworkError(
+                    "MXNet's scheduler at {}:{} (DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT) can't be reached after {:.0f} s "
+                    "({}). Start the job with `distkeras launch --backend mxnet`, whose node rank 0 runs the "
+                    "scheduler, and check that this host reaches that address.".format(host, port, timeout, exc))
+            time.sleep(0.2)
 
 
 def _fresh_optimizer(optimizer):
@@ -208,20 +361,26 @@ def _pad(model, inputs):
     return padded, batch
 
 
+def _context_counts(model, inputs, batch):
+    """Each context's count of samples: its real rows with nonzero sample weight (padding rows count 0)."""
+    import numpy as np
+
+    slices = model._module._curr_module._exec_group.slices
+    index = len(model.inputs) + len(model.outputs)  # inputs are x..., y..., sample weights..., [phase]
+    weights = inputs[index] if len(inputs) > index and getattr(inputs[index], "ndim", 0) else np.ones(batch)
+    return [int(np.count_nonzero(weights[s])) if s.start < batch else 0 for s in slices]
+
+
 def _context_weights(model, inputs, batch):
     """Each context's share of the batch: its rows with nonzero sample weight over the batch's.
 
     Keras divides each context's weighted loss by its own count of nonzero sample weights, so these
     shares make the weighted sum of the contexts' losses and gradients the single-device ones.
     """
-    import numpy as np
-
-    slices = model._module._curr_module._exec_group.slices
-    index = len(model.inputs) + len(model.outputs)  # inputs are x..., y..., sample weights..., [phase]
-    weights = inputs[index] if len(inputs) > index and getattr(inputs[index], "ndim", 0) else np.ones(batch)
-    counts = [np.count_nonzero(weights[s]) if s.start < batch else 0 for s in slices]
+    counts = _context_counts(model, inputs, batch)
     total = float(sum(counts))
     if total == 0:  # every sample weight is 0: fall back to row counts
+        slices = model._module._curr_module._exec_group.slices
         counts = [max(0, min(s.stop, batch) - s.start) for s in slices]
         total = float(batch)
     return [count / total for count in counts]
@@ -233,6 +392,8 @@ def _batch(model, inputs, phase):
 
     backend.set_model(model)  # keras-mxnet reads variables back from the model last set here, as its steps do
     data, label, _, data_shapes, label_shapes = model._adjust_module(inputs, phase)
+    if getattr(model, "_distkeras_job", None) is not None:
+        _start_from_rank0(model)
     return mx.io.DataBatch(data=data, label=label, bucket_key=phase, provide_data=data_shapes, provide_label=label_shapes)
 
 
@@ -241,8 +402,89 @@ def _weighted_outputs(model, count, weights):
     return [sum(w * float(out.asnumpy().mean()) for w, out in zip(weights, per_context)) for per_context in outputs]
 
 
+def _keys(model):
+    """The adapter's keys of the model's MXNet module in the job's KVStore: ``{name: key}`` of the arrays
+    already synchronised, under a prefix of its own (a module of a model compiled again gets new keys)."""
+    module, job = model._module, model._distkeras_job
+    if getattr(module, "_distkeras_prefix", None) is None:
+        job.modules += 1
+        module._distkeras_prefix = job.key("module", job.modules)
+        module._distkeras_keys = {}
+    return module._distkeras_keys
+
+
+def _start_from_rank0(model):
+    """Give the arrays of the module's current bucket that no step has seen yet rank 0's values, on every
+    worker: rank 0 pushes them, the others zeros, and every context pulls the sum. Every worker binds the
+    same buckets in the same order (the same fit/evaluate/predict calls), so the keys agree."""
+    import mxnet as mx
+
+    module, job = model._module, model._distkeras_job
+    if not module.optimizer_initialized:  # a predict-only binding: nothing trains, nothing to agree on
+        return
+    keys = _keys(model)
+    group = module._curr_module._exec_group
+    new = sorted((kind, name, arrays) for kind, names, all_arrays in (("param", group.param_names, group.param_arrays),
+                                                                     ("aux", group.aux_names, group.aux_arrays))
+                 for name, arrays in zip(names, all_arrays) if (kind, name) not in keys)
+    if not new:
+        return
+    names = [job.key(module._distkeras_prefix, kind, name) for kind, name, _ in new]
+    values = [arrays[0].copy() if job.rank == 0 else mx.nd.zeros_like(arrays[0]) for _, _, arrays in new]
+    job.init(names, values)
+    job.sum(names, values, [arrays for _, _, arrays in new])
+    for (kind, name, _), key in zip(new, names):
+        keys[kind, name] = key
+    module._params_dirty = module._curr_module._params_dirty = True  # get_params() reads the contexts again
+    model._weights_dirty = True  # and keras-mxnet its weights from the module
+
+
+def _train_step_in_job(model, inputs):
+    """One step of a multi-worker job: the gradient of the global batch, summed through the KVStore."""
+    import mxnet as mx
+
+    inputs, batch = _pad(model, inputs)
+    model._module.forward_backward(_batch(model, inputs, "train"))
+    module, job = model._module, model._distkeras_job
+    counts = _context_counts(model, inputs, batch)
+    outputs = module.get_outputs(merge_multi_context=False)[: model._ntrain]
+    # What each output adds to the job's: its contexts' values weighed by their counts. A context with
+    # nothing to count has a loss of 0/0 in Keras: left out, its gradient zeroed (not multiplied: NaN * 0).
+    stats = [float(sum(counts))] + [sum(c * float(out.asnumpy().mean()) for c, out in zip(counts, per) if c)
+                                    for per in outputs]
+    group = module._curr_module._exec_group
+    keys = _keys(model)
+    names, grads = [], []
+    for name, per_context in zip(group.param_names, group.grad_arrays):
+        if per_context[0] is None:  # a weight that doesn't train
+            continue
+        for grad, count in zip(per_context, counts):
+            if count:
+                grad *= count
+            else:
+                grad[:] = 0
+        names.append(keys["param", name])
+        grads.append(per_context)
+    stats_key = job.key(module._distkeras_prefix, "stats")
+    totals = mx.nd.array(stats, dtype="float32")
+    if ("stats", len(stats)) not in keys:
+        job.init(stats_key, totals)
+        keys["stats", len(stats)] = stats_key
+    job.sum(names + [stats_key], grads + [totals], None)  # in place: the job's sums
+    totals = totals.asnumpy()
+    for per_context in grads:
+        for grad in per_context:
+            grad /= float(totals[0])
+    module.update()  # no KVStore in the module: each context's optimizer applies the summed gradient
+    model._update(model._train_updates)
+    model._weights_dirty = True
+    return [float(value) / float(totals[0]) for value in totals[1:]]
+
+
 def _train_step(model, inputs):
     model._check_trainable_weights_consistency()
+    if getattr(model, "_distkeras_job", None) is not None:
+        return _train_step_in_job(model, inputs)
     inputs, batch = _pad(model, inputs)
     model._module.forward_backward(_batch(model, inputs, "train"))
     weights = _context_weights(model, inputs, batch)
@@ -278,3 +520,78 @@ def _predict_step(model, inputs):
         model._module = model._predict_only_module
     _, batch = _forward(model, inputs, "pred")
     return [out.asnumpy()[:batch] for out in model._module.get_outputs()[: model._npred]]
+
+
+# ---- fit() in a multi-worker job: each worker its rows of every global batch
+
+
+def _parts(data):
+    """The arrays in ``data``: an array, or a list/tuple/dict of them (one per input or output)."""
+    if isinstance(data, dict):
+        return list(data.values())
+    return list(data) if isinstance(data, (list, tuple)) else [data]
+
+
+def _with_padding_weight(sample_weight, rows, outputs):
+    """The user's sample weights (None, an array, or one per output) for ``rows``, the last row (a padding
+    copy) weighted 0."""
+    import numpy as np
+
+    if sample_weight is None:
+        weights = np.ones(len(rows), "float32")
+        weights[-1] = 0
+        return weights if outputs == 1 else [weights] * outputs
+    chosen = sharding.select(sample_weight, rows)
+    padded = []
+    for array in _parts(chosen):
+        array = np.array(array, dtype="float32")
+        array[-1] = 0
+        padded.append(array)
+    return dict(zip(chosen, padded)) if isinstance(chosen, dict) else padded if isinstance(chosen, (list, tuple)) else padded[0]
+
+
+def _fit(model, fit, *args, **kwargs):
+    """Keras' ``fit``, each worker on its ``sharding.step_rows`` of the arrays at ``batch_size / workers``;
+    generators and ``steps_per_epoch`` pass through (each worker trains on what it is given)."""
+    import numpy as np
+
+    job = model._distkeras_job
+    bound = inspect.signature(fit).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    data = [given["x"], given["y"], given["sample_weight"]]
+    arrays = [a for part in data if part is not None for a in _parts(part)]
+    if given["steps_per_epoch"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
+        return fit(*bound.args, **bound.kwargs)
+    batch = given["batch_size"] or 32
+    n = sharding.num_samples([part for part in data if part is not None])
+    split = given["validation_split"]
+    if given["validation_data"] is None and 0.0 < split < 1.0:  # as Keras 2 splits: the last rows
+        cut = int(n * (1.0 - split))
+        given["validation_data"] = tuple(sharding.select(part, slice(cut, None)) for part in data if part is not None)
+        data, n = [None if part is None else sharding.select(part, slice(0, cut)) for part in data], cut
+    _check_same_everywhere(job, n, batch, given["epochs"])
+    rows, padded = sharding.step_rows(n, batch, job.rank, job.workers)
+    weights = data[2]
+    if padded:
+        weights = _with_padding_weight(weights, rows, len(model.outputs))
+    elif weights is not None:
+        weights = sharding.select(weights, rows)
+    given.update(x=sharding.select(data[0], rows), y=None if data[1] is None else sharding.select(data[1], rows),
+                 sample_weight=weights, batch_size=batch // job.workers, validation_split=0.0)
+    return fit(*bound.args, **bound.kwargs)
+
+
+def _check_same_everywhere(job, n, batch, epochs):
+    """Raise on every worker if their ``fit()`` calls differ in samples, batch size or epochs: they would take
+    different numbers of steps, and the job would wait forever in the first step one of them skips."""
+    import numpy as np
+
+    mine = np.zeros((job.workers, 4), "float32")
+    mine[job.rank] = (n // 4096, n % 4096, batch, epochs)  # float32 holds each part exactly
+    everyone = job.all_sum(mine.ravel()).reshape(job.workers, 4)
+    if (everyone != everyone[0]).any():
+        raise ShardError(
+            "Every worker must call fit() with the same full arrays, batch_size and epochs (distkeras shards the "
+            "data itself). Received (samples, batch_size, epochs) by rank: {}.".format(", ".join(
+                "{}: ({}, {}, {})".format(r, int(a) * 4096 + int(b), int(c), int(d)) for r, (a, b, c, d) in enumerate(everyone))))

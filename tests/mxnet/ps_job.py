@@ -1,0 +1,59 @@
+"""A worker of an MXNet parameter-server job, run by tests/mxnet/test_multiworker.py under
+``distkeras launch --backend mxnet``: trains the cases it is given, writes what each rank ended with.
+
+    distkeras launch --backend mxnet --nproc-per-node 2 -m tests.mxnet.ps_job OUT_DIR CONTEXTS CASE...
+
+Each case is ``SAMPLES:BATCH:EPOCHS[:w]`` (``w``: with sample weights). Ranks other than 0 start from other
+weights (seed = rank): distribute() must give every rank rank 0's.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+
+import distkeras  # distkeras: first, before keras
+
+import keras  # noqa: E402
+
+from tests.mxnet.cases import build, data, sample_weights  # noqa: E402
+
+
+def main(out_dir, contexts, cases):
+    rank = int(os.environ["RANK"])
+    kv_seen = None
+    for index, case in enumerate(cases):
+        if case == "die":  # rank 1 dies by SIGKILL in its third step; the others wait on it in the KVStore
+            model = distkeras.distribute(build(seed=rank), devices=contexts)
+            x, y = data(200)
+
+            class Die(keras.callbacks.Callback):
+                def on_batch_begin(self, batch, logs=None):
+                    if rank == 1 and batch == 2:
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+            model.fit(x, y, batch_size=4, epochs=50, shuffle=False, verbose=0, callbacks=[Die()])
+            return
+        samples, batch, epochs = (int(v) for v in case.split(":")[:3])
+        weighted = case.endswith(":w")
+        model = distkeras.distribute(build(seed=rank), devices=contexts)
+        x, y = data(samples)
+        history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=2 if index == 0 else 0,
+                            sample_weight=sample_weights(samples) if weighted else None)
+        np.savez(os.path.join(out_dir, "case{}-rank{}.npz".format(index, rank)), *model.get_weights())
+        with open(os.path.join(out_dir, "case{}-rank{}.json".format(index, rank)), "w") as f:
+            json.dump({k: [float(v) for v in vs] for k, vs in history.history.items()}, f)
+        if index == 0:
+            model.save(os.path.join(out_dir, "model.h5"))  # rank 0 alone writes it
+            np.save(os.path.join(out_dir, "predict-rank{}.npy".format(rank)), model.predict(x))
+        kv = distkeras.backends.get("mxnet").kvstore  # MXNet's own KVStore object
+        kv_seen = {"rank": rank, "kv_rank": kv.rank, "kv_workers": kv.num_workers, "kv_type": kv.type,
+                   "contexts": [str(c) for c in model._context], "describe": distkeras.describe(model)}
+    with open(os.path.join(out_dir, "kv-rank{}.json".format(rank)), "w") as f:
+        json.dump(kv_seen, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])

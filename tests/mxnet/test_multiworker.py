@@ -1,0 +1,134 @@
+"""MXNet across processes on its own parameter server: real workers under `distkeras launch --backend mxnet`
+on 127.0.0.1, a scheduler and a server beside them, training through a dist_sync KVStore.
+
+Each job runs several cases in the same processes (each case a new model, so new KVStore keys) to keep
+the suite fast: weights equal to one process at the same global batch and equal on every rank; N workers
+as MXNet's KVStore counts them; rank 0 alone prints and saves; uneven last batches, one smaller than the
+number of workers, and sample weights; a killed worker ends the job in bounded time.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.mxnet.harness import ROOT, keras  # noqa: F401 (skips without keras-mxnet)
+from tests.mxnet.cases import build, data, sample_weights
+
+STOP_TIMEOUT = 10
+#: Cases of the 2-worker job: SAMPLES:BATCH:EPOCHS[:w]. 24:8 even; 29:6 a last batch of 5 (3 + 2 rows);
+#: 25:6 a last batch of 1 row (worker 1 steps on a copy weighted 0); 30:10 with sample weights.
+CASES_2 = ["24:8:2", "29:6:2", "25:6:1", "30:10:2:w"]
+CASES_3 = ["31:9:2", "20:6:1:w"]  # last batches of 4 (2+1+1 rows) and 2 (worker 2 pads)
+
+
+def launch(out_dir, workers, contexts, cases, timeout=240, extra=()):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_") and not k.startswith("DMLC_")}
+    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND="mxnet",
+               PYTHONWARNINGS="ignore::DeprecationWarning", DISTKERAS_CPU_DEVICES=str(contexts))
+    command = [sys.executable, "-m", "distkeras", "launch", "--backend", "mxnet", "--nproc-per-node", str(workers),
+               "--stop-timeout", str(STOP_TIMEOUT)] + list(extra) + ["-m", "tests.mxnet.ps_job", str(out_dir),
+                                                                     str(contexts)] + list(cases)
+    started = time.time()
+    # Its own session: on a timeout the whole job (launcher, scheduler, server, workers) is killed.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
+                               env=env, cwd=ROOT, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    return process.returncode, stdout, stderr, time.time() - started
+
+
+def single_process(case):
+    samples, batch, epochs = (int(v) for v in case.split(":")[:3])
+    model = build(seed=0)
+    x, y = data(samples)
+    history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+                        sample_weight=sample_weights(samples) if case.endswith(":w") else None)
+    return model.get_weights(), history.history
+
+
+def load(out_dir, case, rank):
+    saved = np.load(os.path.join(str(out_dir), "case{}-rank{}.npz".format(case, rank)))
+    with open(os.path.join(str(out_dir), "case{}-rank{}.json".format(case, rank))) as f:
+        history = json.load(f)
+    return [saved["arr_{}".format(i)] for i in range(len(saved.files))], history
+
+
+def check_job(out_dir, workers, cases):
+    for index, case in enumerate(cases):
+        expected, expected_history = single_process(case)
+        first, history = load(out_dir, index, 0)
+        for rank in range(1, workers):
+            for a, b in zip(first, load(out_dir, index, rank)[0]):
+                np.testing.assert_array_equal(a, b)  # every rank the same weights, bit for bit
+        assert max(float(np.abs(e - a).max()) for e, a in zip(expected, build(seed=1).get_weights())) > 0.1
+        for e, a in zip(expected, first):
+            np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=case)
+        # Each step reports the global batch's loss and metric; Keras averages them over the epoch weighing each
+        # step by rank 0's rows in it, which differ from one process' only in an uneven last batch. (With
+        # sample weights the reported values are not checked: they differ, see the README.)
+        samples, batch = (int(v) for v in case.split(":")[:2])
+        for name in ("loss", "mean_absolute_error") if samples % batch == 0 and not case.endswith(":w") else ():
+            np.testing.assert_allclose(history[name], expected_history[name], rtol=1e-4, err_msg=case)
+    seen = []
+    for rank in range(workers):
+        with open(os.path.join(str(out_dir), "kv-rank{}.json".format(rank))) as f:
+            seen.append(json.load(f))
+    # N workers, as MXNet's KVStore counts them: ps-lite numbers them itself, in its own order.
+    assert sorted(s["kv_rank"] for s in seen) == list(range(workers))
+    assert {(s["kv_workers"], s["kv_type"]) for s in seen} == {(workers, "dist_sync")}
+    assert [s["describe"]["rank"] for s in seen] == list(range(workers))
+    return seen
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mxnet-2-workers")
+    return out, launch(out, 2, 2, CASES_2)
+
+
+def test_two_workers_of_two_contexts_train_as_one_process(two_workers):
+    out, (code, stdout, stderr, seconds) = two_workers
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    seen = check_job(out, 2, CASES_2)
+    assert seen[0]["contexts"] == ["cpu(0)", "cpu(1)"]
+    assert seen[0]["describe"]["replicas"] == 4 and seen[0]["describe"]["workers"] == 2
+    print("2 workers x 2 contexts, {} cases: {:.1f} s".format(len(CASES_2), seconds))
+
+
+def test_rank_zero_alone_prints_and_saves(two_workers, tmp_path):
+    out, (code, stdout, stderr, _) = two_workers
+    assert code == 0
+    assert "[rank 0] Epoch 1/2" in stdout and "[rank 1] Epoch" not in stdout
+    assert os.path.exists(os.path.join(str(out), "model.h5"))
+    # The saved model loads in plain keras-mxnet (this process) and predicts as the workers did.
+    model = keras.models.load_model(os.path.join(str(out), "model.h5"))
+    x, _ = data(24)
+    workers_prediction = np.load(os.path.join(str(out), "predict-rank0.npy"))
+    np.testing.assert_array_equal(workers_prediction, np.load(os.path.join(str(out), "predict-rank1.npy")))
+    np.testing.assert_allclose(model.predict(x), workers_prediction, rtol=1e-5, atol=1e-6)
+
+
+def test_three_workers_uneven_batches_and_sample_weights(tmp_path):
+    code, stdout, stderr, seconds = launch(tmp_path, 3, 1, CASES_3)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    check_job(tmp_path, 3, CASES_3)
+    print("3 workers, {} cases: {:.1f} s".format(len(CASES_3), seconds))
+
+
+def test_a_killed_worker_ends_the_job(tmp_path):
+    code, stdout, stderr, seconds = launch(tmp_path, 2, 1, ["die"], timeout=120)
+    assert code == 128 + signal.SIGKILL, stdout[-2000:] + stderr[-3000:]
+    assert "rank 1 died (killed by SIGKILL); stopping the other workers" in stderr
+    stopped = float(stderr.split("all workers stopped ")[1].split(" s after")[0])
+    assert stopped < STOP_TIMEOUT + 5
+    print("killed worker: job ended {:.1f} s after start, the rest stopped {:.1f} s after the death".format(seconds, stopped))
