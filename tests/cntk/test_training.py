@@ -25,8 +25,8 @@ TRAIN = """
 """
 
 
-def train(tmp_path, workers=None, n=37, batch=6, optimizer="rmsprop", l2=0.01, fit=""):
-    distribute = "model = distkeras.distribute(model)" if workers else "pass"
+def train(tmp_path, workers=None, n=37, batch=6, optimizer="rmsprop", l2=0.01, fit="", distribute=None):
+    distribute = distribute or ("model = distkeras.distribute(model)" if workers else "pass")
     job = run(tmp_path / str(workers), TRAIN.format(n=n, batch=batch, optimizer=optimizer, l2=l2, fit=fit, distribute=distribute),
               workers=workers)
     assert job.returncode == 0, job
@@ -228,3 +228,33 @@ def test_evaluate_and_predict_give_every_worker_the_same_results(tmp_path):
     job = run(tmp_path, body, workers=2)
     assert job.returncode == 0, job
     assert job.results[0] == job.results[1]
+
+
+def test_one_bit_sgd_trains_the_workers_alike_but_not_exactly(tmp_path):
+    """CNTK 2.7's PyPI wheel has 1-bit SGD: compression='1bit' quantizes the summed gradients (with error
+    feedback), so the ranks stay identical and learn, but end away from the exact 32-bit run."""
+    exact = train(tmp_path / "exact", 2, n=36, optimizer="sgd")
+    got = train(tmp_path / "1bit", 2, n=36, optimizer="sgd", distribute="model = distkeras.distribute(model, compression='1bit')")
+    assert got[0]["weights"] == got[1]["weights"] and got[0]["history"] == got[1]["history"]
+    assert got[0]["history"]["loss"][-1] < got[0]["history"]["loss"][0]
+    assert not close(got[0]["weights"], exact[0]["weights"], tol=1e-4), "1-bit SGD trained exactly: was it quantized?"
+
+
+def test_a_dead_rank_ends_the_job_in_bounded_time(tmp_path):
+    """Rank 1 is killed (SIGKILL) in the middle of training while rank 0 waits in CNTK's all-reduce: Open MPI's
+    mpiexec ends the job, with an error, well within the time limit."""
+    body = """
+        import os, signal, time, distkeras, keras
+        from tests.cntk import toy
+        x, y = toy.data(600)
+        model = distkeras.distribute(toy.model(seed=1))
+        class Die(keras.callbacks.Callback):
+            def on_batch_end(self, batch, logs=None):
+                if batch == 3 and toy.rank() == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        model.fit(x, y, batch_size=6, epochs=50, verbose=0, callbacks=[Die()])
+        toy.report(finished=True)
+    """
+    job = run(tmp_path, body, workers=2, timeout=120)
+    assert job.returncode != 0 and job.results == {}, job
+    assert "signal 9" in job.stderr or "Killed" in job.stderr, job
