@@ -3,9 +3,9 @@
 Suites: the pure core (no framework needed), then tests/backends once per live Keras backend with
 KERAS_BACKEND set, then tests/mxnet with the Python of the keras-mxnet environment (.venv-mxnet, made by
 scripts/mxnet-env.sh): keras-mxnet installs its own `keras`, so it can't share an environment with Keras 3.
-Then tests/cntk: the CNTK adapter against test doubles of CNTK 2.7 and Keras 2.3.1, which its worker
-processes import in place of the real ones (tests/cntk/doubles); its test on a real CNTK runs only where
-DISTKERAS_CNTK_PYTHON names a Python with CNTK 2.7 and Keras 2.3.1.
+Then tests/cntk: its worker processes run on the real CNTK runtime, the CPython 3.6 of .venv-cntk (made by
+scripts/cntk-env.sh, with CNTK 2.7 and Keras 2.3.1) under Open MPI's mpiexec; DISTKERAS_CNTK_PYTHON names
+another such Python. Where there is none, those tests skip and say why.
 Prints one closing line, "tests: N passed, N failed, N skipped", and exits non-zero if any suite failed
 or errored. Extra arguments go to every pytest run (e.g. -k, -x). DISTKERAS_SUITES=a,b runs only the named
 suites; DISTKERAS_TESTS=path,path (test files or folders) runs only those, each in the suites whose paths hold
@@ -21,6 +21,7 @@ import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MXNET_VENV = os.path.join(ROOT, ".venv-mxnet")
+CNTK_PYTHON = os.environ.get("DISTKERAS_CNTK_PYTHON") or os.path.join(ROOT, ".venv-cntk", "bin", "python")
 
 
 def backend_suite(name):
@@ -41,7 +42,7 @@ SUITES = [
         ["tests/mxnet"],
         os.path.join(MXNET_VENV, "bin", "python"),
     ),
-    ("cntk", {}, ["tests/cntk"], None),
+    ("cntk", {"DISTKERAS_CNTK_PYTHON": CNTK_PYTHON}, ["tests/cntk"], None),
 ]
 
 

@@ -1,14 +1,16 @@
-"""`distkeras launch --backend cntk` starts the workers as MPI ranks with mpiexec (the fake one here)."""
+"""`distkeras launch --backend cntk`, run with the CNTK runtime's Python, starts the workers as MPI ranks with
+Open MPI's mpiexec."""
 
 import os
 import shutil
-import sys
 
 import pytest
 
-from tests.cntk.harness import run
+from tests.cntk.harness import PYTHON, needs_runtime, run
 
-LAUNCH = [sys.executable, "-m", "distkeras", "launch", "--backend", "cntk"]
+pytestmark = needs_runtime
+
+LAUNCH = [PYTHON, "-m", "distkeras", "launch", "--backend", "cntk"]
 
 WORKER = """
     import os, sys

@@ -1,50 +1,24 @@
-"""The CNTK adapter on a real CNTK 2.7 + Keras 2.3.1 + Open MPI: what the doubles can only model.
-
-Runs only where ``DISTKERAS_CNTK_PYTHON`` names a Python (CPython 3.5/3.6) with cntk 2.7 and Keras 2.3.1,
-and ``mpiexec`` is on PATH:
-
-    DISTKERAS_CNTK_PYTHON=/opt/cntk/bin/python python -m pytest tests/cntk/test_real_runtime.py
-
-Two ranks started by ``distkeras launch --backend cntk --nproc-per-node 2`` train scenario 1's MLP
-(784-512-512-10, dropout off so that runs are deterministic) from different initial weights on their
-parts of generated data, with a last batch the ranks split unevenly; they must end with identical
-weights, equal to those of one process at the same global batch.
+"""Scenario 1 on the real runtime, at the size of the recipe: two ranks started by ``distkeras launch --backend
+cntk --nproc-per-node 2`` train its MLP (784-512-512-10, dropout off so that runs are deterministic) from
+different initial weights on their parts of generated data, with a last batch the ranks split unevenly; they
+must end with identical weights, equal to those of one process at the same global batch. And the example runs.
 """
 
 import os
-import shutil
-import subprocess
-import textwrap
 
 import numpy as np
 import pytest
 
-from tests.cntk.harness import ROOT, SRC
+from tests.cntk.harness import PYTHON, ROOT, needs_runtime, run
 
-PYTHON = os.environ.get("DISTKERAS_CNTK_PYTHON", "")
-REASON = "needs DISTKERAS_CNTK_PYTHON naming a Python with cntk and Keras 2.3.1, and mpiexec on PATH"
+pytestmark = needs_runtime
 
-
-def _has_cntk_and_keras_231():
-    if not PYTHON or not os.path.exists(PYTHON) or shutil.which("mpiexec") is None:
-        return False
-    check = "import cntk, keras, sys; sys.exit(keras.__version__ != '2.3.1')"
-    env = dict(os.environ, KERAS_BACKEND="cntk")
-    try:
-        return subprocess.run([PYTHON, "-c", check], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              timeout=300).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _has_cntk_and_keras_231(), reason=REASON)
-
-SCRIPT = textwrap.dedent("""
+SCRIPT = """
     import os, sys
     import numpy as np
     single = sys.argv[1] == "single"
     optimizer_name, out = sys.argv[2], sys.argv[3]
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     import distkeras
     import keras
     from keras.layers import Dense
@@ -61,32 +35,24 @@ SCRIPT = textwrap.dedent("""
     history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
     np.savez(os.path.join(out, "rank{}.npz".format(rank)), *model.get_weights())
     np.save(os.path.join(out, "loss{}.npy".format(rank)), np.array(history.history["loss"]))
-""")
+"""
 
-
-def run(args, tmp_path):
-    env = dict(os.environ, PYTHONPATH=SRC, KERAS_BACKEND="cntk", KERAS_HOME=str(tmp_path),
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    done = subprocess.run(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          universal_newlines=True, timeout=1200)
-    assert done.returncode == 0, done.stdout[-5000:]
-    return done.stdout
+LAUNCH = [PYTHON, "-m", "distkeras", "launch", "--backend", "cntk", "--nproc-per-node", "2"]
 
 
 def weights(path):
-    with np.load(path) as saved:
+    with np.load(str(path)) as saved:
         return [saved["arr_{}".format(i)] for i in range(len(saved.files))]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rmsprop"])
 def test_two_ranks_end_with_the_weights_of_one_process(tmp_path, optimizer):
-    script = tmp_path / "mlp.py"
-    script.write_text(SCRIPT)
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    run([PYTHON, str(script), "single", optimizer, str(tmp_path / "one")], tmp_path)
-    output = run([PYTHON, "-m", "distkeras", "launch", "--backend", "cntk", "--nproc-per-node", "2", str(script), "multi",
-                  optimizer, str(tmp_path / "two")], tmp_path)
+    alone = run(tmp_path / "one", SCRIPT, args=["single", optimizer, str(tmp_path / "one")])
+    assert alone.returncode == 0, alone
+    pair = run(tmp_path / "two", SCRIPT, command=LAUNCH, args=["multi", optimizer, str(tmp_path / "two")])
+    assert pair.returncode == 0, pair
     want = weights(tmp_path / "one" / "rank0.npz")
     ranks = [weights(tmp_path / "two" / "rank{}.npz".format(r)) for r in (0, 1)]
     for a, b in zip(*ranks):
@@ -95,11 +61,11 @@ def test_two_ranks_end_with_the_weights_of_one_process(tmp_path, optimizer):
         assert np.allclose(got, expected, rtol=1e-4, atol=1e-5), "rank 0 differs from one process by {}".format(
             np.abs(got - expected).max())
     assert np.array_equal(np.load(str(tmp_path / "two" / "loss0.npy")), np.load(str(tmp_path / "two" / "loss1.npy")))
-    assert "exited improperly" not in output and "exiting improperly" not in output
+    assert "exited improperly" not in pair.stderr and "exiting improperly" not in pair.stderr
 
 
 def test_the_scenario_1_example_runs_on_two_ranks(tmp_path):
     out = str(tmp_path / "mlp.h5")
-    output = run([PYTHON, "-m", "distkeras", "launch", "--backend", "cntk", "--nproc-per-node", "2",
-                  os.path.join(ROOT, "examples", "mnist_mlp_cntk.py"), "--quick", "--out", out], tmp_path)
-    assert output.count("Test accuracy:") == 1 and os.path.exists(out)
+    job = run(tmp_path, None, command=LAUNCH + [os.path.join(ROOT, "examples", "mnist_mlp_cntk.py"), "--quick", "--out", out])
+    assert job.returncode == 0, job
+    assert job.stdout.count("Test accuracy:") == 1 and os.path.exists(out)

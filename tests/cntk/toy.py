@@ -1,5 +1,5 @@
-"""Imported by the worker scripts of the CNTK suite (in processes where ``keras`` is the stand-in):
-the data, the toy model, and the report each rank writes for the test to read."""
+"""Imported by the worker scripts of the CNTK suite (Keras 2.3.1 on CNTK 2.7, under CPython 3.6): the data,
+the toy model, and the report each rank writes for the test to read."""
 
 import io
 import json
@@ -20,16 +20,36 @@ def data(n=37, seed=7):
     return x, y
 
 
+OPTIMIZERS = {
+    "rmsprop": lambda keras: keras.optimizers.RMSprop(learning_rate=0.01),
+    "sgd": lambda keras: keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+    "adam": lambda keras: keras.optimizers.Adam(learning_rate=0.01),
+}
+
+
 def model(seed, optimizer="rmsprop", l2=0.01, metrics=("mae",)):
     """A 3-8-2 MLP whose initial weights come from numpy's global generator seeded with ``seed``."""
     import keras
 
     np.random.seed(seed)
-    net = keras.models.Sequential([keras.layers.Dense(8, activation="relu", kernel_regularizer=l2), keras.layers.Dense(2)], input_dim=3)
-    chosen = {"rmsprop": lambda: keras.optimizers.RMSprop(learning_rate=0.01),
-              "sgd": lambda: keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)}[optimizer]()
-    net.compile(chosen, loss="mse", metrics=list(metrics))
+    regularizer = keras.regularizers.l2(l2) if l2 else None
+    net = keras.models.Sequential([keras.layers.Dense(8, activation="relu", kernel_regularizer=regularizer, input_dim=3),
+                                   keras.layers.Dense(2)])
+    net.compile(OPTIMIZERS[optimizer](keras), loss="mse", metrics=list(metrics))
     return net
+
+
+def optimizer_state(net):
+    from keras import backend as K
+
+    return K.batch_get_value(net.optimizer.weights)
+
+
+def workers_from_cntk():
+    """The number of workers as CNTK's MPI communicator counts them (not distkeras' view of the job)."""
+    from cntk.train.distributed import Communicator
+
+    return Communicator.num_workers()
 
 
 class Capture(io.StringIO):
