@@ -3,8 +3,9 @@
 
     distkeras launch --backend mxnet --nproc-per-node 2 -m tests.mxnet.ps_job OUT_DIR CONTEXTS CASE...
 
-Each case is ``SAMPLES:BATCH:EPOCHS[:w]`` (``w``: with sample weights). Ranks other than 0 start from other
-weights (seed = rank): distribute() must give every rank rank 0's.
+Each case is ``SAMPLES:BATCH:EPOCHS[:FLAGS]``: ``w`` with sample weights, ``s`` with ``shuffle=True``, ``b`` with
+``shuffle='batch'`` (:func:`fit_kwargs`). Ranks other than 0 start from other weights (seed = rank) and other
+NumPy random states: distribute() and fit() must give every rank rank 0's.
 """
 
 import json
@@ -18,7 +19,7 @@ import distkeras  # distkeras: first, before keras
 
 import keras  # noqa: E402
 
-from tests.mxnet.cases import build, data, sample_weights  # noqa: E402
+from tests.mxnet.cases import build, data, fit_kwargs  # noqa: E402
 
 
 def main(out_dir, contexts, cases):
@@ -36,12 +37,10 @@ def main(out_dir, contexts, cases):
 
             model.fit(x, y, batch_size=4, epochs=50, shuffle=False, verbose=0, callbacks=[Die()])
             return
-        samples, batch, epochs = (int(v) for v in case.split(":")[:3])
-        weighted = case.endswith(":w")
+        samples = int(case.split(":")[0])
         model = distkeras.distribute(build(seed=rank), devices=contexts)
         x, y = data(samples)
-        history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=2 if index == 0 else 0,
-                            sample_weight=sample_weights(samples) if weighted else None)
+        history = model.fit(x, y, verbose=2 if index == 0 else 0, **fit_kwargs(case, seed=rank))
         np.savez(os.path.join(out_dir, "case{}-rank{}.npz".format(index, rank)), *model.get_weights())
         with open(os.path.join(out_dir, "case{}-rank{}.json".format(index, rank)), "w") as f:
             json.dump({k: [float(v) for v in vs] for k, vs in history.history.items()}, f)
