@@ -37,6 +37,18 @@ def main(out_dir, contexts, cases):
 
             model.fit(x, y, batch_size=4, epochs=50, shuffle=False, verbose=0, callbacks=[Die()])
             return
+        if case.startswith("kill-"):  # rank 0 kills this job's scheduler or server by SIGKILL in its third step
+            role = case[len("kill-"):]
+            model = distkeras.distribute(build(seed=rank), devices=contexts)
+            x, y = data(200)
+
+            class Kill(keras.callbacks.Callback):
+                def on_batch_begin(self, batch, logs=None):
+                    if rank == 0 and batch == 2:
+                        os.kill(job_process(role), signal.SIGKILL)
+
+            model.fit(x, y, batch_size=4, epochs=50, shuffle=False, verbose=0, callbacks=[Kill()])
+            return
         samples = int(case.split(":")[0])
         model = distkeras.distribute(build(seed=rank), devices=contexts)
         x, y = data(samples)
@@ -52,6 +64,20 @@ def main(out_dir, contexts, cases):
                    "contexts": [str(c) for c in model._context], "describe": distkeras.describe(model)}
     with open(os.path.join(out_dir, "kv-rank{}.json".format(rank)), "w") as f:
         json.dump(kv_seen, f)
+
+
+def job_process(role):
+    """The pid of this job's MXNet ``role`` process (``scheduler`` or ``server``): the process of this user whose
+    environment has that DMLC_ROLE and this worker's DMLC_PS_ROOT_PORT (Linux: read from /proc)."""
+    wanted = {b"DMLC_ROLE=" + role.encode(), b"DMLC_PS_ROOT_PORT=" + os.environ["DMLC_PS_ROOT_PORT"].encode()}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open("/proc/{}/environ".format(pid), "rb") as f:
+                if wanted <= set(f.read().split(b"\0")):
+                    return int(pid)
+        except OSError:  # another user's process, or one that just ended
+            continue
+    raise RuntimeError("no {} process of this job found".format(role))
 
 
 if __name__ == "__main__":
