@@ -48,6 +48,7 @@ The per-step code talks to keras-mxnet's Model internals (``_adjust_module``, ``
 ``_update``...), as keras-mxnet's own train/test/predict functions do: it has no public hook between
 backward and update. Those functions are replaced per model through the ``_make_*_function`` methods
 Keras calls before every fit/evaluate/predict; they are instance attributes and nothing of them is saved.
+Each private name used is commented where it is used, and pinned by tests/mxnet/test_internals.py.
 """
 
 import atexit
@@ -142,7 +143,7 @@ class MXNetAdapter(Adapter):
         # and in predict() before any compile). Its public set_mxnet_context() is no use: it maps
         # 'cpu(1)' to cpu(0) and refuses a single context.
         model._context = [mx.gpu(d.index) if d.kind == "gpu" else mx.cpu(d.index) for d in devices]
-        model._kvstore = kvstore
+        model._kvstore = kvstore  # keras-mxnet's init_optimizer(kvstore=Model._kvstore); it has no public setter
         model._distkeras_compression = _compression_params(compression, kvstore)
         _compile_again(model)
         # Keras calls these before every fit/evaluate/predict; they install the steps below.
@@ -167,7 +168,9 @@ class MXNetAdapter(Adapter):
             raise OptionError("This worker's job already uses kvstore={!r}; one KVStore per process. Received: "
                               "kvstore={!r}".format(self._job.kv.type, kvstore))
         model._context = [mx.gpu(d.index) if d.kind == "gpu" else mx.cpu(d.index) for d in devices]
-        model._kvstore = None  # the module adds nothing: the train step pushes and pulls (module docstring)
+        # keras-mxnet passes Model._kvstore to the module's init_optimizer() when it binds (compile() leaves it
+        # alone): None binds no KVStore, so the module adds nothing and the train step pushes and pulls itself.
+        model._kvstore = None
         model._distkeras_compression = None
         model._distkeras_job = self._job
         _compile_again(model)
@@ -365,7 +368,9 @@ def _pad(model, inputs):
 
 
 def _sample_weight_positions(model):
-    """Where the sample weights are in the inputs of a step: Keras feeds x..., y..., sample weights..., [phase]."""
+    """Where the sample weights are in the inputs of a step: Keras feeds x..., y..., sample weights..., [phase].
+
+    Keras 2's ``_feed_*`` lists are what its fit loop builds those inputs from; nothing public counts them."""
     first = len(model._feed_inputs) + len(model._feed_targets)
     return range(first, first + len(model._feed_sample_weights))
 
@@ -374,6 +379,7 @@ def _context_counts(model, inputs, batch):
     """Each context's count of samples: its real rows with nonzero sample weight (padding rows count 0)."""
     import numpy as np
 
+    # The executor group's slices: which rows of the batch each context got (MXNet's _split_input_slice).
     slices = model._module._curr_module._exec_group.slices
     positions = _sample_weight_positions(model)
     index = positions[0] if len(positions) else len(inputs)
@@ -410,7 +416,7 @@ def _counted_by_samples(model, count):
     False where by its rows (``metrics``: they ignore sample weights). So a value of several contexts or workers
     is their values weighed by sample counts or by rows. The order is compile()'s: the loss, the outputs'
     losses (more than one output), then per output with a loss its metrics and then its weighted metrics."""
-    from keras.engine.training_utils import collect_metrics
+    from keras.engine.training_utils import collect_metrics  # compile()'s own grouping of metrics per output
 
     live = [i for i, fn in enumerate(model.loss_functions) if fn is not None]
     kinds = [True] + ([True] * len(live) if len(model.outputs) > 1 else [])
@@ -463,6 +469,8 @@ def _start_from_rank0(model):
     if not module.optimizer_initialized:  # a predict-only binding: nothing trains, nothing to agree on
         return
     keys = _keys(model)
+    # The executor group holds, per parameter (param_names) and auxiliary state (aux_names), one array per
+    # context: param_arrays/aux_arrays are what the contexts compute with; no public API writes them in place.
     group = module._curr_module._exec_group
     new = sorted((kind, name, arrays) for kind, names, all_arrays in (("param", group.param_names, group.param_arrays),
                                                                      ("aux", group.aux_names, group.aux_arrays))
@@ -475,8 +483,10 @@ def _start_from_rank0(model):
     job.sum(names, values, [arrays for _, _, arrays in new])
     for (kind, name, _), key in zip(new, names):
         keys[kind, name] = key
-    module._params_dirty = module._curr_module._params_dirty = True  # get_params() reads the contexts again
-    model._weights_dirty = True  # and keras-mxnet its weights from the module
+    # Module.get_params() returns a cached copy unless _params_dirty; a BucketingModule hands its own flag to
+    # its current module, so both are set. keras-mxnet's get_weights() reads the module only if _weights_dirty.
+    module._params_dirty = module._curr_module._params_dirty = True
+    model._weights_dirty = True
 
 
 def _my_rows(model, inputs):
@@ -521,6 +531,8 @@ def _train_step_in_job(model, inputs):
     stats = [float(sum(counts)), float(sum(rows))] + [
         sum(c * float(out.asnumpy().mean()) for c, out in zip(counts if kind else rows, per) if c)
         for kind, per in zip(kinds, outputs)]
+    # grad_arrays: per parameter, each context's gradient after backward; module.update() applies them as they
+    # are then, so weighing them in place here is the hook between backward and update keras-mxnet lacks.
     group = module._curr_module._exec_group
     keys = _keys(model)
     names, grads = [], []
@@ -545,8 +557,8 @@ def _train_step_in_job(model, inputs):
         for grad in per_context:
             grad /= float(totals[0])
     module.update()  # no KVStore in the module: each context's optimizer applies the summed gradient
-    model._update(model._train_updates)
-    model._weights_dirty = True
+    model._update(model._train_updates)  # keras-mxnet's own step does these two: state updates (BatchNorm)
+    model._weights_dirty = True  # and get_weights() reads the module again
     return [float(value) / float(totals[0 if kind else 1]) for kind, value in zip(kinds, totals[2:])]
 
 
@@ -557,7 +569,7 @@ def _train_step(model, inputs):
     inputs, batch = _pad(model, inputs)
     model._module.forward_backward(_batch(model, inputs, "train"))
     weights = _context_weights(model, inputs, batch)
-    for per_context in model._module._curr_module._exec_group.grad_arrays:
+    for per_context in model._module._curr_module._exec_group.grad_arrays:  # see _train_step_in_job
         for grad, weight in zip(per_context, weights):
             grad *= weight
     model._module.update()
