@@ -177,36 +177,6 @@ def batch_rows(n, batch, rank, workers):
     return rows + tail + [full] * padding, [1.0] * len(rows) + [workers * size / float(n - full)] * len(tail) + [0.0] * padding
 
 
-def step_rows(n, batch, rank, workers):
-    # type: (int, int, int, int) -> Tuple[List[int], bool]
-    """The rows of ``n`` that worker ``rank`` trains on in batches of ``batch // workers``, unweighted.
-
-    As :func:`batch_rows`, but a short last batch of R rows is not topped up: worker r takes its rows of it
-    (``r::workers``), and only a worker with none of them takes a copy of its first row, to be weighted 0,
-    so that every worker still takes the same number of steps. For adapters that weigh each worker's step
-    by its count of samples themselves (MXNet).
-
-    Returns:
-        ``(rows, padded)``: row indices in training order, and whether the last row is such a copy.
-
-    Raises:
-        ShardError: ``batch`` is not a multiple of ``workers``, or bad ints.
-
-    Example:
-        >>> step_rows(13, 6, 1, 2)   # last batch: row 12 alone, so worker 1 takes a copy of it
-        ([1, 3, 5, 7, 9, 11, 12], True)
-        >>> step_rows(13, 6, 0, 2)
-        ([0, 2, 4, 6, 8, 10, 12], False)
-    """
-    batch_rows(n, batch, rank, workers)  # the same checks
-    full = n - n % batch
-    rows = list(shard(range(full), rank, workers, mode="interleave"))
-    tail = list(shard(range(full, n), rank, workers, mode="interleave"))
-    if n > full and not tail:
-        return rows + [full], True
-    return rows + tail, False
-
-
 def global_batch_size(per_device, replicas):
     # type: (int, int) -> int
     """``per_device * replicas``, checked: the global batch to pass to ``fit()``."""

@@ -22,3 +22,13 @@ def data(samples):
 
 def sample_weights(samples):
     return np.where(np.arange(samples) % 4 == 1, 0.0, np.linspace(0.5, 2.0, samples)).astype("float32")
+
+
+def fit_kwargs(case, seed=0):
+    """fit()'s arguments for a case ``SAMPLES:BATCH:EPOCHS[:FLAGS]`` (``w`` sample weights, ``s`` shuffle=True,
+    ``b`` shuffle='batch'), after seeding NumPy's global generator, which Keras 2 shuffles with, by ``seed``."""
+    samples, batch, epochs = (int(v) for v in case.split(":")[:3])
+    flags = case.split(":")[3] if case.count(":") > 2 else ""
+    np.random.seed(100 + seed)
+    return dict(batch_size=batch, epochs=epochs, sample_weight=sample_weights(samples) if "w" in flags else None,
+                shuffle="batch" if "b" in flags else "s" in flags)

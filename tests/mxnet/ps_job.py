@@ -3,8 +3,9 @@
 
     distkeras launch --backend mxnet --nproc-per-node 2 -m tests.mxnet.ps_job OUT_DIR CONTEXTS CASE...
 
-Each case is ``SAMPLES:BATCH:EPOCHS[:w]`` (``w``: with sample weights). Ranks other than 0 start from other
-weights (seed = rank): distribute() must give every rank rank 0's.
+Each case is ``SAMPLES:BATCH:EPOCHS[:FLAGS]``: ``w`` with sample weights, ``s`` with ``shuffle=True``, ``b`` with
+``shuffle='batch'`` (:func:`fit_kwargs`). Ranks other than 0 start from other weights (seed = rank) and other
+NumPy random states: distribute() and fit() must give every rank rank 0's.
 """
 
 import json
@@ -18,7 +19,7 @@ import distkeras  # distkeras: first, before keras
 
 import keras  # noqa: E402
 
-from tests.mxnet.cases import build, data, sample_weights  # noqa: E402
+from tests.mxnet.cases import build, data, fit_kwargs  # noqa: E402
 
 
 def main(out_dir, contexts, cases):
@@ -36,12 +37,22 @@ def main(out_dir, contexts, cases):
 
             model.fit(x, y, batch_size=4, epochs=50, shuffle=False, verbose=0, callbacks=[Die()])
             return
-        samples, batch, epochs = (int(v) for v in case.split(":")[:3])
-        weighted = case.endswith(":w")
+        if case.startswith("kill-"):  # rank 0 kills this job's scheduler or server by SIGKILL in its third step
+            role = case[len("kill-"):]
+            model = distkeras.distribute(build(seed=rank), devices=contexts)
+            x, y = data(200)
+
+            class Kill(keras.callbacks.Callback):
+                def on_batch_begin(self, batch, logs=None):
+                    if rank == 0 and batch == 2:
+                        os.kill(job_process(role), signal.SIGKILL)
+
+            model.fit(x, y, batch_size=4, epochs=50, shuffle=False, verbose=0, callbacks=[Kill()])
+            return
+        samples = int(case.split(":")[0])
         model = distkeras.distribute(build(seed=rank), devices=contexts)
         x, y = data(samples)
-        history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=2 if index == 0 else 0,
-                            sample_weight=sample_weights(samples) if weighted else None)
+        history = model.fit(x, y, verbose=2 if index == 0 else 0, **fit_kwargs(case, seed=rank))
         np.savez(os.path.join(out_dir, "case{}-rank{}.npz".format(index, rank)), *model.get_weights())
         with open(os.path.join(out_dir, "case{}-rank{}.json".format(index, rank)), "w") as f:
             json.dump({k: [float(v) for v in vs] for k, vs in history.history.items()}, f)
@@ -53,6 +64,20 @@ def main(out_dir, contexts, cases):
                    "contexts": [str(c) for c in model._context], "describe": distkeras.describe(model)}
     with open(os.path.join(out_dir, "kv-rank{}.json".format(rank)), "w") as f:
         json.dump(kv_seen, f)
+
+
+def job_process(role):
+    """The pid of this job's MXNet ``role`` process (``scheduler`` or ``server``): the process of this user whose
+    environment has that DMLC_ROLE and this worker's DMLC_PS_ROOT_PORT (Linux: read from /proc)."""
+    wanted = {b"DMLC_ROLE=" + role.encode(), b"DMLC_PS_ROOT_PORT=" + os.environ["DMLC_PS_ROOT_PORT"].encode()}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open("/proc/{}/environ".format(pid), "rb") as f:
+                if wanted <= set(f.read().split(b"\0")):
+                    return int(pid)
+        except OSError:  # another user's process, or one that just ended
+            continue
+    raise RuntimeError("no {} process of this job found".format(role))
 
 
 if __name__ == "__main__":

@@ -138,11 +138,14 @@ def test_sample_weights_weigh_as_on_one_device():
     x, y = data(30)
     weights = np.where(np.arange(30) % 4 == 0, 0.0, np.linspace(0.5, 2.0, 30)).astype("float32")
     single = build()
-    single.fit(x, y, sample_weight=weights, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    expected_history = single.fit(x, y, sample_weight=weights, batch_size=10, epochs=2, shuffle=False, verbose=0).history
     expected = single.get_weights()
     dist = distkeras.distribute(build(), devices=3)
-    dist.fit(x, y, sample_weight=weights, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    history = dist.fit(x, y, sample_weight=weights, batch_size=10, epochs=2, shuffle=False, verbose=0).history
     assert_weights_close(expected, dist.get_weights())
+    # The loss weighs the contexts by samples of nonzero weight, the metric (which ignores sample weights) by rows.
+    for name in ("loss", "mean_absolute_error"):
+        np.testing.assert_allclose(history[name], expected_history[name], rtol=1e-5, err_msg=name)
 
 
 def test_generators_and_validation_data():

@@ -3,8 +3,10 @@ on 127.0.0.1, a scheduler and a server beside them, training through a dist_sync
 
 Each job runs several cases in the same processes (each case a new model, so new KVStore keys) to keep
 the suite fast: weights equal to one process at the same global batch and equal on every rank; N workers
-as MXNet's KVStore counts them; rank 0 alone prints and saves; uneven last batches, one smaller than the
-number of workers, and sample weights; a killed worker ends the job in bounded time.
+as MXNet's KVStore counts them; History equal to one process's; rank 0 alone prints and saves; uneven last
+batches, one smaller than the number of workers, sample weights, shuffle=True and 'batch'. Two launchers on
+127.0.0.1 as two nodes of one worker each. A killed worker, server or scheduler ends the job in bounded time,
+naming it.
 """
 
 import json
@@ -18,41 +20,70 @@ import numpy as np
 import pytest
 
 from tests.mxnet.harness import ROOT, keras  # noqa: F401 (skips without keras-mxnet)
-from tests.mxnet.cases import build, data, sample_weights
+from distkeras.launch import free_port
+from tests.mxnet.cases import build, data, fit_kwargs
 
 STOP_TIMEOUT = 10
-#: Cases of the 2-worker job: SAMPLES:BATCH:EPOCHS[:w]. 24:8 even; 29:6 a last batch of 5 (3 + 2 rows);
-#: 25:6 a last batch of 1 row (worker 1 steps on a copy weighted 0); 30:10 with sample weights.
-CASES_2 = ["24:8:2", "29:6:2", "25:6:1", "30:10:2:w"]
-CASES_3 = ["31:9:2", "20:6:1:w"]  # last batches of 4 (2+1+1 rows) and 2 (worker 2 pads)
+#: Cases of the 2-worker job: SAMPLES:BATCH:EPOCHS[:FLAGS] (tests/mxnet/cases.py: w sample weights, s shuffle=True,
+#: b shuffle='batch'). 24:8 even; 29:6 a last batch of 5 (3 + 2 rows); 25:6 a last batch of 1 row (worker 1
+#: steps on a copy weighted 0); 30:10 with sample weights, some 0; 29:6 shuffled; 27:7 a batch no worker count
+#: divides, shuffled, weighted.
+CASES_2 = ["24:8:2", "29:6:2", "25:6:1", "30:10:2:w", "29:6:3:s", "27:7:2:ws"]
+#: Last batches of 4 (2+1+1 rows) and 2 (worker 2 pads); shuffle='batch'.
+CASES_3 = ["31:9:2", "20:6:1:w", "26:6:2:bw"]
+#: Cases of the 2-node job (1 worker, 1 context each): shuffled with an uneven last batch, weighted.
+CASES_NODES = ["29:6:2:s", "30:10:1:w"]
 
 
-def launch(out_dir, workers, contexts, cases, timeout=240, extra=()):
+def environment(contexts):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_") and not k.startswith("DMLC_")}
     env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND="mxnet",
                PYTHONWARNINGS="ignore::DeprecationWarning", DISTKERAS_CPU_DEVICES=str(contexts))
+    return env
+
+
+def launcher(out_dir, workers, contexts, cases, extra=()):
+    """A `distkeras launch --backend mxnet` of tests/mxnet/ps_job.py, started in its own session."""
     command = [sys.executable, "-m", "distkeras", "launch", "--backend", "mxnet", "--nproc-per-node", str(workers),
                "--stop-timeout", str(STOP_TIMEOUT)] + list(extra) + ["-m", "tests.mxnet.ps_job", str(out_dir),
                                                                      str(contexts)] + list(cases)
-    started = time.time()
     # Its own session: on a timeout the whole job (launcher, scheduler, server, workers) is killed.
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
-                               env=env, cwd=ROOT, start_new_session=True)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
+                            env=environment(contexts), cwd=ROOT, start_new_session=True)
+
+
+def finish(processes, timeout):
+    """Each launcher's (exit code, stdout, stderr); after ``timeout`` s every one still running is killed with
+    its session, and so is every one left when this fails."""
+    deadline = time.time() + timeout
+    results = []
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        for process in processes:
+            try:
+                stdout, stderr = process.communicate(timeout=max(1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                stdout, stderr = process.communicate()
+                stderr += "\n(killed by the test after {} s)".format(timeout)
+            results.append((process.returncode, stdout, stderr))
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-    return process.returncode, stdout, stderr, time.time() - started
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+    return results
+
+
+def launch(out_dir, workers, contexts, cases, timeout=240, extra=()):
+    started = time.time()
+    (code, stdout, stderr), = finish([launcher(out_dir, workers, contexts, cases, extra)], timeout)
+    return code, stdout, stderr, time.time() - started
 
 
 def single_process(case):
-    samples, batch, epochs = (int(v) for v in case.split(":")[:3])
     model = build(seed=0)
-    x, y = data(samples)
-    history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
-                        sample_weight=sample_weights(samples) if case.endswith(":w") else None)
+    x, y = data(int(case.split(":")[0]))
+    history = model.fit(x, y, verbose=0, **fit_kwargs(case, seed=0))
     return model.get_weights(), history.history
 
 
@@ -73,12 +104,11 @@ def check_job(out_dir, workers, cases):
         assert max(float(np.abs(e - a).max()) for e, a in zip(expected, build(seed=1).get_weights())) > 0.1
         for e, a in zip(expected, first):
             np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=case)
-        # Each step reports the global batch's loss and metric; Keras averages them over the epoch weighing each
-        # step by rank 0's rows in it, which differ from one process' only in an uneven last batch. (With
-        # sample weights the reported values are not checked: they differ, see the README.)
-        samples, batch = (int(v) for v in case.split(":")[:2])
-        for name in ("loss", "mean_absolute_error") if samples % batch == 0 and not case.endswith(":w") else ():
-            np.testing.assert_allclose(history[name], expected_history[name], rtol=1e-4, err_msg=case)
+        # The epoch's loss and metric, as Keras averages each step's global values: one process's, also for
+        # uneven last batches and sample weights (the loss weighs samples by weight, the metric does not).
+        assert sorted(history) == sorted(expected_history) == ["loss", "mean_absolute_error"]
+        for name in sorted(history):
+            np.testing.assert_allclose(history[name], expected_history[name], rtol=1e-5, atol=1e-6, err_msg=case + name)
     seen = []
     for rank in range(workers):
         with open(os.path.join(str(out_dir), "kv-rank{}.json".format(rank))) as f:
@@ -132,3 +162,26 @@ def test_a_killed_worker_ends_the_job(tmp_path):
     stopped = float(stderr.split("all workers stopped ")[1].split(" s after")[0])
     assert stopped < STOP_TIMEOUT + 5
     print("killed worker: job ended {:.1f} s after start, the rest stopped {:.1f} s after the death".format(seconds, stopped))
+
+
+def test_two_nodes_of_one_worker_on_loopback(tmp_path):
+    # Two launchers, as on two hosts (both on 127.0.0.1): node 0 runs the scheduler, each node a server.
+    port = free_port()
+    started = time.time()
+    nodes = [launcher(tmp_path, 1, 1, CASES_NODES, extra=["--nnodes", "2", "--node-rank", str(node), "--coordinator",
+                                                          "127.0.0.1:{}".format(port)]) for node in (0, 1)]
+    results = finish(nodes, timeout=240)
+    for code, stdout, stderr in results:
+        assert code == 0, stdout[-3000:] + stderr[-3000:]
+    check_job(tmp_path, 2, CASES_NODES)
+    print("2 nodes x 1 worker, {} cases: {:.1f} s".format(len(CASES_NODES), time.time() - started))
+
+
+@pytest.mark.parametrize("role,label", [("server", "server 0"), ("scheduler", "scheduler")])
+def test_a_killed_parameter_server_process_ends_the_job_naming_it(tmp_path, role, label):
+    code, stdout, stderr, seconds = launch(tmp_path, 2, 1, ["kill-" + role], timeout=120)
+    assert code == 128 + signal.SIGKILL, stdout[-2000:] + stderr[-3000:]
+    assert "{} died (killed by SIGKILL); stopping the other workers".format(label) in stderr, stderr[-3000:]
+    stopped = float(stderr.split("all workers stopped ")[1].split(" s after")[0])
+    assert stopped < STOP_TIMEOUT + 5
+    print("killed {}: job ended {:.1f} s after start, the workers stopped {:.1f} s after".format(role, seconds, stopped))

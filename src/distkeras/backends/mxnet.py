@@ -31,10 +31,13 @@ refuses a second ``init`` of a key), and
 
 - each context's gradient is weighed by its count of samples (nonzero sample weights), the sums divided by
   the job's count of the step, pulled in the same round: the gradient of the global batch, exactly, also
-  for uneven last batches and sample weights. The loss and metrics reported are the global batch's too.
-- ``fit()`` on arrays gives worker r the rows ``[r::W]`` of every global batch of ``batch_size`` rows
-  (:func:`distkeras.sharding.step_rows`); a worker with no row of a short last batch takes one with sample
-  weight 0, so every worker takes the same steps.
+  for uneven last batches and sample weights. The loss and metrics reported are the global batch's too
+  (the loss and weighted metrics weighed by samples, the metrics, which ignore sample weights, by rows).
+- ``fit()`` on arrays runs Keras' own loop over the global arrays at the global ``batch_size`` on every
+  worker, with rank 0's NumPy random state at every epoch's start, so every worker shuffles alike; the
+  train step keeps the worker's rows ``[r::W]`` of each global batch Keras gathers (a worker with no row of
+  a short last batch takes one with sample weight 0, so every worker takes the same steps). Keras' epoch
+  averages, weighing each step by the rows it gathered, are one process's.
 - every module starts from rank 0's weights (parameters and auxiliary states): rank 0 pushes them, the
   others zeros, and all pull the sum. The KVStore's own ``init`` would take those of whichever worker
   ps-lite numbered 0, which need not be distkeras' rank 0.
@@ -45,6 +48,7 @@ The per-step code talks to keras-mxnet's Model internals (``_adjust_module``, ``
 ``_update``...), as keras-mxnet's own train/test/predict functions do: it has no public hook between
 backward and update. Those functions are replaced per model through the ``_make_*_function`` methods
 Keras calls before every fit/evaluate/predict; they are instance attributes and nothing of them is saved.
+Each private name used is commented where it is used, and pinned by tests/mxnet/test_internals.py.
 """
 
 import atexit
@@ -139,7 +143,7 @@ class MXNetAdapter(Adapter):
         # and in predict() before any compile). Its public set_mxnet_context() is no use: it maps
         # 'cpu(1)' to cpu(0) and refuses a single context.
         model._context = [mx.gpu(d.index) if d.kind == "gpu" else mx.cpu(d.index) for d in devices]
-        model._kvstore = kvstore
+        model._kvstore = kvstore  # keras-mxnet's init_optimizer(kvstore=Model._kvstore); it has no public setter
         model._distkeras_compression = _compression_params(compression, kvstore)
         _compile_again(model)
         # Keras calls these before every fit/evaluate/predict; they install the steps below.
@@ -164,7 +168,9 @@ class MXNetAdapter(Adapter):
             raise OptionError("This worker's job already uses kvstore={!r}; one KVStore per process. Received: "
                               "kvstore={!r}".format(self._job.kv.type, kvstore))
         model._context = [mx.gpu(d.index) if d.kind == "gpu" else mx.cpu(d.index) for d in devices]
-        model._kvstore = None  # the module adds nothing: the train step pushes and pulls (module docstring)
+        # keras-mxnet passes Model._kvstore to the module's init_optimizer() when it binds (compile() leaves it
+        # alone): None binds no KVStore, so the module adds nothing and the train step pushes and pulls itself.
+        model._kvstore = None
         model._distkeras_compression = None
         model._distkeras_job = self._job
         _compile_again(model)
@@ -361,14 +367,33 @@ def _pad(model, inputs):
     return padded, batch
 
 
+def _sample_weight_positions(model):
+    """Where the sample weights are in the inputs of a step: Keras feeds x..., y..., sample weights..., [phase].
+
+    Keras 2's ``_feed_*`` lists are what its fit loop builds those inputs from; nothing public counts them."""
+    first = len(model._feed_inputs) + len(model._feed_targets)
+    return range(first, first + len(model._feed_sample_weights))
+
+
 def _context_counts(model, inputs, batch):
     """Each context's count of samples: its real rows with nonzero sample weight (padding rows count 0)."""
     import numpy as np
 
+    # The executor group's slices: which rows of the batch each context got (MXNet's _split_input_slice).
     slices = model._module._curr_module._exec_group.slices
-    index = len(model.inputs) + len(model.outputs)  # inputs are x..., y..., sample weights..., [phase]
+    positions = _sample_weight_positions(model)
+    index = positions[0] if len(positions) else len(inputs)
     weights = inputs[index] if len(inputs) > index and getattr(inputs[index], "ndim", 0) else np.ones(batch)
     return [int(np.count_nonzero(weights[s])) if s.start < batch else 0 for s in slices]
+
+
+def _context_rows(model, batch, real=None):
+    """Each context's count of real rows: padding rows count 0, and every row where ``real`` is 0 (a worker's
+    step on a copy of a row, weighted 0, because the global batch had no row for it)."""
+    slices = model._module._curr_module._exec_group.slices
+    if real == 0:
+        return [0] * len(slices)
+    return [max(0, min(s.stop, batch) - s.start) for s in slices]
 
 
 def _context_weights(model, inputs, batch):
@@ -380,10 +405,26 @@ def _context_weights(model, inputs, batch):
     counts = _context_counts(model, inputs, batch)
     total = float(sum(counts))
     if total == 0:  # every sample weight is 0: fall back to row counts
-        slices = model._module._curr_module._exec_group.slices
-        counts = [max(0, min(s.stop, batch) - s.start) for s in slices]
+        counts = _context_rows(model, batch)
         total = float(batch)
     return [count / total for count in counts]
+
+
+def _counted_by_samples(model, count):
+    """For each of the ``count`` values a step reports (``[loss] + metrics_tensors``): True where Keras 2 divides
+    it by the batch's count of nonzero sample weights (the loss, each output's loss, ``weighted_metrics``),
+    False where by its rows (``metrics``: they ignore sample weights). So a value of several contexts or workers
+    is their values weighed by sample counts or by rows. The order is compile()'s: the loss, the outputs'
+    losses (more than one output), then per output with a loss its metrics and then its weighted metrics."""
+    from keras.engine.training_utils import collect_metrics  # compile()'s own grouping of metrics per output
+
+    live = [i for i, fn in enumerate(model.loss_functions) if fn is not None]
+    kinds = [True] + ([True] * len(live) if len(model.outputs) > 1 else [])
+    plain = collect_metrics(model.metrics, model.output_names)
+    weighted = collect_metrics(model.weighted_metrics, model.output_names)
+    for i in live:
+        kinds += [False] * len(plain[i]) + [True] * len(weighted[i])
+    return (kinds + [True] * count)[:count]
 
 
 def _batch(model, inputs, phase):
@@ -397,9 +438,14 @@ def _batch(model, inputs, phase):
     return mx.io.DataBatch(data=data, label=label, bucket_key=phase, provide_data=data_shapes, provide_label=label_shapes)
 
 
-def _weighted_outputs(model, count, weights):
+def _weighted_outputs(model, count, inputs, batch):
+    """The step's ``count`` values of the whole batch: the contexts' values weighed by their shares of the
+    batch's samples or rows (:func:`_counted_by_samples`)."""
+    by_samples = _context_weights(model, inputs, batch)
+    by_rows = [rows / float(batch) for rows in _context_rows(model, batch)]
     outputs = model._module.get_outputs(merge_multi_context=False)[:count]
-    return [sum(w * float(out.asnumpy().mean()) for w, out in zip(weights, per_context)) for per_context in outputs]
+    return [sum(w * float(out.asnumpy().mean()) for w, out in zip(by_samples if kind else by_rows, per_context))
+            for kind, per_context in zip(_counted_by_samples(model, count), outputs)]
 
 
 def _keys(model):
@@ -423,6 +469,8 @@ def _start_from_rank0(model):
     if not module.optimizer_initialized:  # a predict-only binding: nothing trains, nothing to agree on
         return
     keys = _keys(model)
+    # The executor group holds, per parameter (param_names) and auxiliary state (aux_names), one array per
+    # context: param_arrays/aux_arrays are what the contexts compute with; no public API writes them in place.
     group = module._curr_module._exec_group
     new = sorted((kind, name, arrays) for kind, names, all_arrays in (("param", group.param_names, group.param_arrays),
                                                                      ("aux", group.aux_names, group.aux_arrays))
@@ -435,23 +483,56 @@ def _start_from_rank0(model):
     job.sum(names, values, [arrays for _, _, arrays in new])
     for (kind, name, _), key in zip(new, names):
         keys[kind, name] = key
-    module._params_dirty = module._curr_module._params_dirty = True  # get_params() reads the contexts again
-    model._weights_dirty = True  # and keras-mxnet its weights from the module
+    # Module.get_params() returns a cached copy unless _params_dirty; a BucketingModule hands its own flag to
+    # its current module, so both are set. keras-mxnet's get_weights() reads the module only if _weights_dirty.
+    module._params_dirty = module._curr_module._params_dirty = True
+    model._weights_dirty = True
+
+
+def _my_rows(model, inputs):
+    """This worker's rows ``[rank::workers]`` of the global batch Keras' fit loop gathered, and their count.
+
+    A worker with no row in a short last batch takes a copy of its first row, with sample weight 0 and
+    counted as no row, so that every worker takes every step (the KVStore's rounds are collective)."""
+    import numpy as np
+
+    rank, workers = model._distkeras_shard
+    size = len(inputs[0])
+    real = len(range(rank, size, workers))
+    weights = _sample_weight_positions(model)
+    mine = []
+    for index, value in enumerate(inputs):  # arrays of the batch; the learning-phase flag is a scalar
+        if getattr(value, "ndim", 0) and len(value) == size:
+            value = value[rank::workers] if real else (np.zeros_like(value[:1]) if index in weights else value[:1])
+        mine.append(value)
+    return mine, real
 
 
 def _train_step_in_job(model, inputs):
-    """One step of a multi-worker job: the gradient of the global batch, summed through the KVStore."""
+    """One step of a multi-worker job: the gradient of the global batch, summed through the KVStore.
+
+    In ``fit()`` on arrays (:func:`_fit`) Keras' loop gathers the global batch, in the order of its own
+    shuffle, and this worker trains on its rows of it (:func:`_my_rows`); otherwise on all it is given."""
     import mxnet as mx
 
+    real = None
+    if getattr(model, "_distkeras_shard", None) is not None:
+        inputs, real = _my_rows(model, inputs)
     inputs, batch = _pad(model, inputs)
     model._module.forward_backward(_batch(model, inputs, "train"))
     module, job = model._module, model._distkeras_job
     counts = _context_counts(model, inputs, batch)
+    rows = _context_rows(model, batch, real)
     outputs = module.get_outputs(merge_multi_context=False)[: model._ntrain]
-    # What each output adds to the job's: its contexts' values weighed by their counts. A context with
-    # nothing to count has a loss of 0/0 in Keras: left out, its gradient zeroed (not multiplied: NaN * 0).
-    stats = [float(sum(counts))] + [sum(c * float(out.asnumpy().mean()) for c, out in zip(counts, per) if c)
-                                    for per in outputs]
+    kinds = _counted_by_samples(model, len(outputs))
+    # What each value adds to the job's: its contexts' values weighed by their counts of samples or of rows
+    # (_counted_by_samples). A context with nothing to count has a loss of 0/0 in Keras: left out, its
+    # gradient zeroed (not multiplied: NaN * 0).
+    stats = [float(sum(counts)), float(sum(rows))] + [
+        sum(c * float(out.asnumpy().mean()) for c, out in zip(counts if kind else rows, per) if c)
+        for kind, per in zip(kinds, outputs)]
+    # grad_arrays: per parameter, each context's gradient after backward; module.update() applies them as they
+    # are then, so weighing them in place here is the hook between backward and update keras-mxnet lacks.
     group = module._curr_module._exec_group
     keys = _keys(model)
     names, grads = [], []
@@ -476,9 +557,9 @@ def _train_step_in_job(model, inputs):
         for grad in per_context:
             grad /= float(totals[0])
     module.update()  # no KVStore in the module: each context's optimizer applies the summed gradient
-    model._update(model._train_updates)
-    model._weights_dirty = True
-    return [float(value) / float(totals[0]) for value in totals[1:]]
+    model._update(model._train_updates)  # keras-mxnet's own step does these two: state updates (BatchNorm)
+    model._weights_dirty = True  # and get_weights() reads the module again
+    return [float(value) / float(totals[0 if kind else 1]) for kind, value in zip(kinds, totals[2:])]
 
 
 def _train_step(model, inputs):
@@ -488,13 +569,13 @@ def _train_step(model, inputs):
     inputs, batch = _pad(model, inputs)
     model._module.forward_backward(_batch(model, inputs, "train"))
     weights = _context_weights(model, inputs, batch)
-    for per_context in model._module._curr_module._exec_group.grad_arrays:
+    for per_context in model._module._curr_module._exec_group.grad_arrays:  # see _train_step_in_job
         for grad, weight in zip(per_context, weights):
             grad *= weight
     model._module.update()
     model._update(model._train_updates)
     model._weights_dirty = True
-    return _weighted_outputs(model, model._ntrain, weights)
+    return _weighted_outputs(model, model._ntrain, inputs, batch)
 
 
 def _forward(model, inputs, phase):
@@ -509,7 +590,7 @@ def _forward(model, inputs, phase):
 
 def _test_step(model, inputs):
     inputs, batch = _forward(model, inputs, "test")
-    return _weighted_outputs(model, model._ntrain, _context_weights(model, inputs, batch))
+    return _weighted_outputs(model, model._ntrain, inputs, batch)
 
 
 def _predict_step(model, inputs):
@@ -532,27 +613,13 @@ def _parts(data):
     return list(data) if isinstance(data, (list, tuple)) else [data]
 
 
-def _with_padding_weight(sample_weight, rows, outputs):
-    """The user's sample weights (None, an array, or one per output) for ``rows``, the last row (a padding
-    copy) weighted 0."""
-    import numpy as np
-
-    if sample_weight is None:
-        weights = np.ones(len(rows), "float32")
-        weights[-1] = 0
-        return weights if outputs == 1 else [weights] * outputs
-    chosen = sharding.select(sample_weight, rows)
-    padded = []
-    for array in _parts(chosen):
-        array = np.array(array, dtype="float32")
-        array[-1] = 0
-        padded.append(array)
-    return dict(zip(chosen, padded)) if isinstance(chosen, dict) else padded if isinstance(chosen, (list, tuple)) else padded[0]
-
-
 def _fit(model, fit, *args, **kwargs):
-    """Keras' ``fit``, each worker on its ``sharding.step_rows`` of the arrays at ``batch_size / workers``;
-    generators and ``steps_per_epoch`` pass through (each worker trains on what it is given)."""
+    """Keras' ``fit`` on arrays, as one process runs it at ``batch_size``: Keras' loop shuffles, splits off
+    ``validation_split``, weighs classes and gathers every global batch, the same on every worker (each
+    takes rank 0's NumPy random state before every epoch, :func:`_same_random_state`), and the train step
+    keeps the worker's rows ``[rank::workers]`` of it (:func:`_my_rows`). So every step is one process's,
+    and Keras' epoch averages, which weigh each step by the rows Keras gathered, are one process's too.
+    Generators and ``steps_per_epoch`` pass through (each worker trains on what it is given)."""
     import numpy as np
 
     job = model._distkeras_job
@@ -563,35 +630,56 @@ def _fit(model, fit, *args, **kwargs):
     arrays = [a for part in data if part is not None for a in _parts(part)]
     if given["steps_per_epoch"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
         return fit(*bound.args, **bound.kwargs)
-    batch = given["batch_size"] or 32
-    n = sharding.num_samples([part for part in data if part is not None])
-    split = given["validation_split"]
-    if given["validation_data"] is None and 0.0 < split < 1.0:  # as Keras 2 splits: the last rows
-        cut = int(n * (1.0 - split))
-        given["validation_data"] = tuple(sharding.select(part, slice(cut, None)) for part in data if part is not None)
-        data, n = [None if part is None else sharding.select(part, slice(0, cut)) for part in data], cut
-    _check_same_everywhere(job, n, batch, given["epochs"])
-    rows, padded = sharding.step_rows(n, batch, job.rank, job.workers)
-    weights = data[2]
-    if padded:
-        weights = _with_padding_weight(weights, rows, len(model.outputs))
-    elif weights is not None:
-        weights = sharding.select(weights, rows)
-    given.update(x=sharding.select(data[0], rows), y=None if data[1] is None else sharding.select(data[1], rows),
-                 sample_weight=weights, batch_size=batch // job.workers, validation_split=0.0)
-    return fit(*bound.args, **bound.kwargs)
+    shuffle = given["shuffle"]
+    _check_same_everywhere(job, sharding.num_samples([part for part in data if part is not None]),
+                           given["batch_size"] or 32, given["epochs"], 2 if shuffle == "batch" else int(bool(shuffle)))
+    given["callbacks"] = list(given["callbacks"] or []) + [_same_random_state(job)]  # last: after any user's draw
+    model._distkeras_shard = (job.rank, job.workers)
+    try:
+        return fit(*bound.args, **bound.kwargs)
+    finally:
+        model._distkeras_shard = None
 
 
-def _check_same_everywhere(job, n, batch, epochs):
-    """Raise on every worker if their ``fit()`` calls differ in samples, batch size or epochs: they would take
-    different numbers of steps, and the job would wait forever in the first step one of them skips."""
+def _same_random_state(job):
+    """A Keras callback that gives every worker rank 0's state of NumPy's global random generator at the start
+    of every epoch, before Keras' fit loop shuffles with it (``np.random.shuffle``; ``shuffle='batch'`` too)."""
+    import keras
+
+    class SameRandomState(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            sync_numpy_random_state(job)
+
+    return SameRandomState()
+
+
+def sync_numpy_random_state(job):
+    """Every worker takes rank 0's state of NumPy's global random generator (collective: every worker calls it).
+
+    The state (MT19937: 624 32-bit keys, a position, a cached Gaussian) travels as 16-bit pieces in float32,
+    which holds each exactly: rank 0 pushes them, the others zeros, and all take the sum."""
     import numpy as np
 
-    mine = np.zeros((job.workers, 4), "float32")
-    mine[job.rank] = (n // 4096, n % 4096, batch, epochs)  # float32 holds each part exactly
-    everyone = job.all_sum(mine.ravel()).reshape(job.workers, 4)
+    name, keys, position, has_gauss, gauss = np.random.get_state()
+    pieces = np.concatenate([np.asarray(keys, "<u4").view("<u2"), np.array([position, has_gauss], "<u2"),
+                             np.array([gauss], "<f8").view("<u2")])
+    vector = pieces.astype("float32") if job.rank == 0 else np.zeros(len(pieces), "float32")
+    pieces = job.all_sum(vector).astype("<u2")
+    np.random.set_state((name, pieces[:1248].view("<u4").astype(np.uint32), int(pieces[1248]), int(pieces[1249]),
+                         float(pieces[1250:].view("<f8")[0])))
+
+
+def _check_same_everywhere(job, n, batch, epochs, shuffle):
+    """Raise on every worker if their ``fit()`` calls differ in samples, batch size, epochs or shuffle: they would
+    take different numbers of steps, and the job would wait forever in the first step one of them skips."""
+    import numpy as np
+
+    mine = np.zeros((job.workers, 5), "float32")
+    mine[job.rank] = (n // 4096, n % 4096, batch, epochs, shuffle)  # float32 holds each part exactly
+    everyone = job.all_sum(mine.ravel()).reshape(job.workers, 5)
     if (everyone != everyone[0]).any():
         raise ShardError(
-            "Every worker must call fit() with the same full arrays, batch_size and epochs (distkeras shards the "
-            "data itself). Received (samples, batch_size, epochs) by rank: {}.".format(", ".join(
-                "{}: ({}, {}, {})".format(r, int(a) * 4096 + int(b), int(c), int(d)) for r, (a, b, c, d) in enumerate(everyone))))
+            "Every worker must call fit() with the same full arrays, batch_size, epochs and shuffle (distkeras shards "
+            "the data itself). Received (samples, batch_size, epochs, shuffle) by rank: {}.".format(", ".join(
+                "{}: ({}, {}, {}, {})".format(r, int(a) * 4096 + int(b), int(c), int(d), ["False", "True", "'batch'"][int(e)])
+                for r, (a, b, c, d, e) in enumerate(everyone))))
