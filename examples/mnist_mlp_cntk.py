@@ -10,8 +10,8 @@ from the single-device script. The data is generated (MNIST-shaped), so nothing 
 
     distkeras launch --backend cntk --nproc-per-node 2 examples/mnist_mlp_cntk.py --quick
 
-Needs CNTK 2.7 and Keras 2.3.1 (CPython 3.5/3.6) and mpiexec (Open MPI 1.10, which CNTK 2.7 links). Across
-machines, run mpiexec yourself: ``mpiexec -n 8 --hostfile hosts python examples/mnist_mlp_cntk.py``.
+Needs CNTK 2.7 and Keras 2.3.1 (CPython 3.5/3.6) and mpiexec (Open MPI: 1.10, which CNTK 2.7 links, or
+4.x with the two links scripts/cntk-env.sh makes). Across machines, run mpiexec yourself: ``mpiexec -n 8 --hostfile hosts python examples/mnist_mlp_cntk.py``.
 """
 
 import argparse

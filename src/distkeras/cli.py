@@ -31,7 +31,8 @@ def _launch(args):
 
         if shutil.which("mpiexec") is None:
             raise launch.LaunchError("The cntk backend runs its workers as MPI ranks, and mpiexec is not on PATH. "
-                                     "Install Open MPI (CNTK 2.7 links Open MPI 1.10) or run mpiexec yourself.")
+                                     "Install Open MPI (Debian/Ubuntu: openmpi-bin libopenmpi3; CNTK 2.7 then needs two links to its 1.10 "
+                                     "sonames, which scripts/cntk-env.sh makes) or run mpiexec yourself.")
         if args.nnodes > 1:
             raise launch.LaunchError("For CNTK across hosts, run mpiexec with your host file: "
                                      "mpiexec -n N --hostfile hosts python script.py")

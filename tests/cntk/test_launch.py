@@ -56,7 +56,8 @@ def test_without_mpiexec_launch_says_what_to_install(tmp_path):
     job = run(tmp_path, WORKER, command=LAUNCH + ["--nproc-per-node", "2"], PATH=path)
     assert job.returncode == 2, job
     assert ("distkeras: error: The cntk backend runs its workers as MPI ranks, and mpiexec is not on PATH. Install Open MPI "
-            "(CNTK 2.7 links Open MPI 1.10) or run mpiexec yourself.") in job.stderr
+            "(Debian/Ubuntu: openmpi-bin libopenmpi3; CNTK 2.7 then needs two links to its 1.10 sonames, which "
+            "scripts/cntk-env.sh makes) or run mpiexec yourself.") in job.stderr
 
 
 @pytest.mark.parametrize("args", [["--nnodes", "2", "--node-rank", "0", "--coordinator", "10.0.0.1:29500"]])

@@ -52,7 +52,7 @@ def test_the_registry_serves_cntk_and_the_adapter_module_imports_no_framework():
 def test_without_cntk_the_backend_is_unavailable_with_an_install_hint(monkeypatch):
     monkeypatch.setattr(backends, "is_installed", lambda module: False)
     monkeypatch.setattr(backends, "_adapters", {})
-    with pytest.raises(ImportError, match=r"'cntk', but cntk is not installed\. Install it with `pip install cntk==2\.7 keras==2\.3\.1"):
+    with pytest.raises(ImportError, match=r"'cntk', but cntk is not installed\. Install it with `pip install cntk==2\.7\.post2 keras==2\.3\.1"):
         backends.get("cntk")
     assert adapter_module.CNTKAdapter.framework == "cntk"
 

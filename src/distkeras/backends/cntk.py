@@ -40,7 +40,7 @@ _NO_QUANTIZATION = ("1BitSGD", "not supported for this build")
 class CNTKAdapter(Adapter):
     name = "cntk"
     framework = "cntk"
-    install_hint = "cntk==2.7 keras==2.3.1 (CPython 3.5/3.6, Open MPI 1.10)"
+    install_hint = "cntk==2.7.post2 keras==2.3.1 (CPython 3.5/3.6, Open MPI; scripts/cntk-env.sh builds such an environment)"
     options = {
         "num_quantization_bits": "bits per gradient value in the all-reduce, 1..32 (default 32; fewer: quantized SGD)",
         "distributed_after": "samples each worker trains alone before aggregation starts; only 0 (the default)",
