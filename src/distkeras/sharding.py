@@ -140,6 +140,31 @@ def select(data, index):
     return _apply(data, lambda a: a[index])
 
 
+def parts(data):
+    """The arrays in ``data``: an array, or a list/tuple/dict of them (one per input or output)."""
+    if isinstance(data, dict):
+        return list(data.values())
+    return list(data) if isinstance(data, (list, tuple)) else [data]
+
+
+def fit_on_arrays(fit, args, kwargs):
+    """Keras 2's ``fit(*args, **kwargs)`` bound (defaults applied) and its ``[x, y, sample_weight]``, the
+    latter None unless the data are NumPy arrays fed without ``steps_per_epoch`` (what the MXNet and CNTK
+    adapters split over workers; anything else each worker trains on as it is given)."""
+    import inspect
+
+    import numpy as np
+
+    bound = inspect.signature(fit).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    data = [given["x"], given["y"], given["sample_weight"]]
+    arrays = [a for part in data if part is not None for a in parts(part)]
+    if given["steps_per_epoch"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
+        return bound, None
+    return bound, data
+
+
 def batch_rows(n, batch, rank, workers):
     # type: (int, int, int, int) -> Tuple[List[int], Optional[List[float]]]
     """The rows of ``n`` that worker ``rank`` trains on in batches of ``batch // workers``, and their weights.

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from distkeras import ShardError, shard, shard_bounds
-from distkeras.sharding import batch_rows, global_batch_size, num_samples, select, shard_size
+from distkeras.sharding import batch_rows, fit_on_arrays, global_batch_size, num_samples, parts, select, shard_size
 
 
 def test_block_bounds_match_the_cntk_recipe_for_every_size_up_to_1000_by_16():
@@ -121,3 +121,16 @@ def test_num_samples_and_select_take_any_structure():
     assert select((np.arange(5),), slice(3, None))[0].tolist() == [3, 4]
     with pytest.raises(ShardError, match="same number of samples"):
         num_samples((np.arange(3), np.arange(4)))
+
+
+def test_fit_on_arrays_splits_only_numpy_arrays_without_steps_per_epoch():
+    def fit(x=None, y=None, batch_size=None, epochs=1, sample_weight=None, steps_per_epoch=None):
+        pass
+
+    x, y = {"a": np.zeros((4, 2)), "b": np.ones((4, 1))}, np.arange(4)
+    bound, data = fit_on_arrays(fit, (x, y), {"batch_size": 2})
+    assert data == [x, y, None] and bound.arguments["batch_size"] == 2 and bound.arguments["epochs"] == 1
+    assert parts(x) == list(x.values()) and parts((y,)) == [y] and parts(y) == [y]
+    assert fit_on_arrays(fit, (x, y), {"steps_per_epoch": 2})[1] is None
+    assert fit_on_arrays(fit, ([[1.0, 2.0]], y), {})[1] is None  # not NumPy: trained on as given
+    assert fit_on_arrays(fit, (), {})[1] is None  # no x (a generator goes to another method)

@@ -21,7 +21,6 @@ Python 3.6 compatible: CNTK 2.7 runs on CPython 3.5/3.6 only.
 
 import atexit
 import functools
-import inspect
 import logging
 
 from .. import sharding
@@ -276,13 +275,6 @@ class _Step(object):
         return outputs
 
 
-def _parts(data):
-    """The arrays in ``data``: an array, or a list/tuple/dict of them (one per input or output)."""
-    if isinstance(data, dict):
-        return list(data.values())
-    return list(data) if isinstance(data, (list, tuple)) else [data]
-
-
 def _weighted(sample_weight, weights, rows, outputs):
     """The user's sample weights (None, an array, or one per output) for ``rows``, times ``weights``."""
     if weights is None:
@@ -290,7 +282,7 @@ def _weighted(sample_weight, weights, rows, outputs):
     if sample_weight is None:
         return weights if outputs == 1 else [weights] * outputs
     chosen = sharding.select(sample_weight, rows)
-    scaled = [a * weights.reshape((-1,) + (1,) * (a.ndim - 1)) for a in _parts(chosen)]
+    scaled = [a * weights.reshape((-1,) + (1,) * (a.ndim - 1)) for a in sharding.parts(chosen)]
     return dict(zip(chosen, scaled)) if isinstance(chosen, dict) else scaled if isinstance(chosen, (list, tuple)) else scaled[0]
 
 
@@ -299,13 +291,10 @@ def _fit(model, fit, *args, **kwargs):
     import numpy as np
 
     state = model._distkeras_cntk
-    bound = inspect.signature(fit).bind(*args, **kwargs)
-    bound.apply_defaults()
-    given = bound.arguments
-    data = [given["x"], given["y"], given["sample_weight"]]
-    arrays = [a for part in data if part is not None for a in _parts(part)]
-    if given["steps_per_epoch"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
+    bound, data = sharding.fit_on_arrays(fit, args, kwargs)
+    if data is None:
         return fit(*bound.args, **bound.kwargs)  # each worker trains on what it is given, weighed 1/workers
+    given = bound.arguments
     batch = given["batch_size"] or 32
     n = sharding.num_samples([part for part in data if part is not None])
     split = given["validation_split"]

@@ -53,7 +53,6 @@ Each private name used is commented where it is used, and pinned by tests/mxnet/
 
 import atexit
 import functools
-import inspect
 import os
 import socket
 import time
@@ -606,13 +605,6 @@ def _predict_step(model, inputs):
 # ---- fit() in a multi-worker job: each worker its rows of every global batch
 
 
-def _parts(data):
-    """The arrays in ``data``: an array, or a list/tuple/dict of them (one per input or output)."""
-    if isinstance(data, dict):
-        return list(data.values())
-    return list(data) if isinstance(data, (list, tuple)) else [data]
-
-
 def _fit(model, fit, *args, **kwargs):
     """Keras' ``fit`` on arrays, as one process runs it at ``batch_size``: Keras' loop shuffles, splits off
     ``validation_split``, weighs classes and gathers every global batch, the same on every worker (each
@@ -620,16 +612,11 @@ def _fit(model, fit, *args, **kwargs):
     keeps the worker's rows ``[rank::workers]`` of it (:func:`_my_rows`). So every step is one process's,
     and Keras' epoch averages, which weigh each step by the rows Keras gathered, are one process's too.
     Generators and ``steps_per_epoch`` pass through (each worker trains on what it is given)."""
-    import numpy as np
-
     job = model._distkeras_job
-    bound = inspect.signature(fit).bind(*args, **kwargs)
-    bound.apply_defaults()
-    given = bound.arguments
-    data = [given["x"], given["y"], given["sample_weight"]]
-    arrays = [a for part in data if part is not None for a in _parts(part)]
-    if given["steps_per_epoch"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
+    bound, data = sharding.fit_on_arrays(fit, args, kwargs)
+    if data is None:
         return fit(*bound.args, **bound.kwargs)
+    given = bound.arguments
     shuffle = given["shuffle"]
     _check_same_everywhere(job, sharding.num_samples([part for part in data if part is not None]),
                            given["batch_size"] or 32, given["epochs"], 2 if shuffle == "batch" else int(bool(shuffle)))
