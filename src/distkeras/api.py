@@ -197,6 +197,16 @@ def _record(model, adapter, devices, cluster, distributed):
     return info
 
 
+def _variables_exist(model):
+    """True for a model that ``built`` says is not built but whose variables all exist: a wrapper with no
+    ``call()`` (a GAN holding a generator and a discriminator), or a subclassed model whose layers are built
+    by its first ``fit()`` (an adapter that makes late variables rank 0's accepts it)."""
+    try:
+        return all(getattr(v, "value", None) is not None for v in model.variables)
+    except Exception:  # a Keras (or a variable) that can't tell before the model is built
+        return False
+
+
 def distribute(model, devices=None, **options):
     """Make a built Keras model train data-parallel on ``devices``, in place.
 
@@ -229,7 +239,7 @@ def distribute(model, devices=None, **options):
     """
     adapter = _adapter_for(model)
     adapter.check_options(options)
-    if not getattr(model, "built", False):
+    if not getattr(model, "built", False) and not _variables_exist(model):
         raise ModelError(
             "The model is not built, so it has no weights to replicate yet. Build it first: give it an "
             "Input layer, call model.build(input_shape), or call it once on a batch of data."

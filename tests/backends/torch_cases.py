@@ -380,8 +380,8 @@ def sync_batchnorm_off(devices, initial):
     return {"hooked_first": hooked, "hooked_after": "_moments" in layer.__dict__, "weights": _weights(model)}
 
 
-def own_optimizer(devices):
-    """A custom train_step that bypasses model.optimizer: the error, on every rank."""
+def by_hand(devices):
+    """A custom train_step that changes the weights with no optimizer: the error, on every rank."""
     import keras
 
     import distkeras
@@ -389,7 +389,7 @@ def own_optimizer(devices):
 
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,))
-    model = torch_models.OwnOptimizer(inputs, keras.layers.Dense(3)(inputs))
+    model = torch_models.ByHand(inputs, keras.layers.Dense(3)(inputs))
     model.compile(optimizer="sgd", loss="mse")
     distkeras.distribute(model, devices=devices)
     x, y = _data(20)
@@ -413,3 +413,137 @@ def fit_and_save(case, devices, initial, directory):
         model.save(os.path.join(directory, "model.keras"))
     model.save_weights(os.path.join(directory, "model.weights.h5"))
     return model.predict(x, verbose=0)
+
+
+# ---- the Keras examples' patterns that trained wrong when distributed (issue 21)
+
+
+def _random_layers(keras):
+    """RandomFlip, GaussianNoise and Dropout (unseeded: torch's global generator) in one model."""
+    model = keras.Sequential([
+        keras.Input((4, 4, 1)),
+        keras.layers.RandomFlip("horizontal"),
+        keras.layers.GaussianNoise(0.3),
+        keras.layers.Flatten(),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dropout(0.5),
+        keras.layers.Dense(3),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def _vae(keras):
+    from tests.backends import torch_models
+
+    model = torch_models.VAE()
+    model(keras.ops.zeros((2, 5)))
+    model.compile(optimizer=keras.optimizers.Adam(0.01))
+    return model
+
+
+def _gan(keras):
+    from tests.backends import torch_models
+
+    discriminator = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    generator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(5)])
+    model = torch_models.GAN(discriminator, generator, latent_dim=2)
+    model.compile(keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.02),
+                  keras.losses.BinaryCrossentropy(from_logits=True))
+    return model
+
+
+def _loss_object(keras):
+    from tests.backends import torch_models
+
+    inputs = keras.Input((5,))
+    outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(inputs))
+    model = torch_models.LossObjectStep(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5))
+    return model
+
+
+def _add_loss(keras):
+    from tests.backends import torch_models
+
+    inputs = keras.Input((5,))
+    hidden = torch_models.AddsLoss()(keras.layers.Dense(8, activation="tanh")(inputs))
+    hidden = keras.layers.ActivityRegularization(l2=0.01)(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    # A loss function that returns a scalar (its own mean over the batch).
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=lambda y, p: keras.ops.mean(keras.ops.square(y - p)),
+                  metrics=["mae"])
+    return model
+
+
+def _unbuilt(keras):
+    from tests.backends import torch_models
+
+    model = torch_models.Unbuilt()
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse", metrics=["mae"])
+    return model
+
+
+#: name -> (build(keras), samples, input shape, fit() arguments, with targets). 40 samples at a global batch of
+#: 10: 5+5 on 2 processes, 4+3+3 on 3. The VAE and the GAN log Mean trackers of their rows' losses, which are
+#: the global batch's only for equal shares: 48 at 12.
+ISSUE21 = {
+    "random_layers": (_random_layers, 40, (4, 4, 1), _TEN, True),
+    "vae": (_vae, 48, (5,), _TWELVE, False),
+    "gan": (_gan, 48, (5,), _TWELVE, False),
+    "loss_object": (_loss_object, 40, (5,), _TEN, True),
+    "add_loss": (_add_loss, 40, (5,), _TEN, True),
+    "unbuilt": (_unbuilt, 40, (5,), _TEN, True),
+}
+
+
+def issue21(case, devices):
+    """The case built with another seed on every rank (rank 0's is one device's), distributed when
+    ``devices`` > 1 and trained: world size, weights, every optimizer's variables, History, evaluate() and
+    predictions (10 rows at a batch of 4, 2 rows at a batch of 2, predict_on_batch of 5)."""
+    import keras
+    import torch.distributed as dist
+
+    import distkeras
+
+    make, samples, shape, fit, targets = ISSUE21[case]
+    rank = int(os.environ["RANK"]) if devices > 1 else 0
+    keras.utils.set_random_seed(0 if rank == 0 else 100 + rank)  # rank 0's state must reach the others
+    model = make(keras)
+    x, y = _data(samples, shape)
+    if devices > 1:
+        distkeras.distribute(model, devices=devices)
+    keras.utils.set_random_seed(1)
+    data = (x, y) if targets else (x,)
+    history = model.fit(*data, **dict(fit, shuffle=False, verbose=0))
+    optimizers = [model.d_optimizer, model.g_optimizer] if case == "gan" else [model.optimizer]
+    got = {
+        "world": dist.get_world_size() if devices > 1 else 1,
+        "weights": _weights(model),
+        "optimizers": [[np.array(v) for v in o.variables] for o in optimizers],
+        "history": history.history,
+    }
+    if case not in ("gan", "vae"):  # the GAN has no call(), and neither a test_step with a loss
+        got["evaluate"] = model.evaluate(*data, batch_size=fit["batch_size"], verbose=0, return_dict=True)
+    if case != "gan":
+        got["predict"] = [model.predict(x[:10], batch_size=4, verbose=0), model.predict(x[:2], batch_size=2, verbose=0),
+                          np.asarray(model.predict_on_batch(x[:5]))]
+    return got
+
+
+def own_optimizer_trains(devices):
+    """A custom train_step that applies its gradients with an optimizer of its own (an attribute): weights."""
+    import keras
+
+    import distkeras
+    from tests.backends import torch_models
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    model = torch_models.OwnOptimizer(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    if devices > 1:
+        distkeras.distribute(model, devices=devices)
+    x, y = _data(20)
+    model.fit(x, y, batch_size=10, epochs=2, verbose=0, shuffle=False)
+    return _weights(model)

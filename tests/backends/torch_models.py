@@ -171,3 +171,169 @@ class TransformedStep(GuideStep):
         with torch.no_grad():
             self.optimizer.apply(gradients, trainable_weights)
         return {"loss": loss}
+
+
+class ByHand(keras.Model):
+    """A custom ``train_step`` that changes its weights by hand (``assign``), with no optimizer at all."""
+
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        loss.backward()
+        with torch.no_grad():
+            for variable in self.trainable_weights:
+                variable.assign(variable.value - 0.1 * variable.value.grad)
+        return {"loss": loss}
+
+
+# ---- the models of the Keras examples and guides that trained wrong when distributed (issue 21)
+
+
+class Sampling(keras.layers.Layer):
+    """The Keras VAE example's sampling layer: a seed generator of its own and ``keras.random.normal`` of the
+    batch's shape."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    def call(self, inputs):
+        z_mean, z_log_var = inputs
+        epsilon = keras.random.normal(shape=keras.ops.shape(z_mean), seed=self.seed_generator)
+        return z_mean + keras.ops.exp(0.5 * z_log_var) * epsilon
+
+
+class VAE(keras.Model):
+    """The Keras VAE example's model, its loss written by hand with ops in a PyTorch ``train_step``, logged
+    through Mean trackers."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.z_mean = keras.layers.Dense(2)
+        self.z_log_var = keras.layers.Dense(2)
+        self.sampling = Sampling()
+        self.decoder = keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(5)])
+        self.trackers = [keras.metrics.Mean(name=name) for name in ("total_loss", "reconstruction_loss", "kl_loss")]
+
+    @property
+    def metrics(self):
+        return self.trackers
+
+    def encode(self, x):
+        hidden = self.hidden(x)
+        z_mean, z_log_var = self.z_mean(hidden), self.z_log_var(hidden)
+        return z_mean, z_log_var, self.sampling([z_mean, z_log_var])
+
+    def call(self, x):
+        return self.decoder(self.encode(x)[2])
+
+    def train_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        self.zero_grad()
+        z_mean, z_log_var, z = self.encode(x)
+        reconstruction = self.decoder(z)
+        reconstruction_loss = keras.ops.mean(keras.ops.sum(keras.ops.square(x - reconstruction), axis=1))
+        kl_loss = -0.5 * (1 + z_log_var - keras.ops.square(z_mean) - keras.ops.exp(z_log_var))
+        kl_loss = keras.ops.mean(keras.ops.sum(kl_loss, axis=1))
+        total_loss = reconstruction_loss + kl_loss
+        total_loss.backward()
+        grads = [v.value.grad for v in self.trainable_weights]
+        with torch.no_grad():
+            self.optimizer.apply(grads, self.trainable_weights)
+        for tracker, value in zip(self.trackers, (total_loss, reconstruction_loss, kl_loss)):
+            tracker.update_state(value)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class GAN(keras.Model):
+    """The Keras guide's GAN (PyTorch ``train_step``): no ``call()``, ``compile(d_optimizer, g_optimizer,
+    loss_fn)``, two backward passes and two optimizers per step, latent noise from a seed generator."""
+
+    def __init__(self, discriminator, generator, latent_dim):
+        super().__init__()
+        self.discriminator = discriminator
+        self.generator = generator
+        self.latent_dim = latent_dim
+        self.seed_generator = keras.random.SeedGenerator(1337)
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+        self.built = True  # as the guide has it: no call() to build
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer = d_optimizer
+        self.g_optimizer = g_optimizer
+        self.loss_fn = loss_fn
+
+    def train_step(self, real):
+        if isinstance(real, tuple):
+            real = real[0]
+        batch_size = real.shape[0]
+        latent = keras.random.normal((batch_size, self.latent_dim), seed=self.seed_generator)
+        combined = keras.ops.concatenate([self.generator(latent), real], axis=0)
+        labels = keras.ops.concatenate([keras.ops.ones((batch_size, 1)), keras.ops.zeros((batch_size, 1))], axis=0)
+        self.zero_grad()
+        d_loss = self.loss_fn(labels, self.discriminator(combined))
+        d_loss.backward()
+        grads = [v.value.grad for v in self.discriminator.trainable_weights]
+        with torch.no_grad():
+            self.d_optimizer.apply(grads, self.discriminator.trainable_weights)
+
+        latent = keras.random.normal((batch_size, self.latent_dim), seed=self.seed_generator)
+        self.zero_grad()
+        g_loss = self.loss_fn(keras.ops.zeros((batch_size, 1)), self.discriminator(self.generator(latent)))
+        g_loss.backward()
+        grads = [v.value.grad for v in self.generator.trainable_weights]
+        with torch.no_grad():
+            self.g_optimizer.apply(grads, self.generator.trainable_weights)
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(g_loss)
+        return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+
+class LossObjectStep(keras.Model):
+    """A PyTorch ``train_step`` that calls a ``Loss`` object by hand and logs its value (no tracker), and a
+    custom ``test_step`` that does the same."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_object = keras.losses.MeanSquaredError()
+
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        loss = self.loss_object(y, self(x, training=True))
+        loss.backward()
+        with torch.no_grad():
+            self.optimizer.apply([v.value.grad for v in self.trainable_weights], self.trainable_weights)
+        return {"step_loss": loss}
+
+    def test_step(self, data):
+        x, y = data
+        return {"step_loss": self.loss_object(y, self(x, training=False))}
+
+
+class AddsLoss(keras.layers.Layer):
+    """A layer that adds a loss of its activations (the mean over the batch) with ``add_loss``."""
+
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+class Unbuilt(keras.Model):
+    """A subclassed model without an input shape: its layers are built by the first ``fit()``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.head = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.head(self.hidden(x))

@@ -50,6 +50,31 @@ def optimizers_of(model):
     return found
 
 
+def all_optimizers(model):
+    """Every Keras optimizer a model holds, once each (by identity): ``model.optimizer`` first, then the
+    optimizers it wraps (the ``inner_optimizer`` chain of a LossScaleOptimizer), then every other optimizer
+    in the model's instance attributes, also inside lists, tuples and dicts held there (the ``d_optimizer``
+    and ``g_optimizer`` a GAN's ``compile()`` keeps, as in the Keras guides)."""
+    import keras
+
+    found = optimizers_of(model)
+
+    def add(value):
+        if isinstance(value, keras.optimizers.Optimizer):
+            if all(value is not known for known in found):
+                found.append(value)
+        elif isinstance(value, dict):
+            for item in list(value.values()):
+                add(item)
+        elif isinstance(value, (list, tuple)):
+            for item in list(value):
+                add(item)
+
+    for value in list(vars(model).values()):
+        add(value)
+    return found
+
+
 def state_variables(model):
     """Every variable a model's training touches, once each: its weights (seed-generator states
     included), its metrics' (compiled loss tracker included) and its optimizers'."""

@@ -113,7 +113,7 @@ class TorchAdapter(Adapter):
                    compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB):
         import torch
 
-        from . import torch_collectives, torch_launch, torch_trainer
+        from . import torch_launch, torch_trainer
 
         # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
@@ -155,10 +155,10 @@ class TorchAdapter(Adapter):
         else:  # a plain process: it becomes rank 0 of a job it starts
             cluster, listener, watcher = torch_launch.start_workers(len(devices), timeout)
         _join(cluster, device, backend, timeout, listener)
-        torch_collectives.broadcast_from_rank0(model)
         replica = torch_trainer.Replica(
             cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None, compression
         )
+        torch_trainer.broadcast_new_variables(model, replica)  # all of them, this first time
         torch_trainer.install(model, replica, sync_batchnorm, overlap, bucket_mb)
         return model
 
@@ -184,7 +184,9 @@ def place(model, device):
     """
     import torch
 
-    for variable in keras3.state_variables(model):
+    from . import torch_collectives
+
+    for variable in torch_collectives.state_variables(model):
         value = getattr(variable, "_value", None)
         if isinstance(value, torch.Tensor) and value.device != device:
             value.grad = None

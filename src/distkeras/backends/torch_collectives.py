@@ -17,9 +17,26 @@ import torch.distributed as dist
 from . import keras3
 
 
-def broadcast_from_rank0(model):
-    """Give every rank rank 0's weights (all of them), metric state and optimizer state."""
+def state_variables(model):
+    """Every variable of ``model`` that every rank must hold alike: :func:`keras3.state_variables` and the
+    variables of every other optimizer the model holds (:func:`keras3.all_optimizers`), once each."""
     variables = keras3.state_variables(model)
+    seen = {id(v) for v in variables}
+    for optimizer in keras3.all_optimizers(model):
+        for variable in optimizer.variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    return variables
+
+
+def broadcast_from_rank0(model):
+    """Give every rank rank 0's weights (all of them), metric state and every optimizer's state."""
+    broadcast_variables(state_variables(model))
+
+
+def broadcast_variables(variables):
+    """Give every rank rank 0's values of ``variables`` (in the same order on every rank)."""
     groups = collections.OrderedDict()
     for variable in variables:
         groups.setdefault((variable.value.dtype, variable.value.device), []).append(variable)
@@ -188,6 +205,23 @@ def global_moments(x, axis, mask, weight, rank, world):
     mean = (counts * means).sum(dim=0) / total
     variance = (squares + counts * (means - mean).square()).sum(dim=0) / total
     return mean, variance
+
+
+def gather_rows(value, count, rank, world, total):
+    """Every rank's rows of a global batch of ``total``, back in the global batch's order, on every rank.
+
+    Rank r holds rows ``[r::world]`` (``count`` of them; a rank with none holds a stand-in row, ignored).
+    One all_gather of every rank's rows, padded to the largest share.
+    """
+    shares = [len(range(total)[r::world]) for r in range(world)]
+    padded = value.new_zeros((max(shares),) + tuple(value.shape[1:]))
+    padded[:count] = value[:count]
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    gathered = value.new_empty((total,) + tuple(value.shape[1:]))
+    for r, (part, share) in enumerate(zip(parts, shares)):
+        gathered[r::world] = part[:share]
+    return gathered
 
 
 def _device():

@@ -83,6 +83,7 @@ from ..errors import DistKerasError, LaunchError
 from . import keras3
 from . import torch_buckets
 from . import torch_collectives as collectives
+from . import torch_random
 
 _PRIVATE_LOGS = "_get_metrics_result_or_logs"
 _PRIVATE_LAYERS = "_flatten_layers"
@@ -117,6 +118,7 @@ class Replica(object):
         self.last_count = None  # samples of the last train or test step
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
         self.buckets = None  # the overlapping all-reduce (torch_buckets.Buckets), when on
+        self.known = set()  # ids of the variables broadcast from rank 0 so far (broadcast_new_variables)
         # (rows, count, total) of the batches the sharded loader in its pass read and no step has taken yet.
         self.read = collections.deque()
 
@@ -284,8 +286,19 @@ def uninstall(model):
     buckets = model.__dict__.get(_BUCKETS)
     if buckets is not None:
         buckets.remove()
-    for obj in keras3.layers_of(model) + keras3.optimizers_of(model):
+    for obj in keras3.layers_of(model) + keras3.all_optimizers(model):
         keras3.unhook(obj)
+
+
+def broadcast_new_variables(model, replica):
+    """Give every rank rank 0's values of the model's variables that no broadcast has covered yet (all of
+    them the first time; later, those a model built after distribute() made, or a new optimizer's): a
+    subclassed model built by its first fit(), an optimizer built by its first apply(). Every rank calls it
+    at the same points, and finds the same new variables, in the same order."""
+    new = [v for v in collectives.state_variables(model) if id(v) not in replica.known]
+    if new:
+        collectives.broadcast_variables(new)
+        replica.known.update(id(v) for v in new)
 
 
 def _unreduced_metrics_result(model):
@@ -341,10 +354,11 @@ def install(model, replica, sync_batchnorm=True, overlap=True, bucket_mb=torch_b
     hooks = {
         "train_step": _train_step(model, model.train_step, replica, global_state),
         "test_step": _test_step(model, model.test_step, replica),
+        "predict_step": _predict_step(model, model.predict_step, replica),
         _PRIVATE_LOGS: _global_logs(model, getattr(model, _PRIVATE_LOGS), replica),
         "fit": _entry(model.fit, replica, sync_random=True, sharded=True),
         "evaluate": _entry(model.evaluate, replica, sharded=True),
-        "predict": _entry(model.predict, replica),
+        "predict": _entry(model.predict, replica, sharded=True),
         "save": _rank0_writes(model.save, replica),
         "save_weights": _rank0_writes(model.save_weights, replica),
     }
@@ -422,10 +436,21 @@ def _without_trace(step, data, variables):
             variable.assign(value)
 
 
+def _wrap_optimizers(model, replica):
+    """The averaging apply on every optimizer the model holds, except one another of them wraps (a
+    LossScaleOptimizer's inner optimizer gets the outer one's averages, and must not average again)."""
+    optimizers = keras3.all_optimizers(model)
+    inner = {id(getattr(o, "inner_optimizer", None)) for o in optimizers}
+    for optimizer in optimizers:
+        if id(optimizer) not in inner:
+            _wrap_optimizer(optimizer, replica)
+
+
 def _train_step(model, step, replica, global_state):
     def train_step(data):
-        # Wrapped here, not once: compile() after distribute() brings a new optimizer.
-        _wrap_optimizer(model.optimizer, replica)
+        # Wrapped here, not once: compile() after distribute() brings new optimizers.
+        _wrap_optimizers(model, replica)
+        broadcast_new_variables(model, replica)
         local, count, total = replica.split(data)
         replica.count = replica.last_count = count
         replica.total = total
@@ -433,21 +458,24 @@ def _train_step(model, step, replica, global_state):
         if replica.buckets is not None:
             replica.buckets.begin(model.trainable_variables)
         try:
-            if count:
-                logs = step(local)
-            else:  # no samples here: a stand-in with weight zero joins the step's collectives
-                logs = _without_trace(step, local, _local_state(model, global_state))
+            with torch_random.global_draws(replica.rank, replica.world, count, total):
+                if count:
+                    logs = step(local)
+                else:  # no samples here: a stand-in with weight zero joins the step's collectives
+                    logs = _without_trace(step, local, _local_state(model, global_state))
         finally:
             replica.count = None
             if replica.buckets is not None:
                 replica.buckets.end()
         if not replica.applied and model.trainable_weights:
             raise DistKerasError(
-                "distkeras averages the replicas' gradients in model.optimizer.apply(), and {}.train_step() ended a "
-                "step without calling it, so the replicas would train apart. Apply the gradients with "
-                "self.optimizer.apply(gradients, trainable_weights) once per step, as the Keras guide's PyTorch "
-                "train_step does (a model that trains with optimizers of its own is not supported).".format(
-                    type(model).__name__
+                "distkeras averages the replicas' gradients in the apply() of the model's optimizers ({}), and "
+                "{}.train_step() ended a step without calling any, so the replicas would train apart. Apply the "
+                "gradients with an optimizer the model holds (self.optimizer, or one kept in an attribute, as a "
+                "GAN's d_optimizer): optimizer.apply(gradients, variables), as the Keras guide's PyTorch "
+                "train_step does, instead of changing the weights by hand.".format(
+                    ", ".join(type(o).__name__ for o in keras3.all_optimizers(model)) or "none",
+                    type(model).__name__,
                 )
             )
         return logs
@@ -457,13 +485,35 @@ def _train_step(model, step, replica, global_state):
 
 def _test_step(model, step, replica):
     def test_step(data):
-        local, count, _ = replica.split(data)
+        broadcast_new_variables(model, replica)
+        local, count, total = replica.split(data)
         replica.last_count = count
-        if count:
-            return step(local)
-        return _without_trace(step, local, _metric_variables(model))
+        with torch_random.global_draws(replica.rank, replica.world, count, total):
+            if count:
+                return step(local)
+            return _without_trace(step, local, _metric_variables(model))
 
     return test_step
+
+
+def _predict_step(model, step, replica):
+    """Each rank predicts its rows of the batch; every output with a row per sample is gathered back into
+    the global batch's order on every rank (:func:`~distkeras.backends.torch_collectives.gather_rows`)."""
+
+    def predict_step(data):
+        broadcast_new_variables(model, replica)
+        local, count, total = replica.split(data)
+        with torch_random.global_draws(replica.rank, replica.world, count, total):
+            outputs = step(local)
+
+        def gather(value):
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == (count or 1):
+                return collectives.gather_rows(value, count, replica.rank, replica.world, total)
+            return value
+
+        return keras.tree.map_structure(gather, outputs)
+
+    return predict_step
 
 
 def _metric_variables(model):
@@ -478,7 +528,9 @@ def _metric_variables(model):
 
 def _global_logs(model, local_logs, replica):
     def global_logs(logs):
-        weight = 0.0 if replica.last_count == 0 else 1.0  # a stand-in step's own logs count for nothing
+        # A custom step's own logs are its rows' mean: weighted by the rows, their average is the global
+        # batch's (a stand-in step's count for nothing).
+        weight = 1.0 if replica.last_count is None else float(replica.last_count)
         variables = _metric_variables(model)
         if not variables:
             return collectives.average_logs(logs, weight) if logs else logs
