@@ -120,6 +120,21 @@ def rows_read(devices):
     return rank, Counting.rows, model.get_weights()
 
 
+def predict_rows(devices):
+    """predict() of 10 rows at a batch of 4 and predict_on_batch() of 2 rows: (rank, rows this rank read from
+    the array, the predictions) on every rank; one process' when ``devices`` is 1."""
+    x, _ = scenarios.data(10)
+    model = scenarios.build(keras)
+    if devices > 1:
+        distkeras.distribute(model, devices=devices)
+    Counting.rows = 0
+    predictions = model.predict(x.view(Counting), batch_size=4, verbose=0)
+    rows = Counting.rows
+    on_batch = np.asarray(model.predict_on_batch(x[:2]))
+    rank = distkeras.describe(model)["rank"] if devices > 1 else 0
+    return rank, rows, predictions, on_batch
+
+
 def wrong_device_count(devices):
     try:
         distkeras.distribute(scenarios.build(keras), devices=devices)
@@ -233,6 +248,19 @@ def test_each_rank_reads_only_its_rows_of_array_data():
     assert sum(rows for _, rows, _ in outcomes) == single_rows
     assert all(rows == single_rows // 3 for _, rows, _ in outcomes)  # 12-sample batches: 4 rows each
     assert all(max_difference(single, weights) < 1e-5 for _, _, weights in outcomes)
+
+
+def test_predict_splits_each_batch_and_gathers_it_back_in_order():
+    """10 rows at a batch of 4 on 3 ranks (shares 2+1+1, 2+1+1, 1+1+0: rank 2 reads the last batch's first
+    row as a stand-in), and a batch of 2, fewer rows than ranks: each rank reads only its rows, and every
+    rank returns one process' predictions, in order."""
+    _, single_rows, expected, expected_on_batch = predict_rows(1)
+    outcomes = sorted(o.result for o in job(3).run(predict_rows, 3, timeout=TIMEOUT))
+    assert [rank for rank, _, _, _ in outcomes] == [0, 1, 2]
+    assert [rows for _, rows, _, _ in outcomes] == [5, 3, 2 + 1] and single_rows == 10
+    for _, _, predictions, on_batch in outcomes:
+        assert predictions.shape == expected.shape and on_batch.shape == expected_on_batch.shape
+        assert max_difference([expected, expected_on_batch], [predictions, on_batch]) < 1e-6
 
 
 def test_device_count_must_match_the_launched_processes():
