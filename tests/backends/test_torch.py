@@ -919,3 +919,56 @@ def test_torch_post_accumulate_grad_hooks_and_version_counters():
     handle.remove()
     (parameter * 2.0).sum().backward()
     assert len(seen) == 2
+
+
+def _draws(rank=None, count=None):
+    """One draw of each patched kind, from fresh seeds: on one device, or as ``rank`` of 3 holding ``count``
+    of a global batch of 10 inside :func:`torch_random.global_draws`."""
+    import contextlib
+
+    import torch
+
+    from distkeras.backends import torch_random
+
+    rows = 10 if rank is None else max(count, 1)  # a stand-in step runs on one sample
+    block = contextlib.nullcontext() if rank is None else torch_random.global_draws(rank, 3, count, 10)
+    seed = keras.random.SeedGenerator
+    got = {}
+    with block:
+        got["normal"] = keras.random.normal((rows, 3), seed=seed(1))
+        got["uniform"] = keras.random.uniform((rows, 2, 2), seed=seed(2))
+        got["truncated_normal"] = keras.random.truncated_normal((rows, 3), seed=seed(3))
+        got["randint"] = keras.random.randint((rows, 4), 0, 100, seed=seed(4))
+        got["gamma"] = keras.random.gamma((rows, 3), 2.0, seed=seed(5))
+        got["binomial"] = keras.random.binomial((rows, 3), 5, 0.5, seed=seed(6))
+        got["beta"] = keras.random.beta((rows, 3), 2.0, 3.0, seed=seed(7))
+        got["dropout_seeded"] = keras.random.dropout(keras.ops.ones((rows, 6)), 0.5, seed=seed(8))
+        got["dropout_noise_shape"] = keras.random.dropout(keras.ops.ones((rows, 2, 3)), 0.5, noise_shape=(None, 1, 3),
+                                                           seed=seed(9))
+        torch.manual_seed(10)
+        got["dropout_unseeded"] = keras.layers.Dropout(0.5)(keras.ops.ones((rows, 6)), training=True)
+        table = keras.ops.tile(keras.ops.reshape(keras.ops.arange(5), (1, 5)), (rows, 1))
+        got["shuffle_axis1"] = keras.random.shuffle(table, axis=1, seed=seed(11))
+        got["per_feature"] = keras.random.normal((7, 3), seed=seed(12))  # not per row: the same on every rank
+        got["categorical"] = keras.random.categorical(keras.ops.zeros((rows, 50)), 4, seed=seed(13))
+    return {k: keras.ops.convert_to_numpy(v) for k, v in got.items()}
+
+
+def test_each_rank_draws_one_devices_values_for_its_rows():
+    """Inside a distributed step, a draw of this rank's row count is the global draw's rows [rank::world] for
+    Keras' torch random functions (a Keras private module, swapped only inside the block); ops that can't
+    be made exact (categorical of per-row logits) draw independently on each rank."""
+    from distkeras.backends import torch_random
+
+    module = __import__(torch_random._PRIVATE_MODULE, fromlist=["normal"])
+    originals = {name: getattr(module, name) for name in torch_random.PATCHED}  # each one exists in this Keras
+    single = _draws()
+    per_rank = [_draws(rank, count) for rank, count in enumerate((4, 3, 3))]
+    assert {name: getattr(module, name) for name in torch_random.PATCHED} == originals  # put back
+    for rank, got in enumerate(per_rank):
+        for name in set(single) - {"per_feature", "categorical"}:
+            np.testing.assert_allclose(got[name], single[name][rank::3], rtol=1e-6, err_msg=name)
+        np.testing.assert_array_equal(got["per_feature"], single["per_feature"])
+    # A stand-in step (no rows of its own) still draws the global shape: it keeps the first row.
+    np.testing.assert_allclose(_draws(2, 0)["normal"], single["normal"][:1], rtol=1e-6)
+    assert not np.array_equal(per_rank[1]["categorical"], per_rank[2]["categorical"])
