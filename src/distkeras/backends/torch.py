@@ -15,11 +15,13 @@ Keras ships no distribution for its torch backend, so the adapter builds one aro
   cloned or recompiled, and a model trained before keeps its optimizer state. Its variables (and its
   optimizer's and metrics') are moved to this process' device where they aren't there already (in a
   launched process :meth:`TorchAdapter.prepare` makes the local GPU current before the model is built,
-  so usually nothing moves), rank 0's weights, metric state and optimizer state are broadcast to every
-  rank, then the training hooks of :mod:`distkeras.backends.torch_trainer` are installed on the
+  so usually nothing moves), rank 0's weights, metric state and the state of every optimizer it holds are
+  broadcast to every rank (variables made later, by a first ``fit()`` that builds the model, before the step
+  that first uses them), then the training hooks of :mod:`distkeras.backends.torch_trainer` are installed on the
   instance: how batches are split, gradients averaged (in buckets overlapped with the backward pass:
   ``overlap``, ``bucket_mb``; in 16 bits with ``compression``), BatchNormalization statistics made
-  global (``sync_batchnorm``), metrics aggregated, and what ranks other than 0 print and write.
+  global (``sync_batchnorm``), random draws made per rank's rows (:mod:`~distkeras.backends.torch_random`),
+  predictions split and gathered, metrics aggregated, and what ranks other than 0 print and write.
 
 ``describe()`` reports the processes as the replicas and as the workers: one device per process.
 """

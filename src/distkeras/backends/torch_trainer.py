@@ -20,9 +20,18 @@ so distributing a model twice replaces the hooks instead of stacking them.
   where Keras reads the data (:func:`sharded_batches`): for arrays (NumPy, tensors) the global batch's
   indices, in the order one process draws them, are split before the rows are gathered and converted; a
   PyDataset's or generator's whole batches are sliced before Keras converts (copies) them. A DataLoader
-  the user passes yields whole global batches of tensors, which each rank slices in the step.
-- ``optimizer.apply``: Horovod's DistributedOptimizer idea, on the instance, so the optimizer keeps its
-  exact class. It hands the optimizer the average over the ranks of ``n_r * grad_r / N`` (``n_r``: the
+  the user passes yields whole global batches of tensors, which each rank slices in the step. While a
+  step runs, Keras' random functions draw for this rank's rows of the global batch
+  (:func:`~distkeras.backends.torch_random.global_draws`: the same values one device draws for them).
+  Before a step, variables no broadcast has covered yet (a subclassed model built by its first ``fit()``,
+  a new optimizer's) take rank 0's values (:func:`broadcast_new_variables`).
+- ``predict_step``: the same split; every output with a row per sample is gathered back into the global
+  batch's order on every rank (one ``all_gather``, shares padded to the largest), so ``predict()`` and
+  ``predict_on_batch()`` return one device's predictions on every rank, each row computed once.
+- ``optimizer.apply`` of every optimizer the model holds (:func:`~distkeras.backends.keras3.all_optimizers`:
+  ``model.optimizer`` and those in its attributes, as a GAN's ``d_optimizer`` and ``g_optimizer``; a
+  LossScaleOptimizer's inner one is left to the outer): Horovod's DistributedOptimizer idea, on the
+  instance, so the optimizer keeps its exact class. It hands the optimizer the average over the ranks of ``n_r * grad_r / N`` (``n_r``: the
   rank's samples in the step, ``N`` the global batch's): the gradient of the mean loss over the whole
   global batch, regularisation included, however unequal the shares. Everything the optimizer does next
   (clipping, gradient accumulation, loss scaling, weight decay, EMA, learning-rate schedules) acts on
@@ -49,11 +58,13 @@ so distributing a model twice replaces the hooks instead of stacking them.
   states (totals, counts) are summed over the ranks, in sorted metric-name order, before the results
   are read, so epoch logs, validation logs and ``evaluate()`` are the global values. A custom step's own
   logs: a value named after one of the model's metrics (``{m.name: m.result() for m in self.metrics}``,
-  as the Keras guide writes it) becomes that metric's global result, any other scalar is averaged over
-  the ranks. Per-batch progress shows rank 0's own running values.
+  as the Keras guide writes it) becomes that metric's global result, any other scalar (a Loss object's
+  value, the mean over the rank's rows) is averaged over the ranks weighted by their rows: the global
+  batch's value. Per-batch progress shows rank 0's own running values.
 - ``fit`` / ``evaluate`` / ``predict``: ``verbose=0`` on ranks other than 0. ``fit()`` starts, and
   every epoch begins, with rank 0's random state (Python, NumPy, torch), so shuffling and augmentation
-  produce the same global batches on every rank. ``predict()`` runs the whole input on every rank.
+  produce the same global batches on every rank. ``fit``/``evaluate``/``predict`` read only this rank's
+  rows of array data.
 - ``save`` / ``save_weights`` (also when a callback such as ModelCheckpoint calls them): rank 0 writes
   (a temporary file, then a rename); the other ranks write a throwaway copy into a temporary folder of
   their own, deleted when the call returns (:func:`~distkeras.backends.keras3.throwaway_saves`, as on
@@ -61,10 +72,13 @@ so distributing a model twice replaces the hooks instead of stacking them.
   on rank 0 alone works as well. A rank that must read rank 0's file waits for it itself, for example
   after a ``torch.distributed.barrier()`` that every rank reaches once rank 0's ``save()`` returned.
 
-Every rank must call ``fit``/``evaluate`` alike: they are collective, and so is a BatchNormalization
-layer called in training mode. A custom ``train_step`` (the Keras guide's: ``loss.backward()``, then
-``self.optimizer.apply(gradients, trainable_weights)``) must apply its gradients through
-``model.optimizer``, once per step; a step that doesn't raises :class:`~distkeras.DistKerasError`.
+Every rank must call ``fit``/``evaluate``/``predict`` alike: they are collective, and so is a
+BatchNormalization layer called in training mode. A custom ``train_step`` (the Keras guide's:
+``loss.backward()``, then ``self.optimizer.apply(gradients, trainable_weights)``; a GAN's two backward
+passes and two optimizers) must apply its gradients through optimizers the model holds, each as often as
+it likes; a step that applies none raises :class:`~distkeras.DistKerasError`. With ``overlap``, the first
+``apply`` of a step takes the buckets of the first backward pass; later ones in the step are averaged
+after their backward pass.
 """
 
 import collections
