@@ -530,8 +530,8 @@ def test_a_trained_model_keeps_its_state_and_hooks_never_stack(devices):
     # after compile() and distribute() again.
     assert got["all_reduces"] == [3, 3]
     assert got["hooks"] == sorted(
-        ["train_step", "test_step", "_get_metrics_result_or_logs", "fit", "evaluate", "predict", "save", "save_weights",
-         "_distkeras_buckets"]
+        ["train_step", "test_step", "predict_step", "_get_metrics_result_or_logs", "fit", "evaluate", "predict", "save",
+         "save_weights", "_distkeras_buckets"]
     )
     assert_close(single["weights"], got["weights"], FLOAT32)
 

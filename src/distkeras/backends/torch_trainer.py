@@ -89,6 +89,7 @@ import inspect
 import logging
 import os
 import threading
+import weakref
 
 import keras
 import torch
@@ -132,7 +133,7 @@ class Replica(object):
         self.last_count = None  # samples of the last train or test step
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
         self.buckets = None  # the overlapping all-reduce (torch_buckets.Buckets), when on
-        self.known = set()  # ids of the variables broadcast from rank 0 so far (broadcast_new_variables)
+        self.known = {}  # id -> weak reference of each variable broadcast from rank 0 so far
         # (rows, count, total) of the batches the sharded loader in its pass read and no step has taken yet.
         self.read = collections.deque()
 
@@ -309,10 +310,12 @@ def broadcast_new_variables(model, replica):
     them the first time; later, those a model built after distribute() made, or a new optimizer's): a
     subclassed model built by its first fit(), an optimizer built by its first apply(). Every rank calls it
     at the same points, and finds the same new variables, in the same order."""
-    new = [v for v in collectives.state_variables(model) if id(v) not in replica.known]
+    known = replica.known
+    # Weak references: a variable that is gone must not hide a new one that got its id.
+    new = [v for v in collectives.state_variables(model) if id(v) not in known or known[id(v)]() is not v]
     if new:
         collectives.broadcast_variables(new)
-        replica.known.update(id(v) for v in new)
+        known.update((id(v), weakref.ref(v)) for v in new)
 
 
 def _unreduced_metrics_result(model):
