@@ -458,3 +458,19 @@ def test_2bit_compression_with_error_feedback_still_trains():
 def test_bad_compression(options, message):
     with pytest.raises(distkeras.OptionError, match=message):
         distkeras.distribute(build(), devices=2, **options)
+
+
+def test_a_context_whose_sample_weights_are_all_zero():
+    # 6 rows on 3 contexts, rows 0 and 1 (context 0's) weighted 0: Keras' loss on that context is 0/0. It counts
+    # for nothing in one context's loss, its gradient and evaluate(), and must not turn them into NaN.
+    x, y = data(12)
+    weights = np.where(np.arange(12) % 6 < 2, 0.0, 1.5).astype("float32")
+    single = build()
+    expected_history = single.fit(x, y, sample_weight=weights, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    expected = single.evaluate(x, y, sample_weight=weights, batch_size=6, verbose=0)
+    dist = distkeras.distribute(build(), devices=3)
+    history = dist.fit(x, y, sample_weight=weights, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    for name in ("loss", "mean_absolute_error"):
+        np.testing.assert_allclose(history[name], expected_history[name], rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(dist.evaluate(x, y, sample_weight=weights, batch_size=6, verbose=0), expected, rtol=1e-5)

@@ -179,6 +179,8 @@ class MXNetAdapter(Adapter):
         if not getattr(model, "_distkeras_fit", False):
             keras3.chief_speaks_and_writes(model, cluster.rank)  # first: it binds verbose in Keras' signature
             model.fit = functools.partial(_fit, model, model.fit)
+            model.evaluate = functools.partial(_evaluate, model, model.evaluate)
+            model.predict = functools.partial(_predict, model, model.predict)
             model._distkeras_fit = True
         return model
 
@@ -211,6 +213,11 @@ class _Job(object):
             raise ClusterError("The launch environment ({}) says {} workers, but MXNet's KVStore has {} "
                                "(DMLC_NUM_WORKER={}).".format(cluster.source, cluster.world_size, self.kv.num_workers,
                                                              env.get("DMLC_NUM_WORKER")))
+        # MXNet seeds every process's generators alike (seed 0; a GPU's with its device id too, the CPU contexts share
+        # one): each worker would draw the same dropout masks for its rows as the others. Seeded by rank, they draw
+        # independent ones; rank 0 keeps the default seed. Not one process's masks: MXNet's generators are per
+        # device and draw a batch's masks in one stream, which no split of the batch reproduces.
+        mx.random.seed(self.rank)
         self.modules = 0
         self.sizes = set()
         atexit.register(self.close)
@@ -443,7 +450,9 @@ def _weighted_outputs(model, count, inputs, batch):
     by_samples = _context_weights(model, inputs, batch)
     by_rows = [rows / float(batch) for rows in _context_rows(model, batch)]
     outputs = model._module.get_outputs(merge_multi_context=False)[:count]
-    return [sum(w * float(out.asnumpy().mean()) for w, out in zip(by_samples if kind else by_rows, per_context))
+    # A context with nothing to count (all its sample weights 0) has a value of 0/0 in Keras: left out, as NaN * 0
+    # would be NaN.
+    return [sum(w * float(out.asnumpy().mean()) for w, out in zip(by_samples if kind else by_rows, per_context) if w)
             for kind, per_context in zip(_counted_by_samples(model, count), outputs)]
 
 
@@ -488,7 +497,7 @@ def _start_from_rank0(model):
     model._weights_dirty = True
 
 
-def _my_rows(model, inputs):
+def _my_rows(model, inputs, weighted=True):
     """This worker's rows ``[rank::workers]`` of the global batch Keras' fit loop gathered, and their count.
 
     A worker with no row in a short last batch takes a copy of its first row, with sample weight 0 and
@@ -498,7 +507,7 @@ def _my_rows(model, inputs):
     rank, workers = model._distkeras_shard
     size = len(inputs[0])
     real = len(range(rank, size, workers))
-    weights = _sample_weight_positions(model)
+    weights = _sample_weight_positions(model) if weighted else ()  # predict() feeds x alone
     mine = []
     for index, value in enumerate(inputs):  # arrays of the batch; the learning-phase flag is a scalar
         if getattr(value, "ndim", 0) and len(value) == size:
@@ -569,8 +578,13 @@ def _train_step(model, inputs):
     model._module.forward_backward(_batch(model, inputs, "train"))
     weights = _context_weights(model, inputs, batch)
     for per_context in model._module._curr_module._exec_group.grad_arrays:  # see _train_step_in_job
+        if per_context[0] is None:  # a weight that doesn't train
+            continue
         for grad, weight in zip(per_context, weights):
-            grad *= weight
+            if weight:
+                grad *= weight
+            else:  # a context with no sample of nonzero weight: Keras' loss there is 0/0, its gradient NaN
+                grad[:] = 0
     model._module.update()
     model._update(model._train_updates)
     model._weights_dirty = True
@@ -588,8 +602,29 @@ def _forward(model, inputs, phase):
 
 
 def _test_step(model, inputs):
+    if getattr(model, "_distkeras_shard", None) is not None:
+        return _test_step_in_job(model, inputs)
     inputs, batch = _forward(model, inputs, "test")
     return _weighted_outputs(model, model._ntrain, inputs, batch)
+
+
+def _test_step_in_job(model, inputs):
+    """One test step of ``evaluate()`` or of ``fit()``'s validation on arrays in a multi-worker job: this worker
+    evaluates its rows ``[rank::workers]`` of the global batch (:func:`_my_rows`), and the job adds every worker's
+    values weighed by their counts of samples or rows, as the train step does: the global batch's values."""
+    import numpy as np
+
+    inputs, real = _my_rows(model, inputs)
+    inputs, batch = _forward(model, inputs, "test")
+    counts = _context_counts(model, inputs, batch)
+    rows = _context_rows(model, batch, real)
+    outputs = model._module.get_outputs(merge_multi_context=False)[: model._ntrain]
+    kinds = _counted_by_samples(model, len(outputs))
+    stats = [float(sum(counts)), float(sum(rows))] + [  # see _train_step_in_job
+        sum(c * float(out.asnumpy().mean()) for c, out in zip(counts if kind else rows, per) if c)
+        for kind, per in zip(kinds, outputs)]
+    totals = model._distkeras_job.all_sum(np.array(stats, "float32"))
+    return [float(value) / float(totals[0 if kind else 1]) for kind, value in zip(kinds, totals[2:])]
 
 
 def _predict_step(model, inputs):
@@ -598,8 +633,34 @@ def _predict_step(model, inputs):
         model._num_label = len(model.outputs) + len(model.output_names)
         model._create_predict_module()
         model._module = model._predict_only_module
-    _, batch = _forward(model, inputs, "pred")
-    return [out.asnumpy()[:batch] for out in model._module.get_outputs()[: model._npred]]
+    shard = getattr(model, "_distkeras_shard", None)
+    if shard is None:
+        _, batch = _forward(model, inputs, "pred")
+        return [out.asnumpy()[:batch] for out in model._module.get_outputs()[: model._npred]]
+    return _predict_step_in_job(model, inputs, shard)
+
+
+def _predict_step_in_job(model, inputs, shard):
+    """One step of ``predict()`` on arrays in a multi-worker job: this worker predicts its rows ``[rank::workers]``
+    of the global batch and writes them at their places in zeros of the global batch's shape; the job's sum of
+    those is the global batch's prediction, in order, on every worker (exact: each value is added to zeros)."""
+    import numpy as np
+
+    rank, workers = shard
+    size = len(inputs[0])
+    mine, real = _my_rows(model, inputs, weighted=False)
+    _, batch = _forward(model, mine, "pred")
+    outputs = [out.asnumpy()[:batch] for out in model._module.get_outputs()[: model._npred]]
+    full = [np.zeros((size,) + out.shape[1:], "float32") for out in outputs]
+    if real:
+        for whole, out in zip(full, outputs):
+            whole[rank::workers] = out
+    summed = model._distkeras_job.all_sum(np.concatenate([whole.ravel() for whole in full]))
+    result, start = [], 0
+    for whole, out in zip(full, outputs):
+        result.append(summed[start:start + whole.size].reshape(whole.shape).astype(out.dtype, copy=False))
+        start += whole.size
+    return result
 
 
 # ---- fit() in a multi-worker job: each worker its rows of every global batch
@@ -618,14 +679,89 @@ def _fit(model, fit, *args, **kwargs):
         return fit(*bound.args, **bound.kwargs)
     given = bound.arguments
     shuffle = given["shuffle"]
-    _check_same_everywhere(job, sharding.num_samples([part for part in data if part is not None]),
-                           given["batch_size"] or 32, given["epochs"], 2 if shuffle == "batch" else int(bool(shuffle)))
+    validation = given["validation_data"]
+    _check_same_everywhere(job, "fit", [
+        ("samples", sharding.num_samples([part for part in data if part is not None])),
+        ("batch_size", given["batch_size"] or 32), ("epochs", given["epochs"]),
+        ("shuffle", 2 if shuffle == "batch" else int(bool(shuffle))),
+        ("validation_samples", sharding.num_samples([p for p in validation if p is not None]) if _arrays(validation) else -1),
+        ("validation_split", int(round(given["validation_split"] * 1e6)))])
     given["callbacks"] = list(given["callbacks"] or []) + [_same_random_state(job)]  # last: after any user's draw
     model._distkeras_shard = (job.rank, job.workers)
     try:
         return fit(*bound.args, **bound.kwargs)
     finally:
         model._distkeras_shard = None
+
+
+def _on_arrays(method, args, kwargs):
+    """Keras 2's ``evaluate``/``predict(*args, **kwargs)`` bound (defaults applied) and its count of samples, the
+    latter None unless the data are NumPy arrays fed without ``steps`` (what the adapter splits over workers)."""
+    import inspect
+
+    import numpy as np
+
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    data = [given.get(name) for name in ("x", "y", "sample_weight")]
+    arrays = [a for part in data if part is not None for a in sharding.parts(part)]
+    if given["steps"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
+        return bound, None
+    return bound, sharding.num_samples(arrays)
+
+
+def _evaluate(model, evaluate, *args, **kwargs):
+    """Keras' ``evaluate`` on arrays, as one process runs it at ``batch_size``: every worker runs Keras' loop over
+    the global arrays, each test step keeps the worker's rows ``[rank::workers]`` of the global batch and the
+    job adds up the values (:func:`_test_step_in_job`). Tensors and ``steps`` pass through, whole on every worker."""
+    bound, samples = _on_arrays(evaluate, args, kwargs)
+    if samples is None:
+        return evaluate(*bound.args, **bound.kwargs)
+    job = model._distkeras_job
+    _check_same_everywhere(job, "evaluate", [("samples", samples), ("batch_size", bound.arguments["batch_size"] or 32)])
+    return _sharded(model, job, evaluate, bound)
+
+
+def _predict(model, predict, *args, **kwargs):
+    """Keras' ``predict`` on arrays, as one process runs it: each worker predicts its rows ``[rank::workers]`` of
+    every global batch, and every worker gets the whole prediction, in order (:func:`_predict_step_in_job`)."""
+    bound, samples = _on_arrays(predict, args, kwargs)
+    if samples is None:
+        return predict(*bound.args, **bound.kwargs)
+    job = model._distkeras_job
+    _check_same_everywhere(job, "predict", [("samples", samples), ("batch_size", bound.arguments["batch_size"] or 32)])
+    if not model.compiled:
+        # A model never compiled predicts with a module of its own made at every step (keras-mxnet), which no
+        # train step has given rank 0's weights: every worker takes them here, each worker's rows being one model's.
+        _take_rank0_weights(model, job)
+    return _sharded(model, job, predict, bound)
+
+
+def _sharded(model, job, method, bound):
+    """``method`` with the steps keeping this worker's rows of each global batch (``model._distkeras_shard``)."""
+    before = getattr(model, "_distkeras_shard", None)
+    model._distkeras_shard = (job.rank, job.workers)
+    try:
+        return method(*bound.args, **bound.kwargs)
+    finally:
+        model._distkeras_shard = before
+
+
+def _take_rank0_weights(model, job):
+    """Every worker takes rank 0's weights (collective): rank 0 pushes them, the others zeros, all take the sum."""
+    import numpy as np
+
+    weights = model.get_weights()
+    if not weights:
+        return
+    flat = np.concatenate([np.asarray(w, "float32").ravel() for w in weights])
+    summed = job.all_sum(flat if job.rank == 0 else np.zeros_like(flat))
+    taken, start = [], 0
+    for w in weights:
+        taken.append(summed[start:start + w.size].reshape(w.shape).astype(w.dtype))
+        start += w.size
+    model.set_weights(taken)
 
 
 def _same_random_state(job):
@@ -656,17 +792,28 @@ def sync_numpy_random_state(job):
                          float(pieces[1250:].view("<f8")[0])))
 
 
-def _check_same_everywhere(job, n, batch, epochs, shuffle):
-    """Raise on every worker if their ``fit()`` calls differ in samples, batch size, epochs or shuffle: they would
-    take different numbers of steps, and the job would wait forever in the first step one of them skips."""
+def _arrays(value):
+    """True where ``value`` is a tuple/list of NumPy arrays (fit()'s validation_data on arrays)."""
     import numpy as np
 
-    mine = np.zeros((job.workers, 5), "float32")
-    mine[job.rank] = (n // 4096, n % 4096, batch, epochs, shuffle)  # float32 holds each part exactly
-    everyone = job.all_sum(mine.ravel()).reshape(job.workers, 5)
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(a, np.ndarray) for part in value if part is not None for a in sharding.parts(part))
+
+
+def _check_same_everywhere(job, call, values):
+    """Raise on every worker if their ``call`` (``fit``, ``evaluate``, ``predict``) calls differ in ``values``,
+    ``[(name, int)]`` (samples, batch size, epochs...): they would take different numbers of steps, and the job
+    would wait forever in the first step one of them skips."""
+    import numpy as np
+
+    mine = np.zeros((job.workers, len(values), 2), "float32")
+    for i, (_, value) in enumerate(values):
+        mine[job.rank, i] = divmod(int(value) + 1, 4096)  # float32 holds each part exactly; +1: -1 means none
+    everyone = job.all_sum(mine.ravel()).reshape(mine.shape)
     if (everyone != everyone[0]).any():
+        names = ", ".join(name for name, _ in values)
         raise ShardError(
-            "Every worker must call fit() with the same full arrays, batch_size, epochs and shuffle (distkeras shards "
-            "the data itself). Received (samples, batch_size, epochs, shuffle) by rank: {}.".format(", ".join(
-                "{}: ({}, {}, {}, {})".format(r, int(a) * 4096 + int(b), int(c), int(d), ["False", "True", "'batch'"][int(e)])
-                for r, (a, b, c, d, e) in enumerate(everyone))))
+            "Every worker must call {}() with the same full arrays and arguments (distkeras shards the data itself). "
+            "Received ({}) by rank: {}.".format(call, names, ", ".join(
+                "{}: ({})".format(r, ", ".join(str(int(a) * 4096 + int(b) - 1) for a, b in row))
+                for r, row in enumerate(everyone))))
