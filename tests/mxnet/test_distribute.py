@@ -474,3 +474,16 @@ def test_a_context_whose_sample_weights_are_all_zero():
     for name in ("loss", "mean_absolute_error"):
         np.testing.assert_allclose(history[name], expected_history[name], rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(dist.evaluate(x, y, sample_weight=weights, batch_size=6, verbose=0), expected, rtol=1e-5)
+
+
+def test_contexts_draw_independent_dropout_masks():
+    # One step of a Dropout model on 3 rows of ones, one per context: per unit, how many rows kept it. Contexts
+    # drawing alike would make every count 0 or 3; MXNet's CPU contexts draw from one generator in turn, so the
+    # masks are independent (not one context's: that draws the 3 rows' masks in one call, which no split repeats).
+    from tests.mxnet.cases import dropout_kept, dropout_model
+
+    model = distkeras.distribute(dropout_model(), devices=3)
+    model.fit(np.ones((3, 1), "float32"), np.zeros((3, 64), "float32"), batch_size=3, verbose=0)
+    kept = dropout_kept(model, 3)
+    assert set(kept) <= {0, 1, 2, 3}
+    assert int(((kept == 1) | (kept == 2)).sum()) >= 16, kept
