@@ -130,8 +130,9 @@ def check_job(out_dir, workers, cases):
 
 
 def check_dropout_masks(out_dir, workers, index):
-    """The workers draw independent dropout masks for their rows (MXNet seeds every process alike: each worker
-    reseeds by rank). Per unit, how many rows of the step kept it: with the workers' masks alike, every count is a
+    """The workers draw independent dropout masks for their rows (keras-mxnet reseeds MXNet alike on every worker
+    when it builds a Dropout layer: distribute() reseeds every rank but 0 by its rank). The job has trained other
+    models before this one, as a script may. Per unit, how many rows of the step kept it: with the workers' masks alike, every count is a
     multiple of the worker count; drawn independently (p=0.5, 64 units), many are not. Exactly one process's masks
     can't be drawn: MXNet's generators are per device, and one context draws all its rows' masks in one stream."""
     kept = [np.load(os.path.join(str(out_dir), "case{}-rank{}.npy".format(index, rank))) for rank in range(workers)]
@@ -169,6 +170,11 @@ def check_evaluate_and_predict(out_dir, workers, index):
         assert computed == mine, (rank, computed)
         print("rank {} computed {} of the {} rows evaluated and predicted".format(
             rank, sum(len(rows) for rows in fed), sum(len(b) for _, b in passes)))
+    for rank in range(workers):  # evaluate() with other arrays on rank 1: a ShardError on every rank, naming them
+        with open(os.path.join(str(out_dir), "case{}-rank{}-error.txt".format(index, rank))) as f:
+            assert f.read() == ("Every worker must call evaluate() with the same full arrays and arguments (distkeras "
+                                "shards the data itself). Received (samples, batch_size) by rank: " + ", ".join(
+                                    "{}: ({}, 32)".format(r, 9 if r == 1 else 10) for r in range(workers)) + ".")
     assert sorted(results[0]) == sorted(expected)
     assert any(k.startswith("split_val_") for k in expected) and any(k.startswith("data_val_") for k in expected)
     for name in sorted(expected):

@@ -42,7 +42,26 @@ refuses a second ``init`` of a key), and
   others zeros, and all pull the sum. The KVStore's own ``init`` would take those of whichever worker
   ps-lite numbered 0, which need not be distkeras' rank 0.
 
-Rank 0 alone prints and saves; ``evaluate`` and ``predict`` run whole on every worker, with equal results.
+- ``evaluate()`` on arrays and ``fit()``'s validation (``validation_split``, ``validation_data``) run Keras' loop
+  over the global arrays on every worker too; the test step keeps the worker's rows ``[r::W]`` of each global
+  batch and the job sums every worker's counts and weighted values in one round: one process's values, sample
+  weights, uneven last batches and batches smaller than W included. ``predict()`` on arrays: each worker
+  predicts its rows of each batch into zeros of the global batch's shape, and the job's sum (exact: each value
+  is added to zeros) is the whole prediction, in order, on every worker. Every worker must call them alike:
+  their samples and batch size are compared first (a ``ShardError`` on every worker, where a mismatch would
+  hang). Tensors and ``steps`` pass through, whole on every worker.
+- ``distribute()`` reseeds MXNet's random generators on every worker but rank 0 by its rank (keras-mxnet
+  reseeds them alike on every worker whenever it builds a Dropout layer), so dropout masks are drawn
+  independently per worker rather than alike. Not one process's masks: MXNet's generators draw a batch's masks
+  in one stream, which no split of the batch repeats. The contexts of one process draw independently too (the
+  CPU contexts from one generator in turn).
+
+Rank 0 alone prints and saves.
+
+A loss function returning one number for the batch (a mean over everything) is exact, also over workers: Keras
+2 gives each context that number for its rows, weighed like a mean loss. With sample weights Keras multiplies it
+by the batch's mean sample weight, a product of two batch means that no weighted sum over contexts gives:
+approximate then. Embedding gradients (a gather) are dense arrays per context, summed densely: exact with Adam.
 
 The per-step code talks to keras-mxnet's Model internals (``_adjust_module``, ``_module``,
 ``_update``...), as keras-mxnet's own train/test/predict functions do: it has no public hook between
@@ -172,6 +191,7 @@ class MXNetAdapter(Adapter):
         model._kvstore = None
         model._distkeras_compression = None
         model._distkeras_job = self._job
+        _seed_by_rank(cluster.rank)
         _compile_again(model)
         model._make_train_function = functools.partial(_install, model, "train_function", _train_step)
         model._make_test_function = functools.partial(_install, model, "test_function", _test_step)
@@ -213,11 +233,6 @@ class _Job(object):
             raise ClusterError("The launch environment ({}) says {} workers, but MXNet's KVStore has {} "
                                "(DMLC_NUM_WORKER={}).".format(cluster.source, cluster.world_size, self.kv.num_workers,
                                                              env.get("DMLC_NUM_WORKER")))
-        # MXNet seeds every process's generators alike (seed 0; a GPU's with its device id too, the CPU contexts share
-        # one): each worker would draw the same dropout masks for its rows as the others. Seeded by rank, they draw
-        # independent ones; rank 0 keeps the default seed. Not one process's masks: MXNet's generators are per
-        # device and draw a batch's masks in one stream, which no split of the batch reproduces.
-        mx.random.seed(self.rank)
         self.modules = 0
         self.sizes = set()
         atexit.register(self.close)
@@ -249,6 +264,26 @@ class _Job(object):
         if getattr(self, "kv", None) is not None:
             kv, self.kv = self.kv, None
             del kv  # the KVStore's destructor: a barrier of every worker, then the servers stop
+
+
+#: The seed keras-mxnet gives MXNet's generators whenever it builds a Dropout layer given no seed (its
+#: ``backend.dropout`` calls ``mx.random.seed(seed or int(10e6))``).
+_KERAS_MXNET_DROPOUT_SEED = int(10e6)
+
+
+def _seed_by_rank(rank):
+    """Reseed MXNet's random generators on every worker but rank 0 by its rank.
+
+    keras-mxnet reseeds MXNet's generators whenever it builds a Dropout layer (``mx.random.seed(seed or 10e6)``), the
+    same on every worker: each would draw the same dropout masks for its rows as the others. The model is built
+    before distribute(), so reseeding here, after it, makes the workers draw independent masks; rank 0 keeps the
+    seed it had (a one-process run's). Not one process's masks: MXNet draws a batch's masks in one stream, which no
+    split of the batch repeats. The spacing of 1000 keeps apart the streams of MXNet's per-device generators, which
+    it seeds from the seed and the device id."""
+    import mxnet as mx
+
+    if rank:
+        mx.random.seed(_KERAS_MXNET_DROPOUT_SEED + 1000 * rank)
 
 
 def wait_for_scheduler(host, port, timeout):
