@@ -487,3 +487,27 @@ def test_contexts_draw_independent_dropout_masks():
     kept = dropout_kept(model, 3)
     assert set(kept) <= {0, 1, 2, 3}
     assert int(((kept == 1) | (kept == 2)).sum()) >= 16, kept
+
+
+def test_workers_calling_fit_differently_are_told_what_each_rank_passed():
+    # What every rank of a job raises when their fit() calls differ (here rank 1 has one sample fewer); the job's
+    # all-sum is stood in for by one that fills in rank 1's row (tests/mxnet/test_multiworker.py runs it for real).
+    from distkeras.backends import mxnet as adapter
+    from distkeras.errors import ShardError
+
+    class Job(object):
+        rank, workers = 0, 2
+
+        def all_sum(self, vector):
+            rows = vector.reshape(2, -1, 2).copy()
+            rows[1] = rows[0]
+            rows[1, 0] = divmod(23 + 1, 4096)
+            return rows.ravel()
+
+    with pytest.raises(ShardError) as caught:
+        adapter._check_same_everywhere(Job(), "fit", [("samples", 24), ("batch_size", 8), ("epochs", 2), ("shuffle", 2),
+                                                      ("validation_samples", -1), ("validation_split", 250000)])
+    assert str(caught.value) == (
+        "Every worker must call fit() with the same full arrays and arguments (distkeras shards the data itself). "
+        "Received (samples, batch_size, epochs, shuffle, validation_samples, validation_split) by rank: "
+        "0: (24, 8, 2, 'batch', None, 0.25), 1: (23, 8, 2, 'batch', None, 0.25).")

@@ -847,8 +847,15 @@ def _check_same_everywhere(job, call, values):
     everyone = job.all_sum(mine.ravel()).reshape(mine.shape)
     if (everyone != everyone[0]).any():
         names = ", ".join(name for name, _ in values)
+        shown = [_SHOWN.get(name, str) for name, _ in values]
         raise ShardError(
             "Every worker must call {}() with the same full arrays and arguments (distkeras shards the data itself). "
             "Received ({}) by rank: {}.".format(call, names, ", ".join(
-                "{}: ({})".format(r, ", ".join(str(int(a) * 4096 + int(b) - 1) for a, b in row))
+                "{}: ({})".format(r, ", ".join(show(int(a) * 4096 + int(b) - 1) for show, (a, b) in zip(shown, row)))
                 for r, row in enumerate(everyone))))
+
+
+#: How :func:`_check_same_everywhere` shows the values it compares as codes (the others are plain ints).
+_SHOWN = {"shuffle": lambda code: ["False", "True", "'batch'"][code],
+          "validation_samples": lambda code: "None" if code < 0 else str(code),
+          "validation_split": lambda code: repr(code / 1e6)}
