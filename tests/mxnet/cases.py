@@ -57,7 +57,26 @@ def evaluate_all(distribute, seed=0):
     history = distribute(build(seed)).fit(x24, y24, batch_size=6, epochs=1, shuffle=False,
                                           validation_data=(x, y, weights), verbose=0).history
     results.update(("data_" + k, v) for k, v in history.items())
+    # Two outputs, a loss and metrics each (the loss weighs samples, the metrics rows), sample weights per output
+    # (zero in the same rows: see tests/mxnet/test_distribute.py for zeros in other rows).
+    model = distribute(two_outputs(seed))
+    targets = [y, y[:, :2]]
+    results["two_outputs_evaluate"] = model.evaluate(x, targets, batch_size=EVAL_BATCH, verbose=0,
+                                                     sample_weight=[weights, np.where(weights > 0, 2.5 - weights, 0)])
+    results["two_outputs_predict"] = np.concatenate(model.predict(x, batch_size=EVAL_BATCH), axis=1)
     return {k: np.asarray(v, "float64") for k, v in results.items()}
+
+
+def two_outputs(seed=0):
+    """5 -> 8 tanh -> (3, 2): two outputs with a loss and a metric each."""
+    inputs = keras.layers.Input((5,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = keras.models.Model(inputs, [keras.layers.Dense(3, name="a")(hidden), keras.layers.Dense(2, name="b")(hidden)])
+    rng = np.random.RandomState(seed)
+    model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
+    model.compile(optimizer=keras.optimizers.SGD(lr=0.1), loss=["mse", "mae"], loss_weights=[1.0, 0.5],
+                  metrics=["mae"])
+    return model
 
 
 def dropout_model():

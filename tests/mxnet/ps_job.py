@@ -23,7 +23,7 @@ import contextlib  # noqa: E402
 
 import mxnet as mx  # noqa: E402
 
-from tests.mxnet.cases import build, data, dropout_kept, dropout_model, evaluate_all, fit_kwargs  # noqa: E402
+from tests.mxnet.cases import build, data, dropout_kept, dropout_model, evaluate_all, fit_kwargs, two_outputs  # noqa: E402
 
 
 def main(out_dir, contexts, cases):
@@ -63,6 +63,15 @@ def main(out_dir, contexts, cases):
             except distkeras.errors.ShardError as exc:
                 with open(os.path.join(out_dir, "case{}-rank{}-error.txt".format(index, rank)), "w") as f:
                     f.write(str(exc))
+            initial = two_outputs(seed=0).get_weights()  # rank 0's, which every rank takes in its first step
+            model = distkeras.distribute(two_outputs(seed=rank), devices=contexts)
+            try:  # output b weighs rows 2 and 3 of each 4 by 0, output a none: some worker's context has no b sample
+                model.fit(x, [y, y[:, :2]], batch_size=4, epochs=1, shuffle=False, verbose=0,
+                          sample_weight=[np.ones(10, "float32"), (np.arange(10) % 4 < 2).astype("float32")])
+            except distkeras.errors.ShardError as exc:
+                moved = max(float(np.abs(a - b).max()) for a, b in zip(initial, model.get_weights()))
+                with open(os.path.join(out_dir, "case{}-rank{}-unweighted.txt".format(index, rank)), "w") as f:
+                    f.write("{}\n{}".format(moved, exc))
             np.savez(os.path.join(out_dir, "case{}-rank{}-rows.npz".format(index, rank)),
                      **{"{}-{}".format(i, phase): fed for i, (phase, fed) in enumerate(rows)})
             continue

@@ -511,3 +511,26 @@ def test_workers_calling_fit_differently_are_told_what_each_rank_passed():
         "Every worker must call fit() with the same full arrays and arguments (distkeras shards the data itself). "
         "Received (samples, batch_size, epochs, shuffle, validation_samples, validation_split) by rank: "
         "0: (24, 8, 2, 'batch', None, 0.25), 1: (23, 8, 2, 'batch', None, 0.25).")
+
+
+def test_outputs_weighted_zero_in_other_rows_are_an_error_not_nan():
+    # Two outputs; output b's sample weights are 0 in rows 2, 3 of each batch of 4, output a's nowhere: on 2
+    # contexts, context 1 has rows of a but none of b, where Keras 2 computes b's loss as 0/0. The step raises before
+    # it updates anything (without the check the weights became NaN); one context trains it as Keras does.
+    from distkeras.errors import ShardError
+    from tests.mxnet.cases import two_outputs
+
+    x, y = data(8)
+    weights = [np.ones(8, "float32"), (np.arange(8) % 4 < 2).astype("float32")]
+    single = two_outputs(0)
+    single.fit(x, [y, y[:, :2]], batch_size=4, epochs=1, shuffle=False, verbose=0, sample_weight=weights)
+    assert all(np.isfinite(w).all() for w in single.get_weights())
+    model = distkeras.distribute(two_outputs(0), devices=2)
+    before = model.get_weights()
+    with pytest.raises(ShardError, match=r"context 1 \(cpu\(1\)\) has rows of nonzero sample weight for output 'a' "
+                                         r"but none for output 'b'"):
+        model.fit(x, [y, y[:, :2]], batch_size=4, epochs=1, shuffle=False, verbose=0, sample_weight=weights)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ShardError):
+        model.evaluate(x, [y, y[:, :2]], batch_size=4, verbose=0, sample_weight=weights)

@@ -155,11 +155,13 @@ def check_evaluate_and_predict(out_dir, workers, index):
     results = [dict(np.load(os.path.join(str(out_dir), "case{}-rank{}.npz".format(index, rank))))
                for rank in range(workers)]
     # The passes each rank's MXNet module computed, in order: evaluate twice, predict twice, then the validation of
-    # fit(validation_split=0.25) on rows 18..23 of 24 (batch 8, 2 epochs) and of fit(validation_data=10 rows) (batch 6).
+    # fit(validation_split=0.25) on rows 18..23 of 24 (batch 8, 2 epochs) and of fit(validation_data=10 rows) (batch 6),
+    # then evaluate and predict of the model with two outputs.
     x, _ = data(24)
     ten = batches(range(EVAL_SAMPLES), EVAL_BATCH)
     passes = ([("test", b) for b in ten * 2] + [("pred", b) for b in ten * 2] + [("test", list(range(18, 24)))] * 2
-              + [("test", b) for b in batches(range(EVAL_SAMPLES), 6)])
+              + [("test", b) for b in batches(range(EVAL_SAMPLES), 6)] + [("test", b) for b in ten]
+              + [("pred", b) for b in ten])
     for rank in range(workers):
         saved = np.load(os.path.join(str(out_dir), "case{}-rank{}-rows.npz".format(index, rank)))
         fed = [saved[k] for k in sorted(saved.files, key=lambda k: int(k.split("-")[0]))]
@@ -175,6 +177,12 @@ def check_evaluate_and_predict(out_dir, workers, index):
             assert f.read() == ("Every worker must call evaluate() with the same full arrays and arguments (distkeras "
                                 "shards the data itself). Received (samples, batch_size) by rank: " + ", ".join(
                                     "{}: ({}, 32)".format(r, 9 if r == 1 else 10) for r in range(workers)) + ".")
+    for rank in range(workers):  # sample weights leaving a context with rows of output a but none of b: every
+        # rank raises in the first step, before any update (rank 0's initial weights; Keras 2 would compute 0/0
+        # there, and the weights would become NaN)
+        with open(os.path.join(str(out_dir), "case{}-rank{}-unweighted.txt".format(index, rank))) as f:
+            moved, message = f.read().split("\n", 1)
+        assert float(moved) == 0.0 and message.startswith("The sample weights of this step leave an output"), message
     assert sorted(results[0]) == sorted(expected)
     assert any(k.startswith("split_val_") for k in expected) and any(k.startswith("data_val_") for k in expected)
     for name in sorted(expected):

@@ -62,6 +62,9 @@ A loss function returning one number for the batch (a mean over everything) is e
 2 gives each context that number for its rows, weighed like a mean loss. With sample weights Keras multiplies it
 by the batch's mean sample weight, a product of two batch means that no weighted sum over contexts gives:
 approximate then. Embedding gradients (a gather) are dense arrays per context, summed densely: exact with Adam.
+Sample weights that give a context (or worker) of a step rows of nonzero weight for one output and none for
+another make Keras 2 compute that output's loss there as 0/0 (NaN gradient, NaN weights): the step raises a
+``ShardError`` before it updates anything, on every worker of a job.
 
 The per-step code talks to keras-mxnet's Model internals (``_adjust_module``, ``_module``,
 ``_update``...), as keras-mxnet's own train/test/predict functions do: it has no public hook between
@@ -428,6 +431,34 @@ def _context_counts(model, inputs, batch):
     return [int(np.count_nonzero(weights[s])) if s.start < batch else 0 for s in slices]
 
 
+def _unweighted_output(model, inputs, batch):
+    """Where a context of this step has rows of nonzero sample weight for one output and none for another: a
+    sentence saying so, else None. Keras 2 divides each context's loss of an output by its count of nonzero sample
+    weights, so that loss is 0/0 (NaN) there, its gradient NaN, and no weighing of the contexts' values repairs it
+    (one device divides by the whole batch's count)."""
+    import numpy as np
+
+    names = [name for name, fn in zip(model.output_names, model.loss_functions) if fn is not None]
+    positions = _sample_weight_positions(model)
+    if len(positions) < 2 or len(names) != len(positions) or len(inputs) < positions[-1] + 1:
+        return None
+    slices = model._module._curr_module._exec_group.slices
+    counts = [[int(np.count_nonzero(inputs[i][s])) if s.start < batch else 0 for s in slices] for i in positions]
+    for context, per_output in enumerate(zip(*counts)):
+        if any(per_output) and not all(per_output):
+            return ("context {} ({}) has rows of nonzero sample weight for output {!r} but none for output {!r}".format(
+                context, model._context[context], names[per_output.index(max(per_output))], names[per_output.index(0)]))
+    return None
+
+
+def _unweighted_output_error(where):
+    return ShardError(
+        "The sample weights of this step leave an output without any sample of nonzero weight on one replica while "
+        "another output has some there ({}). Keras 2 computes that replica's loss of the output as 0/0 (NaN), and "
+        "its gradient would turn the weights into NaN. Give every output its zero sample weights in the same rows, "
+        "or choose a batch size where every replica gets rows of nonzero weight for every output.".format(where))
+
+
 def _context_rows(model, batch, real=None):
     """Each context's count of real rows: padding rows count 0, and every row where ``real`` is 0 (a worker's
     step on a copy of a row, weighted 0, because the global batch had no row for it)."""
@@ -571,9 +602,10 @@ def _train_step_in_job(model, inputs):
     # What each value adds to the job's: its contexts' values weighed by their counts of samples or of rows
     # (_counted_by_samples). A context with nothing to count has a loss of 0/0 in Keras: left out, its
     # gradient zeroed (not multiplied: NaN * 0).
+    unweighted = _unweighted_output(model, inputs, batch)
     stats = [float(sum(counts)), float(sum(rows))] + [
         sum(c * float(out.asnumpy().mean()) for c, out in zip(counts if kind else rows, per) if c)
-        for kind, per in zip(kinds, outputs)]
+        for kind, per in zip(kinds, outputs)] + [float(bool(unweighted))]  # last: how many workers hit that
     # grad_arrays: per parameter, each context's gradient after backward; module.update() applies them as they
     # are then, so weighing them in place here is the hook between backward and update keras-mxnet lacks.
     group = module._curr_module._exec_group
@@ -596,6 +628,8 @@ def _train_step_in_job(model, inputs):
         keys["stats", len(stats)] = stats_key
     job.sum(names + [stats_key], grads + [totals], None)  # in place: the job's sums
     totals = totals.asnumpy()
+    if totals[-1]:  # on every worker, before update(): nothing is applied
+        raise _unweighted_output_error(unweighted or "on {:.0f} other worker(s)".format(totals[-1]))
     for per_context in grads:
         for grad in per_context:
             grad /= float(totals[0])
@@ -611,6 +645,9 @@ def _train_step(model, inputs):
         return _train_step_in_job(model, inputs)
     inputs, batch = _pad(model, inputs)
     model._module.forward_backward(_batch(model, inputs, "train"))
+    unweighted = _unweighted_output(model, inputs, batch)
+    if unweighted:  # before update(): nothing is applied
+        raise _unweighted_output_error(unweighted)
     weights = _context_weights(model, inputs, batch)
     for per_context in model._module._curr_module._exec_group.grad_arrays:  # see _train_step_in_job
         if per_context[0] is None:  # a weight that doesn't train
@@ -640,6 +677,9 @@ def _test_step(model, inputs):
     if getattr(model, "_distkeras_shard", None) is not None:
         return _test_step_in_job(model, inputs)
     inputs, batch = _forward(model, inputs, "test")
+    unweighted = _unweighted_output(model, inputs, batch)
+    if unweighted:
+        raise _unweighted_output_error(unweighted)
     return _weighted_outputs(model, model._ntrain, inputs, batch)
 
 
@@ -655,10 +695,13 @@ def _test_step_in_job(model, inputs):
     rows = _context_rows(model, batch, real)
     outputs = model._module.get_outputs(merge_multi_context=False)[: model._ntrain]
     kinds = _counted_by_samples(model, len(outputs))
+    unweighted = _unweighted_output(model, inputs, batch)
     stats = [float(sum(counts)), float(sum(rows))] + [  # see _train_step_in_job
         sum(c * float(out.asnumpy().mean()) for c, out in zip(counts if kind else rows, per) if c)
-        for kind, per in zip(kinds, outputs)]
+        for kind, per in zip(kinds, outputs)] + [float(bool(unweighted))]
     totals = model._distkeras_job.all_sum(np.array(stats, "float32"))
+    if totals[-1]:
+        raise _unweighted_output_error(unweighted or "on {:.0f} other worker(s)".format(totals[-1]))
     return [float(value) / float(totals[0 if kind else 1]) for kind, value in zip(kinds, totals[2:])]
 
 
