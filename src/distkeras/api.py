@@ -197,18 +197,8 @@ def _record(model, adapter, devices, cluster, distributed):
     return info
 
 
-def _variables_exist(model):
-    """True for a model that ``built`` says is not built but whose variables all exist: a wrapper with no
-    ``call()`` (a GAN holding a generator and a discriminator), or a subclassed model whose layers are built
-    by its first ``fit()`` (an adapter that makes late variables rank 0's accepts it)."""
-    try:
-        return all(getattr(v, "value", None) is not None for v in model.variables)
-    except Exception:  # a Keras (or a variable) that can't tell before the model is built
-        return False
-
-
 def distribute(model, devices=None, **options):
-    """Make a built Keras model train data-parallel on ``devices``, in place.
+    """Make a Keras model train data-parallel on ``devices``, in place.
 
     The model itself is distributed and returned (``distribute(model) is model``): its own variables
     (weights, metric state, optimizer slots) are placed on the devices, nothing is rebuilt from its
@@ -219,7 +209,9 @@ def distribute(model, devices=None, **options):
     plain single-device model, which loads in Keras without distkeras.
 
     Args:
-        model: a built ``keras.Model`` (compiled or not).
+        model: a ``keras.Model`` (compiled or not). On Keras 3 it may be unbuilt, or have no ``call()`` of
+            its own (a GAN wrapper whose ``train_step`` calls sub-models): the variables it creates when it
+            first builds are created distributed. Keras 2 (MXNet, CNTK) models must be built.
         devices: ``None``/``"auto"`` (every accelerator, else every CPU device), an int N (the first N),
             a list of accelerator ids, or device strings such as ``"gpu:0"``, ``"/device:GPU:1"``.
         **options: backend options; each adapter lists the ones it accepts (an unknown one is an error).
@@ -228,7 +220,7 @@ def distribute(model, devices=None, **options):
         ``model`` itself, data-parallel (unchanged when one device is asked for in a one-process job).
 
     Raises:
-        ModelError: ``model`` is not a built Keras model.
+        ModelError: ``model`` is not a Keras model, or a Keras 2 model that is not built.
         DeviceSpecError: ``devices`` is malformed or names a device that isn't there.
         BackendError / BackendUnavailableError: the Keras backend is unsupported or not installed.
         OptionError: an option the backend doesn't know.
@@ -239,10 +231,12 @@ def distribute(model, devices=None, **options):
     """
     adapter = _adapter_for(model)
     adapter.check_options(options)
-    if not getattr(model, "built", False) and not _variables_exist(model):
+    if not getattr(model, "built", False) and not adapter.late_variables:
         raise ModelError(
-            "The model is not built, so it has no weights to replicate yet. Build it first: give it an "
-            "Input layer, call model.build(input_shape), or call it once on a batch of data."
+            "The {} backend replicates the variables a model has when it is distributed, and this {} is not "
+            "built, so it has none yet. Build it first: give it an Input layer, call model.build(input_shape), "
+            "or call it once on a batch of data (model(x[:1])), then distribute it.".format(
+                adapter.name, type(model).__name__)
         )
     cluster = cluster_lib.from_env()
     available = adapter.list_devices()

@@ -238,3 +238,37 @@ def cpu_devices_after_start(devices, count):
             os.environ[CPU_DEVICES_ENV] = before
     return None
 
+
+
+def train_unbuilt(devices, wrapped=False):
+    """A subclassed model distributed before it is built (its first fit() builds it), or a model that only
+    wraps a built sub-model (``wrapped``: it is never built itself); returns its weights, History and
+    the replicas and distinct places the framework reports (``patterns.replicas_seen``)."""
+    import keras
+
+    import distkeras
+
+    keras.utils.set_random_seed(0)
+
+    class Net(keras.Model):
+        def __init__(self, inner=None, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = inner
+            if inner is None:
+                self.hidden = keras.layers.Dense(16, activation="tanh")
+                self.out = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.inner(x) if self.inner is not None else self.out(self.hidden(x))
+
+    model = Net(build(keras) if wrapped else None)
+    assert not model.built
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="mse", metrics=["mae"])
+    if devices > 1:
+        model = distkeras.distribute(model, devices=devices)
+    x, y = data(60)
+    history = model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    from tests.backends.patterns import replicas_seen
+
+    return [np.asarray(w) for w in model.get_weights()], history.history, replicas_seen(model)
+

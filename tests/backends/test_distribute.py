@@ -210,10 +210,14 @@ def test_unknown_option_names_the_known_ones():
         distkeras.distribute(scenarios.build(keras), devices=2, num_quantisation_bits=8)
 
 
-def test_unbuilt_model():
-    model = keras.Sequential([keras.layers.Dense(3)])
-    with pytest.raises(distkeras.ModelError, match="not built"):
-        distkeras.distribute(model, devices=2)
+@pytest.mark.parametrize("wrapped", [False, True], ids=["unbuilt", "wrapper"])
+def test_unbuilt_model_is_distributed_when_it_builds(wrapped):
+    expected_weights, expected_history, _ = scenarios.train_unbuilt(1, wrapped)
+    weights, history, replicas = replicated(2, scenarios.train_unbuilt, 2, wrapped)
+    assert replicas == (2, 2)
+    assert_weights_close(expected_weights, weights)
+    for key, values in expected_history.items():
+        np.testing.assert_allclose(history[key], values, rtol=RTOL, atol=ATOL, err_msg=key)
 
 
 def test_not_a_model():

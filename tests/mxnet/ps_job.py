@@ -19,7 +19,11 @@ import distkeras  # distkeras: first, before keras
 
 import keras  # noqa: E402
 
-from tests.mxnet.cases import build, data, fit_kwargs  # noqa: E402
+import contextlib  # noqa: E402
+
+import mxnet as mx  # noqa: E402
+
+from tests.mxnet.cases import build, data, dropout_kept, dropout_model, evaluate_all, fit_kwargs, two_outputs  # noqa: E402
 
 
 def main(out_dir, contexts, cases):
@@ -49,6 +53,34 @@ def main(out_dir, contexts, cases):
 
             model.fit(x, y, batch_size=4, epochs=50, shuffle=False, verbose=0, callbacks=[Kill()])
             return
+        if case == "eval":  # evaluate()/predict()/validation split over the workers; the rows each one computed
+            with fed_rows() as rows:
+                results = evaluate_all(lambda model: distkeras.distribute(model, devices=contexts), seed=rank)
+            np.savez(os.path.join(out_dir, "case{}-rank{}.npz".format(index, rank)), **results)
+            x, y = data(10)
+            try:  # rank 1 evaluates one row fewer: every rank raises, none waits forever
+                distkeras.distribute(build(seed=rank), devices=contexts).evaluate(x[:10 - (rank == 1)], y[:10 - (rank == 1)])
+            except distkeras.errors.ShardError as exc:
+                with open(os.path.join(out_dir, "case{}-rank{}-error.txt".format(index, rank)), "w") as f:
+                    f.write(str(exc))
+            initial = two_outputs(seed=0).get_weights()  # rank 0's, which every rank takes in its first step
+            model = distkeras.distribute(two_outputs(seed=rank), devices=contexts)
+            try:  # output b weighs rows 2 and 3 of each 4 by 0, output a none: some worker's context has no b sample
+                model.fit(x, [y, y[:, :2]], batch_size=4, epochs=1, shuffle=False, verbose=0,
+                          sample_weight=[np.ones(10, "float32"), (np.arange(10) % 4 < 2).astype("float32")])
+            except distkeras.errors.ShardError as exc:
+                moved = max(float(np.abs(a - b).max()) for a, b in zip(initial, model.get_weights()))
+                with open(os.path.join(out_dir, "case{}-rank{}-unweighted.txt".format(index, rank)), "w") as f:
+                    f.write("{}\n{}".format(moved, exc))
+            np.savez(os.path.join(out_dir, "case{}-rank{}-rows.npz".format(index, rank)),
+                     **{"{}-{}".format(i, phase): fed for i, (phase, fed) in enumerate(rows)})
+            continue
+        if case == "dropout":  # one step on a row of ones per context of the job: the masks each drew
+            model = distkeras.distribute(dropout_model(), devices=contexts)
+            rows = contexts * int(os.environ["WORLD_SIZE"])
+            model.fit(np.ones((rows, 1), "float32"), np.zeros((rows, 64), "float32"), batch_size=rows, verbose=0)
+            np.save(os.path.join(out_dir, "case{}-rank{}.npy".format(index, rank)), dropout_kept(model, rows))
+            continue
         samples = int(case.split(":")[0])
         model = distkeras.distribute(build(seed=rank), devices=contexts)
         x, y = data(samples)
@@ -64,6 +96,25 @@ def main(out_dir, contexts, cases):
                    "contexts": [str(c) for c in model._context], "describe": distkeras.describe(model)}
     with open(os.path.join(out_dir, "kv-rank{}.json".format(rank)), "w") as f:
         json.dump(kv_seen, f)
+
+
+@contextlib.contextmanager
+def fed_rows():
+    """The rows MXNet's modules compute a test or predict forward pass on, as ``[(phase, rows)]``: what this
+    worker really evaluated and predicted (read at MXNet's BucketingModule.forward, which keras-mxnet calls)."""
+    seen = []
+    forward = mx.mod.BucketingModule.forward
+
+    def recording(self, data_batch, is_train=None):
+        if data_batch.bucket_key in ("test", "pred"):
+            seen.append((data_batch.bucket_key, data_batch.data[0].asnumpy()))
+        return forward(self, data_batch, is_train=is_train)
+
+    mx.mod.BucketingModule.forward = recording
+    try:
+        yield seen
+    finally:
+        mx.mod.BucketingModule.forward = forward
 
 
 def job_process(role):

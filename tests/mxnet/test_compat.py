@@ -79,6 +79,29 @@ def callbacks_lr_and_early_stop():
     return model, x, y, {"callbacks": callbacks, "epochs": 6}
 
 
+def scalar_loss():
+    # A loss function that returns one number for the batch (it ends in a mean over everything, not per sample):
+    # Keras 2 multiplies it by the sample weights' mean over their nonzero count (1 without sample weights), so
+    # each context's value is its rows' mean, which the adapter weighs by its share of the batch like a mean loss.
+    from keras import backend
+
+    model = keras.models.Sequential([keras.layers.Dense(16, activation="tanh", input_shape=(6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=lambda y, p: backend.mean(backend.square(y - p)))
+    x, y = _data()
+    return model, x, y, {}
+
+
+def embedding_adam():
+    # Embedding rows looked up on several contexts in one step (the same ids in every context's rows): MXNet's
+    # gradient of the lookup is a dense array per context (tests/mxnet/test_internals.py), added densely, so Adam's
+    # moments see the global gradient; a sum of per-context sparse rows would give Adam sum(g^2), not (sum g)^2.
+    model = keras.models.Sequential([keras.layers.Embedding(10, 4, input_length=5), keras.layers.Flatten(),
+                                     keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    _, y = _data()
+    return model, np.random.default_rng(5).integers(0, 10, size=(SAMPLES, 5)).astype("float32"), y, {}
+
+
 #: name -> (build, weight tolerance). keras-mxnet has no clipvalue; its optimizers take clipnorm only.
 PATTERNS = {
     "sequential_sgd_momentum": (lambda: _mlp(keras.optimizers.SGD(0.1, momentum=0.9)), 1e-5),
@@ -92,6 +115,8 @@ PATTERNS = {
     "sample_weights": (sample_and_class_weights, 1e-5),
     "class_weights": (class_weights, 1e-5),
     "callbacks_lr_and_early_stop": (callbacks_lr_and_early_stop, 1e-5),
+    "scalar_loss": (scalar_loss, 1e-5),
+    "embedding_adam": (embedding_adam, 1e-5),
 }
 
 

@@ -458,3 +458,79 @@ def test_2bit_compression_with_error_feedback_still_trains():
 def test_bad_compression(options, message):
     with pytest.raises(distkeras.OptionError, match=message):
         distkeras.distribute(build(), devices=2, **options)
+
+
+def test_a_context_whose_sample_weights_are_all_zero():
+    # 6 rows on 3 contexts, rows 0 and 1 (context 0's) weighted 0: Keras' loss on that context is 0/0. It counts
+    # for nothing in one context's loss, its gradient and evaluate(), and must not turn them into NaN.
+    x, y = data(12)
+    weights = np.where(np.arange(12) % 6 < 2, 0.0, 1.5).astype("float32")
+    single = build()
+    expected_history = single.fit(x, y, sample_weight=weights, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    expected = single.evaluate(x, y, sample_weight=weights, batch_size=6, verbose=0)
+    dist = distkeras.distribute(build(), devices=3)
+    history = dist.fit(x, y, sample_weight=weights, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    for name in ("loss", "mean_absolute_error"):
+        np.testing.assert_allclose(history[name], expected_history[name], rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(dist.evaluate(x, y, sample_weight=weights, batch_size=6, verbose=0), expected, rtol=1e-5)
+
+
+def test_contexts_draw_independent_dropout_masks():
+    # One step of a Dropout model on 3 rows of ones, one per context: per unit, how many rows kept it. Contexts
+    # drawing alike would make every count 0 or 3; MXNet's CPU contexts draw from one generator in turn, so the
+    # masks are independent (not one context's: that draws the 3 rows' masks in one call, which no split repeats).
+    from tests.mxnet.cases import dropout_kept, dropout_model
+
+    model = distkeras.distribute(dropout_model(), devices=3)
+    model.fit(np.ones((3, 1), "float32"), np.zeros((3, 64), "float32"), batch_size=3, verbose=0)
+    kept = dropout_kept(model, 3)
+    assert set(kept) <= {0, 1, 2, 3}
+    assert int(((kept == 1) | (kept == 2)).sum()) >= 16, kept
+
+
+def test_workers_calling_fit_differently_are_told_what_each_rank_passed():
+    # What every rank of a job raises when their fit() calls differ (here rank 1 has one sample fewer); the job's
+    # all-sum is stood in for by one that fills in rank 1's row (tests/mxnet/test_multiworker.py runs it for real).
+    from distkeras.backends import mxnet as adapter
+    from distkeras.errors import ShardError
+
+    class Job(object):
+        rank, workers = 0, 2
+
+        def all_sum(self, vector):
+            rows = vector.reshape(2, -1, 2).copy()
+            rows[1] = rows[0]
+            rows[1, 0] = divmod(23 + 1, 4096)
+            return rows.ravel()
+
+    with pytest.raises(ShardError) as caught:
+        adapter._check_same_everywhere(Job(), "fit", [("samples", 24), ("batch_size", 8), ("epochs", 2), ("shuffle", 2),
+                                                      ("validation_samples", -1), ("validation_split", 250000)])
+    assert str(caught.value) == (
+        "Every worker must call fit() with the same full arrays and arguments (distkeras shards the data itself). "
+        "Received (samples, batch_size, epochs, shuffle, validation_samples, validation_split) by rank: "
+        "0: (24, 8, 2, 'batch', None, 0.25), 1: (23, 8, 2, 'batch', None, 0.25).")
+
+
+def test_outputs_weighted_zero_in_other_rows_are_an_error_not_nan():
+    # Two outputs; output b's sample weights are 0 in rows 2, 3 of each batch of 4, output a's nowhere: on 2
+    # contexts, context 1 has rows of a but none of b, where Keras 2 computes b's loss as 0/0. The step raises before
+    # it updates anything (without the check the weights became NaN); one context trains it as Keras does.
+    from distkeras.errors import ShardError
+    from tests.mxnet.cases import two_outputs
+
+    x, y = data(8)
+    weights = [np.ones(8, "float32"), (np.arange(8) % 4 < 2).astype("float32")]
+    single = two_outputs(0)
+    single.fit(x, [y, y[:, :2]], batch_size=4, epochs=1, shuffle=False, verbose=0, sample_weight=weights)
+    assert all(np.isfinite(w).all() for w in single.get_weights())
+    model = distkeras.distribute(two_outputs(0), devices=2)
+    before = model.get_weights()
+    with pytest.raises(ShardError, match=r"context 1 \(cpu\(1\)\) has rows of nonzero sample weight for output 'a' "
+                                         r"but none for output 'b'"):
+        model.fit(x, [y, y[:, :2]], batch_size=4, epochs=1, shuffle=False, verbose=0, sample_weight=weights)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ShardError):
+        model.evaluate(x, [y, y[:, :2]], batch_size=4, verbose=0, sample_weight=weights)

@@ -135,3 +135,21 @@ def test_metrics_names_follow_compiles_order_of_losses_metrics_and_weighted_metr
     expected = [name == "loss" or name.endswith("_loss") or "_weighted_" in name for name in names]
     assert adapter._counted_by_samples(model, len(names)) == expected
     assert expected.count(False) == 3 and expected.count(True) == 5, names
+
+
+def test_embedding_gradients_are_dense_arrays_per_context():
+    # keras-mxnet's Embedding looks rows up with a gather whose gradient MXNet writes as a dense array (storage
+    # type 'default') per context: the weighing and the sums (KVStore, or in place) are dense, so Adam sees the
+    # global gradient (tests/mxnet/test_compat.py::embedding_adam trains it against one context).
+    model = keras.models.Sequential([keras.layers.Embedding(10, 4, input_length=3), keras.layers.Flatten(),
+                                     keras.layers.Dense(2)])
+    model._context = [mx.cpu(0), mx.cpu(1)]
+    model._kvstore = "device"
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    model.train_on_batch(np.array([[1, 2, 1]] * 4, "float32"), np.zeros((4, 2), "float32"))
+    group = _group(model)
+    grads = dict(zip(group.param_names, group.grad_arrays))
+    embedding = [name for name in grads if "embedding" in name]
+    assert embedding, sorted(grads)
+    for per_context in grads[embedding[0]]:
+        assert per_context.stype == "default" and per_context.shape == (10, 4)

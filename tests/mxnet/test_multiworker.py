@@ -21,16 +21,19 @@ import pytest
 
 from tests.mxnet.harness import ROOT, keras  # noqa: F401 (skips without keras-mxnet)
 from distkeras.launch import free_port
-from tests.mxnet.cases import build, data, fit_kwargs
+from tests.mxnet.cases import EVAL_BATCH, EVAL_SAMPLES, build, data, evaluate_all, fit_kwargs
 
 STOP_TIMEOUT = 10
 #: Cases of the 2-worker job: SAMPLES:BATCH:EPOCHS[:FLAGS] (tests/mxnet/cases.py: w sample weights, s shuffle=True,
 #: b shuffle='batch'). 24:8 even; 29:6 a last batch of 5 (3 + 2 rows); 25:6 a last batch of 1 row (worker 1
 #: steps on a copy weighted 0); 30:10 with sample weights, some 0; 29:6 shuffled; 27:7 a batch no worker count
 #: divides, shuffled, weighted.
-CASES_2 = ["24:8:2", "29:6:2", "25:6:1", "30:10:2:w", "29:6:3:s", "27:7:2:ws"]
+CASES_2 = ["24:8:2", "29:6:2", "25:6:1", "30:10:2:w", "29:6:3:s", "27:7:2:ws", "eval", "dropout"]
+#: "eval" (both jobs): evaluate() and predict() on 10 rows in batches of 4 (sample weights; a last batch of 2, smaller
+#: than 3 workers), a model never compiled, fit()'s validation_split and validation_data (tests/mxnet/cases.py).
+#: "dropout": one step of a Dropout model on one row per context of the job (tests/mxnet/cases.py).
 #: Last batches of 4 (2+1+1 rows) and 2 (worker 2 pads); shuffle='batch'.
-CASES_3 = ["31:9:2", "20:6:1:w", "26:6:2:bw"]
+CASES_3 = ["31:9:2", "20:6:1:w", "26:6:2:bw", "eval", "dropout"]
 #: Cases of the 2-node job (1 worker, 1 context each): shuffled with an uneven last batch, weighted.
 CASES_NODES = ["29:6:2:s", "30:10:1:w"]
 
@@ -96,6 +99,12 @@ def load(out_dir, case, rank):
 
 def check_job(out_dir, workers, cases):
     for index, case in enumerate(cases):
+        if case == "eval":
+            check_evaluate_and_predict(out_dir, workers, index)
+            continue
+        if case == "dropout":
+            check_dropout_masks(out_dir, workers, index)
+            continue
         expected, expected_history = single_process(case)
         first, history = load(out_dir, index, 0)
         for rank in range(1, workers):
@@ -119,6 +128,68 @@ def check_job(out_dir, workers, cases):
     assert [s["describe"]["rank"] for s in seen] == list(range(workers))
     return seen
 
+
+def check_dropout_masks(out_dir, workers, index):
+    """The workers draw independent dropout masks for their rows (keras-mxnet reseeds MXNet alike on every worker
+    when it builds a Dropout layer: distribute() reseeds every rank but 0 by its rank). The job has trained other
+    models before this one, as a script may. Per unit, how many rows of the step kept it: with the workers' masks alike, every count is a
+    multiple of the worker count; drawn independently (p=0.5, 64 units), many are not. Exactly one process's masks
+    can't be drawn: MXNet's generators are per device, and one context draws all its rows' masks in one stream."""
+    kept = [np.load(os.path.join(str(out_dir), "case{}-rank{}.npy".format(index, rank))) for rank in range(workers)]
+    for rank in range(1, workers):
+        np.testing.assert_array_equal(kept[rank], kept[0])  # one update, the same on every rank
+    uneven = int((kept[0] % workers != 0).sum())
+    assert uneven >= 16, kept[0]
+    print("dropout: {} of 64 units kept by a number of rows that is not a multiple of {} workers".format(uneven, workers))
+
+
+def batches(rows, batch):
+    return [list(rows[start:start + batch]) for start in range(0, len(rows), batch)]
+
+
+def check_evaluate_and_predict(out_dir, workers, index):
+    """The ``eval`` case: every rank's evaluate()/predict()/validation results are one process's (and the same on
+    every rank), and each rank computed only its rows [rank::workers] of each global batch (one copy of the batch's
+    first row, weighted 0, where a batch has none for it)."""
+    expected = evaluate_all(lambda model: model, seed=0)
+    results = [dict(np.load(os.path.join(str(out_dir), "case{}-rank{}.npz".format(index, rank))))
+               for rank in range(workers)]
+    # The passes each rank's MXNet module computed, in order: evaluate twice, predict twice, then the validation of
+    # fit(validation_split=0.25) on rows 18..23 of 24 (batch 8, 2 epochs) and of fit(validation_data=10 rows) (batch 6),
+    # then evaluate and predict of the model with two outputs.
+    x, _ = data(24)
+    ten = batches(range(EVAL_SAMPLES), EVAL_BATCH)
+    passes = ([("test", b) for b in ten * 2] + [("pred", b) for b in ten * 2] + [("test", list(range(18, 24)))] * 2
+              + [("test", b) for b in batches(range(EVAL_SAMPLES), 6)] + [("test", b) for b in ten]
+              + [("pred", b) for b in ten])
+    for rank in range(workers):
+        saved = np.load(os.path.join(str(out_dir), "case{}-rank{}-rows.npz".format(index, rank)))
+        fed = [saved[k] for k in sorted(saved.files, key=lambda k: int(k.split("-")[0]))]
+        phases = [k.split("-")[1] for k in sorted(saved.files, key=lambda k: int(k.split("-")[0]))]
+        computed = [(phase, sorted({int(np.abs(x - row).sum(axis=1).argmin()) for row in rows}))
+                    for phase, rows in zip(phases, fed)]
+        mine = [(phase, sorted(set(b[rank::workers] or b[:1]))) for phase, b in passes]
+        assert computed == mine, (rank, computed)
+        print("rank {} computed {} of the {} rows evaluated and predicted".format(
+            rank, sum(len(rows) for rows in fed), sum(len(b) for _, b in passes)))
+    for rank in range(workers):  # evaluate() with other arrays on rank 1: a ShardError on every rank, naming them
+        with open(os.path.join(str(out_dir), "case{}-rank{}-error.txt".format(index, rank))) as f:
+            assert f.read() == ("Every worker must call evaluate() with the same full arrays and arguments (distkeras "
+                                "shards the data itself). Received (samples, batch_size) by rank: " + ", ".join(
+                                    "{}: ({}, 32)".format(r, 9 if r == 1 else 10) for r in range(workers)) + ".")
+    for rank in range(workers):  # sample weights leaving a context with rows of output a but none of b: every
+        # rank raises in the first step, before any update (rank 0's initial weights; Keras 2 would compute 0/0
+        # there, and the weights would become NaN)
+        with open(os.path.join(str(out_dir), "case{}-rank{}-unweighted.txt".format(index, rank))) as f:
+            moved, message = f.read().split("\n", 1)
+        assert float(moved) == 0.0 and message.startswith("The sample weights of this step leave an output"), message
+    assert sorted(results[0]) == sorted(expected)
+    assert any(k.startswith("split_val_") for k in expected) and any(k.startswith("data_val_") for k in expected)
+    for name in sorted(expected):
+        for rank in range(1, workers):
+            np.testing.assert_array_equal(results[rank][name], results[0][name], err_msg=name)
+        np.testing.assert_allclose(results[0][name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert results[0]["predict"].shape == (EVAL_SAMPLES, 3)
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):

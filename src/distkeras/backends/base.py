@@ -43,6 +43,9 @@ class Adapter(abc.ABC):
     install_hint = ""
     #: Option names :meth:`distribute` accepts, with a one-line description each.
     options = {}  # type: Dict[str, str]
+    #: Whether :meth:`distribute` takes a model that is not built yet (Keras 3): the variables it creates
+    #: later, when its first ``fit()`` builds it, are created distributed. Keras 2 adapters need them now.
+    late_variables = False
 
     @abc.abstractmethod
     def list_devices(self):

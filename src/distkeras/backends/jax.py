@@ -62,6 +62,7 @@ _ours = weakref.WeakKeyDictionary()
 class JaxAdapter(Adapter):
     name = "jax"
     framework = "jax"
+    late_variables = True
     install_hint = "jax (or 'jax[cuda12]' for NVIDIA GPUs)"
     options = {
         "strategy": "'data' (a replica on every device, the default) or 'model' (kernels sharded)",

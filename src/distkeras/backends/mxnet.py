@@ -42,7 +42,29 @@ refuses a second ``init`` of a key), and
   others zeros, and all pull the sum. The KVStore's own ``init`` would take those of whichever worker
   ps-lite numbered 0, which need not be distkeras' rank 0.
 
-Rank 0 alone prints and saves; ``evaluate`` and ``predict`` run whole on every worker, with equal results.
+- ``evaluate()`` on arrays and ``fit()``'s validation (``validation_split``, ``validation_data``) run Keras' loop
+  over the global arrays on every worker too; the test step keeps the worker's rows ``[r::W]`` of each global
+  batch and the job sums every worker's counts and weighted values in one round: one process's values, sample
+  weights, uneven last batches and batches smaller than W included. ``predict()`` on arrays: each worker
+  predicts its rows of each batch into zeros of the global batch's shape, and the job's sum (exact: each value
+  is added to zeros) is the whole prediction, in order, on every worker. Every worker must call them alike:
+  their samples and batch size are compared first (a ``ShardError`` on every worker, where a mismatch would
+  hang). Tensors and ``steps`` pass through, whole on every worker.
+- ``distribute()`` reseeds MXNet's random generators on every worker but rank 0 by its rank (keras-mxnet
+  reseeds them alike on every worker whenever it builds a Dropout layer), so dropout masks are drawn
+  independently per worker rather than alike. Not one process's masks: MXNet's generators draw a batch's masks
+  in one stream, which no split of the batch repeats. The contexts of one process draw independently too (the
+  CPU contexts from one generator in turn).
+
+Rank 0 alone prints and saves.
+
+A loss function returning one number for the batch (a mean over everything) is exact, also over workers: Keras
+2 gives each context that number for its rows, weighed like a mean loss. With sample weights Keras multiplies it
+by the batch's mean sample weight, a product of two batch means that no weighted sum over contexts gives:
+approximate then. Embedding gradients (a gather) are dense arrays per context, summed densely: exact with Adam.
+Sample weights that give a context (or worker) of a step rows of nonzero weight for one output and none for
+another make Keras 2 compute that output's loss there as 0/0 (NaN gradient, NaN weights): the step raises a
+``ShardError`` before it updates anything, on every worker of a job.
 
 The per-step code talks to keras-mxnet's Model internals (``_adjust_module``, ``_module``,
 ``_update``...), as keras-mxnet's own train/test/predict functions do: it has no public hook between
@@ -172,6 +194,7 @@ class MXNetAdapter(Adapter):
         model._kvstore = None
         model._distkeras_compression = None
         model._distkeras_job = self._job
+        _seed_by_rank(cluster.rank)
         _compile_again(model)
         model._make_train_function = functools.partial(_install, model, "train_function", _train_step)
         model._make_test_function = functools.partial(_install, model, "test_function", _test_step)
@@ -179,6 +202,8 @@ class MXNetAdapter(Adapter):
         if not getattr(model, "_distkeras_fit", False):
             keras3.chief_speaks_and_writes(model, cluster.rank)  # first: it binds verbose in Keras' signature
             model.fit = functools.partial(_fit, model, model.fit)
+            model.evaluate = functools.partial(_evaluate, model, model.evaluate)
+            model.predict = functools.partial(_predict, model, model.predict)
             model._distkeras_fit = True
         return model
 
@@ -242,6 +267,26 @@ class _Job(object):
         if getattr(self, "kv", None) is not None:
             kv, self.kv = self.kv, None
             del kv  # the KVStore's destructor: a barrier of every worker, then the servers stop
+
+
+#: The seed keras-mxnet gives MXNet's generators whenever it builds a Dropout layer given no seed (its
+#: ``backend.dropout`` calls ``mx.random.seed(seed or int(10e6))``).
+_KERAS_MXNET_DROPOUT_SEED = int(10e6)
+
+
+def _seed_by_rank(rank):
+    """Reseed MXNet's random generators on every worker but rank 0 by its rank.
+
+    keras-mxnet reseeds MXNet's generators whenever it builds a Dropout layer (``mx.random.seed(seed or 10e6)``), the
+    same on every worker: each would draw the same dropout masks for its rows as the others. The model is built
+    before distribute(), so reseeding here, after it, makes the workers draw independent masks; rank 0 keeps the
+    seed it had (a one-process run's). Not one process's masks: MXNet draws a batch's masks in one stream, which no
+    split of the batch repeats. The spacing of 1000 keeps apart the streams of MXNet's per-device generators, which
+    it seeds from the seed and the device id."""
+    import mxnet as mx
+
+    if rank:
+        mx.random.seed(_KERAS_MXNET_DROPOUT_SEED + 1000 * rank)
 
 
 def wait_for_scheduler(host, port, timeout):
@@ -386,6 +431,34 @@ def _context_counts(model, inputs, batch):
     return [int(np.count_nonzero(weights[s])) if s.start < batch else 0 for s in slices]
 
 
+def _unweighted_output(model, inputs, batch):
+    """Where a context of this step has rows of nonzero sample weight for one output and none for another: a
+    sentence saying so, else None. Keras 2 divides each context's loss of an output by its count of nonzero sample
+    weights, so that loss is 0/0 (NaN) there, its gradient NaN, and no weighing of the contexts' values repairs it
+    (one device divides by the whole batch's count)."""
+    import numpy as np
+
+    names = [name for name, fn in zip(model.output_names, model.loss_functions) if fn is not None]
+    positions = _sample_weight_positions(model)
+    if len(positions) < 2 or len(names) != len(positions) or len(inputs) < positions[-1] + 1:
+        return None
+    slices = model._module._curr_module._exec_group.slices
+    counts = [[int(np.count_nonzero(inputs[i][s])) if s.start < batch else 0 for s in slices] for i in positions]
+    for context, per_output in enumerate(zip(*counts)):
+        if any(per_output) and not all(per_output):
+            return ("context {} ({}) has rows of nonzero sample weight for output {!r} but none for output {!r}".format(
+                context, model._context[context], names[per_output.index(max(per_output))], names[per_output.index(0)]))
+    return None
+
+
+def _unweighted_output_error(where):
+    return ShardError(
+        "The sample weights of this step leave an output without any sample of nonzero weight on one replica while "
+        "another output has some there ({}). Keras 2 computes that replica's loss of the output as 0/0 (NaN), and "
+        "its gradient would turn the weights into NaN. Give every output its zero sample weights in the same rows, "
+        "or choose a batch size where every replica gets rows of nonzero weight for every output.".format(where))
+
+
 def _context_rows(model, batch, real=None):
     """Each context's count of real rows: padding rows count 0, and every row where ``real`` is 0 (a worker's
     step on a copy of a row, weighted 0, because the global batch had no row for it)."""
@@ -443,7 +516,9 @@ def _weighted_outputs(model, count, inputs, batch):
     by_samples = _context_weights(model, inputs, batch)
     by_rows = [rows / float(batch) for rows in _context_rows(model, batch)]
     outputs = model._module.get_outputs(merge_multi_context=False)[:count]
-    return [sum(w * float(out.asnumpy().mean()) for w, out in zip(by_samples if kind else by_rows, per_context))
+    # A context with nothing to count (all its sample weights 0) has a value of 0/0 in Keras: left out, as NaN * 0
+    # would be NaN.
+    return [sum(w * float(out.asnumpy().mean()) for w, out in zip(by_samples if kind else by_rows, per_context) if w)
             for kind, per_context in zip(_counted_by_samples(model, count), outputs)]
 
 
@@ -488,7 +563,7 @@ def _start_from_rank0(model):
     model._weights_dirty = True
 
 
-def _my_rows(model, inputs):
+def _my_rows(model, inputs, weighted=True):
     """This worker's rows ``[rank::workers]`` of the global batch Keras' fit loop gathered, and their count.
 
     A worker with no row in a short last batch takes a copy of its first row, with sample weight 0 and
@@ -498,7 +573,7 @@ def _my_rows(model, inputs):
     rank, workers = model._distkeras_shard
     size = len(inputs[0])
     real = len(range(rank, size, workers))
-    weights = _sample_weight_positions(model)
+    weights = _sample_weight_positions(model) if weighted else ()  # predict() feeds x alone
     mine = []
     for index, value in enumerate(inputs):  # arrays of the batch; the learning-phase flag is a scalar
         if getattr(value, "ndim", 0) and len(value) == size:
@@ -527,9 +602,10 @@ def _train_step_in_job(model, inputs):
     # What each value adds to the job's: its contexts' values weighed by their counts of samples or of rows
     # (_counted_by_samples). A context with nothing to count has a loss of 0/0 in Keras: left out, its
     # gradient zeroed (not multiplied: NaN * 0).
+    unweighted = _unweighted_output(model, inputs, batch)
     stats = [float(sum(counts)), float(sum(rows))] + [
         sum(c * float(out.asnumpy().mean()) for c, out in zip(counts if kind else rows, per) if c)
-        for kind, per in zip(kinds, outputs)]
+        for kind, per in zip(kinds, outputs)] + [float(bool(unweighted))]  # last: how many workers hit that
     # grad_arrays: per parameter, each context's gradient after backward; module.update() applies them as they
     # are then, so weighing them in place here is the hook between backward and update keras-mxnet lacks.
     group = module._curr_module._exec_group
@@ -552,6 +628,8 @@ def _train_step_in_job(model, inputs):
         keys["stats", len(stats)] = stats_key
     job.sum(names + [stats_key], grads + [totals], None)  # in place: the job's sums
     totals = totals.asnumpy()
+    if totals[-1]:  # on every worker, before update(): nothing is applied
+        raise _unweighted_output_error(unweighted or "on {:.0f} other worker(s)".format(totals[-1]))
     for per_context in grads:
         for grad in per_context:
             grad /= float(totals[0])
@@ -567,10 +645,18 @@ def _train_step(model, inputs):
         return _train_step_in_job(model, inputs)
     inputs, batch = _pad(model, inputs)
     model._module.forward_backward(_batch(model, inputs, "train"))
+    unweighted = _unweighted_output(model, inputs, batch)
+    if unweighted:  # before update(): nothing is applied
+        raise _unweighted_output_error(unweighted)
     weights = _context_weights(model, inputs, batch)
     for per_context in model._module._curr_module._exec_group.grad_arrays:  # see _train_step_in_job
+        if per_context[0] is None:  # a weight that doesn't train
+            continue
         for grad, weight in zip(per_context, weights):
-            grad *= weight
+            if weight:
+                grad *= weight
+            else:  # a context with no sample of nonzero weight: Keras' loss there is 0/0, its gradient NaN
+                grad[:] = 0
     model._module.update()
     model._update(model._train_updates)
     model._weights_dirty = True
@@ -588,8 +674,35 @@ def _forward(model, inputs, phase):
 
 
 def _test_step(model, inputs):
+    if getattr(model, "_distkeras_shard", None) is not None:
+        return _test_step_in_job(model, inputs)
     inputs, batch = _forward(model, inputs, "test")
+    unweighted = _unweighted_output(model, inputs, batch)
+    if unweighted:
+        raise _unweighted_output_error(unweighted)
     return _weighted_outputs(model, model._ntrain, inputs, batch)
+
+
+def _test_step_in_job(model, inputs):
+    """One test step of ``evaluate()`` or of ``fit()``'s validation on arrays in a multi-worker job: this worker
+    evaluates its rows ``[rank::workers]`` of the global batch (:func:`_my_rows`), and the job adds every worker's
+    values weighed by their counts of samples or rows, as the train step does: the global batch's values."""
+    import numpy as np
+
+    inputs, real = _my_rows(model, inputs)
+    inputs, batch = _forward(model, inputs, "test")
+    counts = _context_counts(model, inputs, batch)
+    rows = _context_rows(model, batch, real)
+    outputs = model._module.get_outputs(merge_multi_context=False)[: model._ntrain]
+    kinds = _counted_by_samples(model, len(outputs))
+    unweighted = _unweighted_output(model, inputs, batch)
+    stats = [float(sum(counts)), float(sum(rows))] + [  # see _train_step_in_job
+        sum(c * float(out.asnumpy().mean()) for c, out in zip(counts if kind else rows, per) if c)
+        for kind, per in zip(kinds, outputs)] + [float(bool(unweighted))]
+    totals = model._distkeras_job.all_sum(np.array(stats, "float32"))
+    if totals[-1]:
+        raise _unweighted_output_error(unweighted or "on {:.0f} other worker(s)".format(totals[-1]))
+    return [float(value) / float(totals[0 if kind else 1]) for kind, value in zip(kinds, totals[2:])]
 
 
 def _predict_step(model, inputs):
@@ -598,8 +711,34 @@ def _predict_step(model, inputs):
         model._num_label = len(model.outputs) + len(model.output_names)
         model._create_predict_module()
         model._module = model._predict_only_module
-    _, batch = _forward(model, inputs, "pred")
-    return [out.asnumpy()[:batch] for out in model._module.get_outputs()[: model._npred]]
+    shard = getattr(model, "_distkeras_shard", None)
+    if shard is None:
+        _, batch = _forward(model, inputs, "pred")
+        return [out.asnumpy()[:batch] for out in model._module.get_outputs()[: model._npred]]
+    return _predict_step_in_job(model, inputs, shard)
+
+
+def _predict_step_in_job(model, inputs, shard):
+    """One step of ``predict()`` on arrays in a multi-worker job: this worker predicts its rows ``[rank::workers]``
+    of the global batch and writes them at their places in zeros of the global batch's shape; the job's sum of
+    those is the global batch's prediction, in order, on every worker (exact: each value is added to zeros)."""
+    import numpy as np
+
+    rank, workers = shard
+    size = len(inputs[0])
+    mine, real = _my_rows(model, inputs, weighted=False)
+    _, batch = _forward(model, mine, "pred")
+    outputs = [out.asnumpy()[:batch] for out in model._module.get_outputs()[: model._npred]]
+    full = [np.zeros((size,) + out.shape[1:], "float32") for out in outputs]
+    if real:
+        for whole, out in zip(full, outputs):
+            whole[rank::workers] = out
+    summed = model._distkeras_job.all_sum(np.concatenate([whole.ravel() for whole in full]))
+    result, start = [], 0
+    for whole, out in zip(full, outputs):
+        result.append(summed[start:start + whole.size].reshape(whole.shape).astype(out.dtype, copy=False))
+        start += whole.size
+    return result
 
 
 # ---- fit() in a multi-worker job: each worker its rows of every global batch
@@ -618,14 +757,89 @@ def _fit(model, fit, *args, **kwargs):
         return fit(*bound.args, **bound.kwargs)
     given = bound.arguments
     shuffle = given["shuffle"]
-    _check_same_everywhere(job, sharding.num_samples([part for part in data if part is not None]),
-                           given["batch_size"] or 32, given["epochs"], 2 if shuffle == "batch" else int(bool(shuffle)))
+    validation = given["validation_data"]
+    _check_same_everywhere(job, "fit", [
+        ("samples", sharding.num_samples([part for part in data if part is not None])),
+        ("batch_size", given["batch_size"] or 32), ("epochs", given["epochs"]),
+        ("shuffle", 2 if shuffle == "batch" else int(bool(shuffle))),
+        ("validation_samples", sharding.num_samples([p for p in validation if p is not None]) if _arrays(validation) else -1),
+        ("validation_split", int(round(given["validation_split"] * 1e6)))])
     given["callbacks"] = list(given["callbacks"] or []) + [_same_random_state(job)]  # last: after any user's draw
     model._distkeras_shard = (job.rank, job.workers)
     try:
         return fit(*bound.args, **bound.kwargs)
     finally:
         model._distkeras_shard = None
+
+
+def _on_arrays(method, args, kwargs):
+    """Keras 2's ``evaluate``/``predict(*args, **kwargs)`` bound (defaults applied) and its count of samples, the
+    latter None unless the data are NumPy arrays fed without ``steps`` (what the adapter splits over workers)."""
+    import inspect
+
+    import numpy as np
+
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    data = [given.get(name) for name in ("x", "y", "sample_weight")]
+    arrays = [a for part in data if part is not None for a in sharding.parts(part)]
+    if given["steps"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
+        return bound, None
+    return bound, sharding.num_samples(arrays)
+
+
+def _evaluate(model, evaluate, *args, **kwargs):
+    """Keras' ``evaluate`` on arrays, as one process runs it at ``batch_size``: every worker runs Keras' loop over
+    the global arrays, each test step keeps the worker's rows ``[rank::workers]`` of the global batch and the
+    job adds up the values (:func:`_test_step_in_job`). Tensors and ``steps`` pass through, whole on every worker."""
+    bound, samples = _on_arrays(evaluate, args, kwargs)
+    if samples is None:
+        return evaluate(*bound.args, **bound.kwargs)
+    job = model._distkeras_job
+    _check_same_everywhere(job, "evaluate", [("samples", samples), ("batch_size", bound.arguments["batch_size"] or 32)])
+    return _sharded(model, job, evaluate, bound)
+
+
+def _predict(model, predict, *args, **kwargs):
+    """Keras' ``predict`` on arrays, as one process runs it: each worker predicts its rows ``[rank::workers]`` of
+    every global batch, and every worker gets the whole prediction, in order (:func:`_predict_step_in_job`)."""
+    bound, samples = _on_arrays(predict, args, kwargs)
+    if samples is None:
+        return predict(*bound.args, **bound.kwargs)
+    job = model._distkeras_job
+    _check_same_everywhere(job, "predict", [("samples", samples), ("batch_size", bound.arguments["batch_size"] or 32)])
+    if not model.compiled:
+        # A model never compiled predicts with a module of its own made at every step (keras-mxnet), which no
+        # train step has given rank 0's weights: every worker takes them here, each worker's rows being one model's.
+        _take_rank0_weights(model, job)
+    return _sharded(model, job, predict, bound)
+
+
+def _sharded(model, job, method, bound):
+    """``method`` with the steps keeping this worker's rows of each global batch (``model._distkeras_shard``)."""
+    before = getattr(model, "_distkeras_shard", None)
+    model._distkeras_shard = (job.rank, job.workers)
+    try:
+        return method(*bound.args, **bound.kwargs)
+    finally:
+        model._distkeras_shard = before
+
+
+def _take_rank0_weights(model, job):
+    """Every worker takes rank 0's weights (collective): rank 0 pushes them, the others zeros, all take the sum."""
+    import numpy as np
+
+    weights = model.get_weights()
+    if not weights:
+        return
+    flat = np.concatenate([np.asarray(w, "float32").ravel() for w in weights])
+    summed = job.all_sum(flat if job.rank == 0 else np.zeros_like(flat))
+    taken, start = [], 0
+    for w in weights:
+        taken.append(summed[start:start + w.size].reshape(w.shape).astype(w.dtype))
+        start += w.size
+    model.set_weights(taken)
 
 
 def _same_random_state(job):
@@ -656,17 +870,35 @@ def sync_numpy_random_state(job):
                          float(pieces[1250:].view("<f8")[0])))
 
 
-def _check_same_everywhere(job, n, batch, epochs, shuffle):
-    """Raise on every worker if their ``fit()`` calls differ in samples, batch size, epochs or shuffle: they would
-    take different numbers of steps, and the job would wait forever in the first step one of them skips."""
+def _arrays(value):
+    """True where ``value`` is a tuple/list of NumPy arrays (fit()'s validation_data on arrays)."""
     import numpy as np
 
-    mine = np.zeros((job.workers, 5), "float32")
-    mine[job.rank] = (n // 4096, n % 4096, batch, epochs, shuffle)  # float32 holds each part exactly
-    everyone = job.all_sum(mine.ravel()).reshape(job.workers, 5)
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(a, np.ndarray) for part in value if part is not None for a in sharding.parts(part))
+
+
+def _check_same_everywhere(job, call, values):
+    """Raise on every worker if their ``call`` (``fit``, ``evaluate``, ``predict``) calls differ in ``values``,
+    ``[(name, int)]`` (samples, batch size, epochs...): they would take different numbers of steps, and the job
+    would wait forever in the first step one of them skips."""
+    import numpy as np
+
+    mine = np.zeros((job.workers, len(values), 2), "float32")
+    for i, (_, value) in enumerate(values):
+        mine[job.rank, i] = divmod(int(value) + 1, 4096)  # float32 holds each part exactly; +1: -1 means none
+    everyone = job.all_sum(mine.ravel()).reshape(mine.shape)
     if (everyone != everyone[0]).any():
+        names = ", ".join(name for name, _ in values)
+        shown = [_SHOWN.get(name, str) for name, _ in values]
         raise ShardError(
-            "Every worker must call fit() with the same full arrays, batch_size, epochs and shuffle (distkeras shards "
-            "the data itself). Received (samples, batch_size, epochs, shuffle) by rank: {}.".format(", ".join(
-                "{}: ({}, {}, {}, {})".format(r, int(a) * 4096 + int(b), int(c), int(d), ["False", "True", "'batch'"][int(e)])
-                for r, (a, b, c, d, e) in enumerate(everyone))))
+            "Every worker must call {}() with the same full arrays and arguments (distkeras shards the data itself). "
+            "Received ({}) by rank: {}.".format(call, names, ", ".join(
+                "{}: ({})".format(r, ", ".join(show(int(a) * 4096 + int(b) - 1) for show, (a, b) in zip(shown, row)))
+                for r, row in enumerate(everyone))))
+
+
+#: How :func:`_check_same_everywhere` shows the values it compares as codes (the others are plain ints).
+_SHOWN = {"shuffle": lambda code: ["False", "True", "'batch'"][code],
+          "validation_samples": lambda code: "None" if code < 0 else str(code),
+          "validation_split": lambda code: repr(code / 1e6)}

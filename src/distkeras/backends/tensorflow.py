@@ -33,7 +33,7 @@ from typing import List
 
 from .. import cluster as cluster_lib
 from ..devices import Device
-from ..errors import ClusterError, DistKerasError, OptionError, TooLateError
+from ..errors import ClusterError, DistKerasError, ModelError, OptionError, TooLateError
 from . import keras3, when_imported
 from .base import COMPRESSION_HELP, Adapter, check_compression
 
@@ -46,6 +46,7 @@ _strategy_serial = itertools.count()
 class TensorFlowAdapter(Adapter):
     name = "tensorflow"
     framework = "tensorflow"
+    late_variables = True
     install_hint = "tensorflow (or tensorflow-cpu)"
     options = {
         "cross_device_ops": "how MirroredStrategy all-reduces: " + ", ".join(_CROSS_DEVICE_OPS),
@@ -106,6 +107,12 @@ class TensorFlowAdapter(Adapter):
                 tf, ["/{}:{}".format(d.kind, d.index) for d in devices], _cross_device_ops(tf, cross_device_ops)
             )
         if keras3.keras_package(model) == "tf_keras":
+            if not model.built:
+                raise ModelError(
+                    "This tf.keras 2.x {} is not built, and distkeras rebuilds tf.keras 2.x models inside the "
+                    "strategy from their weights. Build it first: give it an Input layer, call "
+                    "model.build(input_shape), or call it once on a batch (model(x[:1])).".format(type(model).__name__)
+                )
             if compression is not None:
                 raise OptionError("compression needs Keras 3; tf.keras 2.x all-reduces inside its own optimizer. "
                                   "Received: compression={!r}".format(compression))

@@ -55,6 +55,7 @@ _listener = None
 class TorchAdapter(Adapter):
     name = "torch"
     framework = "torch"
+    late_variables = True
     install_hint = "torch"
     options = {
         "timeout": "seconds a collective or the rendezvous may wait for the other processes (default 1800)",
