@@ -681,6 +681,17 @@ def test_keras_example_patterns_train_evaluate_and_predict_as_on_one_device(case
         _close(expected, got)
 
 
+@pytest.mark.parametrize("options", [dict(overlap=False), dict(bucket_mb=TINY_BUCKETS)], ids=["off", "tiny_buckets"])
+def test_a_gan_step_of_two_backward_passes_and_two_optimizers_with_and_without_buckets(options):
+    """The GAN's first apply() takes the buckets of its first backward pass (several, launched during it),
+    the second is averaged after its own backward pass; without overlap both are: one device's training."""
+    if "gan" not in _issue21_references:
+        _issue21_references["gan"] = torch_cases.issue21("gan", 1)
+    outcome = job(2).run(torch_cases.issue21, "gan", 2, timeout=TIMEOUT, **options)[0]
+    _close(_issue21_references["gan"], dict(outcome.result, world=1))
+    assert "from now on, not overlapped" not in outcome.stderr  # the buckets were used, no fallback
+
+
 def test_embedding_gradients_are_dense_on_torch():
     """Sparse gradients need no densifying on torch: a gather (Embedding, ops.take) gives a dense .grad,
     which the all-reduce sums as every other gradient."""

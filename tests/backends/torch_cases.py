@@ -497,7 +497,7 @@ ISSUE21 = {
 }
 
 
-def issue21(case, devices):
+def issue21(case, devices, **options):
     """The case built with another seed on every rank (rank 0's is one device's), distributed when
     ``devices`` > 1 and trained: world size, weights, every optimizer's variables, History, evaluate() and
     predictions (10 rows at a batch of 4, 2 rows at a batch of 2, predict_on_batch of 5)."""
@@ -512,7 +512,7 @@ def issue21(case, devices):
     model = make(keras)
     x, y = _data(samples, shape)
     if devices > 1:
-        distkeras.distribute(model, devices=devices)
+        distkeras.distribute(model, devices=devices, **options)
     keras.utils.set_random_seed(1)
     data = (x, y) if targets else (x,)
     history = model.fit(*data, **dict(fit, shuffle=False, verbose=0))
