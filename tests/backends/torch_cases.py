@@ -445,8 +445,9 @@ def _vae(keras):
 def _gan(keras):
     from tests.backends import torch_models
 
-    discriminator = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
-    generator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(5)])
+    layers = keras.layers
+    discriminator = keras.Sequential([keras.Input((5,)), layers.Dense(8, activation="tanh"), layers.Dense(1)])
+    generator = keras.Sequential([keras.Input((2,)), layers.Dense(8, activation="tanh"), layers.Dense(5)])
     model = torch_models.GAN(discriminator, generator, latent_dim=2)
     model.compile(keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.02),
                   keras.losses.BinaryCrossentropy(from_logits=True))

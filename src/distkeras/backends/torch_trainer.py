@@ -31,9 +31,11 @@ so distributing a model twice replaces the hooks instead of stacking them.
 - ``optimizer.apply`` of every optimizer the model holds (:func:`~distkeras.backends.keras3.all_optimizers`:
   ``model.optimizer`` and those in its attributes, as a GAN's ``d_optimizer`` and ``g_optimizer``; a
   LossScaleOptimizer's inner one is left to the outer): Horovod's DistributedOptimizer idea, on the
-  instance, so the optimizer keeps its exact class. It hands the optimizer the average over the ranks of ``n_r * grad_r / N`` (``n_r``: the
-  rank's samples in the step, ``N`` the global batch's): the gradient of the mean loss over the whole
-  global batch, regularisation included, however unequal the shares. Everything the optimizer does next
+  instance, so the optimizer keeps its exact class. It hands the optimizer the average over the ranks of
+  ``n_r * grad_r / N`` (``n_r``: the rank's samples in the step, ``N`` the global batch's): the gradient
+  of the mean loss over the whole global batch, regularisation included, however unequal the shares
+  (a loss written by hand with ops, a Loss object called in the step, ``add_loss`` and a scalar loss
+  function alike, as long as it is the mean over the rank's rows). Everything the optimizer does next
   (clipping, gradient accumulation, loss scaling, weight decay, EMA, learning-rate schedules) acts on
   that average, as on one device. Exact for losses that average over the batch (Keras' default
   reduction); with ``reduction="sum"`` each rank's sum is weighted by its share, which gives about
