@@ -29,7 +29,9 @@ this rank's row count as a draw over the batch:
   dimension equals the rank's row count by coincidence, without being per-row, is taken for a per-row one.
 
 A rank with no rows in a step (a stand-in sample, weight zero) draws the global shape as well, so its
-generators stay in step with the other ranks'.
+generators stay in step with the other ranks'. The functions are swapped in the module, for the process:
+another thread drawing while a step runs draws through them too (for its own shapes, which are rarely this
+rank's row count).
 """
 
 import contextlib
