@@ -97,6 +97,142 @@ def test_a_batch_the_devices_dont_divide_runs_whole_on_each_and_matches_one_devi
     assert logs["loss"] == pytest.approx(single.evaluate(x, y, batch_size=12, verbose=0), rel=RTOL)
 
 
+class Placed:
+    """Spies on the function Keras' JAX trainer places every batch with: (rows, sharding spec) of each x."""
+
+    def __init__(self, monkeypatch):
+        from keras.src.backend.jax import trainer
+
+        self.seen, placed = [], trainer._distribute_data
+
+        def spy(data, layouts=None):
+            out = placed(data, layouts)
+            first = keras.tree.flatten(out)[0]
+            self.seen.append((first.shape[0], tuple(first.sharding.spec)[:1]))
+            return out
+
+        monkeypatch.setattr(trainer, "_distribute_data", spy)
+
+
+def _uneven_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dropout(0.3),
+                              keras.layers.GaussianNoise(0.1), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae", keras.metrics.R2Score()],
+                  weighted_metrics=["mse"])
+    return model
+
+
+@pytest.mark.parametrize("batch_size, weighted", [(4, False), (2, True)])
+def test_uneven_batches_are_padded_split_and_equal_one_device(monkeypatch, caplog, batch_size, weighted):
+    """10 rows in batches of 4 (4, 4, 2) or 2 on 3 devices: every batch is padded to a multiple of 3 and split,
+    and fit (Dropout and GaussianNoise drawing, sample weights or none, metrics weighted and not), evaluate and
+    predict give one device's numbers: weights, Adam's slots, History, predictions."""
+    x, y = scenarios.data(10)
+    weights = np.linspace(0.5, 2.0, 10).astype("float32") if weighted else None
+    single = _uneven_model()
+    expected = single.fit(x, y, sample_weight=weights, batch_size=batch_size, epochs=2, shuffle=False,
+                          verbose=0).history
+    dist = distkeras.distribute(_uneven_model(), devices=3)
+    placed = Placed(monkeypatch)
+    history = dist.fit(x, y, sample_weight=weights, batch_size=batch_size, epochs=2, shuffle=False, verbose=0).history
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    assert_weights_close([keras.ops.convert_to_numpy(v) for v in single.optimizer.variables],
+                         [keras.ops.convert_to_numpy(v) for v in dist.optimizer.variables])
+    assert history.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=RTOL, atol=ATOL, err_msg=key)
+    logs = dist.evaluate(x, y, sample_weight=weights, batch_size=batch_size, verbose=0, return_dict=True)
+    want = single.evaluate(x, y, sample_weight=weights, batch_size=batch_size, verbose=0, return_dict=True)
+    for key in want:
+        assert logs[key] == pytest.approx(want[key], rel=RTOL, abs=ATOL), key
+    predicted = dist.predict(x, batch_size=batch_size, verbose=0)
+    assert predicted.shape == (10, 3)
+    np.testing.assert_allclose(predicted, single.predict(x, batch_size=batch_size, verbose=0), rtol=RTOL, atol=ATOL)
+    padded = {4: {6, 3}, 2: {3}}[batch_size]  # 4 -> 6 and 2 -> 3 rows, one per device
+    assert {rows for rows, _ in placed.seen} == padded and all(spec == ("batch",) for _, spec in placed.seen), placed.seen
+    assert "doesn't split evenly" not in caplog.text
+
+
+def test_a_batch_smaller_than_the_device_count_is_padded_in_predict():
+    dist = distkeras.distribute(probed_model(), devices=3)  # Probe is a layer of its own: fit keeps the fallback
+    x, _ = scenarios.data(7)
+    single = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    single.set_weights(dist.get_weights())
+    np.testing.assert_allclose(dist.predict(x, batch_size=5, verbose=0), single.predict(x, verbose=0), rtol=RTOL,
+                               atol=ATOL)
+    np.testing.assert_allclose(dist.predict(x[:1], verbose=0), single.predict(x[:1], verbose=0), rtol=RTOL, atol=ATOL)
+    assert {size for size, _ in Probe.seen} == {6, 3} and all(spec[:1] == ("batch",) for _, spec in Probe.seen)
+
+
+class OwnLayer(keras.layers.Layer):
+    def call(self, x):
+        return x
+
+
+@pytest.mark.parametrize("case, why", [
+    ("batchnorm", "normalises by the statistics of the batch in training"),
+    ("sum", "its loss reduction is 'sum'"),
+    ("own_layer", "OwnLayer is your own class"),
+    ("mask", "makes a mask"),
+    ("activity", "activity regularization"),
+])
+def test_uneven_batches_keep_the_whole_batch_fallback_where_padding_is_not_proven_exact(caplog, case, why):
+    keras.utils.set_random_seed(0)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        middle = {"batchnorm": keras.layers.BatchNormalization(), "own_layer": OwnLayer(),
+                  "mask": keras.layers.Masking(), "activity": keras.layers.Dense(8, activity_regularizer="l2")}
+        layers = [keras.Input((5,)), keras.layers.Dense(8)] + ([middle[case]] if case in middle else [])
+        model = keras.Sequential(layers + [keras.layers.Dense(3)])
+        loss = keras.losses.MeanSquaredError(reduction="sum") if case == "sum" else "mse"
+        model.compile(optimizer="sgd", loss=loss, metrics=["mae"])
+        return model
+
+    x, y = scenarios.data(10)
+    single = build()
+    expected = single.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0).history
+    dist = distkeras.distribute(build(), devices=3)
+    history = dist.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0).history
+    assert why in caplog.text and "runs whole on every device" in caplog.text
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=RTOL, atol=ATOL)
+
+
+def test_negative_sample_weights_are_refused_while_padding():
+    dist = distkeras.distribute(_uneven_model(), devices=3)
+    x, y = scenarios.data(10)
+    with pytest.raises(distkeras.DistKerasError, match="A sample weight is negative.*non-negative"):
+        dist.fit(x, y, sample_weight=-np.ones(10, "float32"), batch_size=4, verbose=0)
+
+
+def test_private_api_pin_uneven_padding():
+    """jax_uneven.py reaches into: the trainer module's ``_distribute_data(data, layouts=None)`` (looked up per
+    call), the compiled loss' ``_flat_losses`` entries' ``loss``, the compiled metrics' ``_flat_metrics`` and
+    ``_flat_weighted_metrics`` groups (their ``metrics`` and ``update_state``), the model's ``_loss_tracker``
+    and what makes ``_symbolic_build`` draw a batch."""
+    import inspect
+
+    from keras.src.backend.jax import trainer
+    from keras.src.trainers import compile_utils
+    from keras.src.trainers.trainer import Trainer
+
+    assert list(inspect.signature(trainer._distribute_data).parameters) == ["data", "layouts"]
+    assert "_distribute_data(data, layouts)" in inspect.getsource(trainer.JAXEpochIterator._get_distributed_iterator)
+    assert compile_utils.CompileLoss.Loss._fields[1] == "loss"
+    model = distkeras.distribute(_uneven_model(), devices=3)
+    assert getattr(trainer._distribute_data, "distkeras", False)  # wrapped, and looked up per call
+    model.fit(*scenarios.data(6), batch_size=6, verbose=0)
+    assert model._compile_loss._flat_losses[0].loss.reduction == "sum_over_batch_size"
+    groups = model._compile_metrics._flat_metrics + model._compile_metrics._flat_weighted_metrics
+    assert all(hasattr(g, "metrics") and "sample_weight" in inspect.signature(g.update_state).parameters for g in groups)
+    assert isinstance(model._loss_tracker, keras.metrics.Mean)
+    source = inspect.getsource(Trainer._symbolic_build)
+    assert "self._compile_metrics.built" in source and "self._compile_loss.built" in source
+
+
 def test_batch_statistics_are_those_of_the_global_batch():
     # One SPMD program over the global batch: BatchNormalization normalises by the whole batch's moments
     # (and updates its moving ones) exactly as one device does, even on a batch that runs replicated.

@@ -229,7 +229,9 @@ def pad(data, parts, call):
     def rows(a):
         return None if a is None else np.take(np.asarray(a), index, axis=0)
 
-    if _unbuilt(call.model):
+    if call.mode == "predict":
+        call.batches.append((size, total))
+    if _unbuilt(call.model, call.mode):
         # The batch Keras draws to build the model and its compiled loss and metrics symbolically: only
         # its shapes are read. Padded by rows (no decision yet: what is compiled isn't built).
         return (keras.tree.map_structure(rows, data) if total != size else None), None
@@ -237,8 +239,6 @@ def pad(data, parts, call):
         call.reason = _why_not(call.model, call.mode)
         if call.reason is None and call.mode != "predict":
             _hook_metrics(call.model)
-    if call.mode == "predict":
-        call.batches.append((size, total))
     nested = isinstance(sample_weight, (list, tuple, dict))
     if call.reason is None and call.mode != "predict" and sample_weight is not None and not nested:
         if np.signbit(np.asarray(sample_weight)).any():
@@ -260,9 +260,10 @@ def pad(data, parts, call):
     return padded, None
 
 
-def _unbuilt(model):
-    """What makes Keras' ``_symbolic_build`` draw a batch (its own condition)."""
-    compiled = [getattr(model, name, None) for name in ("_compile_metrics", "_compile_loss")]
+def _unbuilt(model, mode):
+    """What makes Keras' ``_symbolic_build`` (fit, evaluate) or ``predict`` draw a batch to build the model
+    (their own conditions)."""
+    compiled = [getattr(model, name, None) for name in ("_compile_metrics", "_compile_loss")] if mode != "predict" else []
     return not all(layer.built for layer in keras3.layers_of(model)) or any(
         c is not None and not c.built for c in compiled)
 
