@@ -197,6 +197,17 @@ def _record(model, adapter, devices, cluster, distributed):
     return info
 
 
+def _variables_exist(model):
+    """Whether every variable ``model`` lists exists: a wrapper with no ``call()`` (a GAN holding built
+    sub-models) is never ``built``, yet has all its variables. An unbuilt model lists none yet; it is
+    accepted where the adapter places variables created later (``places_later_variables``: JAX)."""
+    try:
+        variables = list(model.variables)
+    except Exception:  # a model whose variables can't be listed yet
+        return False
+    return bool(variables) and all(v is not None for v in variables)
+
+
 def distribute(model, devices=None, **options):
     """Make a built Keras model train data-parallel on ``devices``, in place.
 
@@ -229,7 +240,7 @@ def distribute(model, devices=None, **options):
     """
     adapter = _adapter_for(model)
     adapter.check_options(options)
-    if not getattr(model, "built", False):
+    if not getattr(model, "built", False) and not _variables_exist(model) and not adapter.places_later_variables:
         raise ModelError(
             "The model is not built, so it has no weights to replicate yet. Build it first: give it an "
             "Input layer, call model.build(input_shape), or call it once on a batch of data."

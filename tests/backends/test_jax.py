@@ -595,3 +595,195 @@ def test_bfloat16_bits_are_rounded_as_xla_rounds():
     bf16 = jnp.dtype(jnp.bfloat16)
     expected = np.asarray(jnp.asarray(x).astype(bf16).astype(jnp.float32))
     np.testing.assert_array_equal(np.asarray(_decode(_encode(jnp.asarray(x), bf16), bf16)), expected)
+
+
+# ---- models with optimizers of their own (a GAN), unbuilt models, random layers
+
+
+class GAN(keras.Model):
+    """A GAN in the style of the Keras guides, written for JAX: ``compile(d_optimizer, g_optimizer, loss_fn)``
+    and a stateless ``train_step`` (``stateless_call``, ``jax.value_and_grad``, ``stateless_apply``, latent
+    noise from ``keras.random.normal`` with a SeedGenerator). Keras' JAX fit() carries only
+    ``model.optimizer``'s variables through its jitted step, so a step with optimizers of its own runs eagerly
+    and writes their new state back."""
+
+    def __init__(self, discriminator, generator, latent_dim=4):
+        super().__init__()
+        self.discriminator, self.generator, self.latent_dim = discriminator, generator, latent_dim
+        self.seed_generator = keras.random.SeedGenerator(1337)
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+        self.built = True  # no call(): Keras' fit() would otherwise try to build it by calling it
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile(run_eagerly=True)
+        self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+        d_optimizer.build(self.discriminator.trainable_variables)
+        g_optimizer.build(self.generator.trainable_variables)
+
+    def train_step(self, state, data):
+        import jax
+
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        values = {id(v): x for v, x in zip(self.trainable_variables + self.non_trainable_variables,
+                                          list(trainable) + list(non_trainable))}
+        own = {"g": self.generator, "d": self.discriminator}
+        tv = {k: [values[id(v)] for v in m.trainable_variables] for k, m in own.items()}
+        ntv = {k: [values[id(v)] for v in m.non_trainable_variables] for k, m in own.items()}
+        real = data[0] if isinstance(data, tuple) else data
+        batch = real.shape[0]
+        seed_state = self.seed_generator.state
+        with keras.StatelessScope(state_mapping=[(seed_state, values[id(seed_state)])]) as scope:
+            noise_d = keras.random.normal((batch, self.latent_dim), seed=self.seed_generator)
+            noise_g = keras.random.normal((batch, self.latent_dim), seed=self.seed_generator)
+            values[id(seed_state)] = scope.get_current_value(seed_state)
+        labels = keras.ops.concatenate([keras.ops.ones((batch, 1)), keras.ops.zeros((batch, 1))])
+
+        def d_loss_fn(d_tv):
+            fake, _ = self.generator.stateless_call(tv["g"], ntv["g"], noise_d)
+            predictions, _ = self.discriminator.stateless_call(d_tv, ntv["d"], keras.ops.concatenate([fake, real]))
+            return self.loss_fn(labels, predictions)
+
+        d_loss, d_grads = jax.value_and_grad(d_loss_fn)(tv["d"])
+        tv["d"], d_state = self.d_optimizer.stateless_apply([v.value for v in self.d_optimizer.variables], d_grads, tv["d"])
+
+        def g_loss_fn(g_tv):
+            fake, _ = self.generator.stateless_call(g_tv, ntv["g"], noise_g)
+            predictions, _ = self.discriminator.stateless_call(tv["d"], ntv["d"], fake)
+            return self.loss_fn(keras.ops.zeros((batch, 1)), predictions)
+
+        g_loss, g_grads = jax.value_and_grad(g_loss_fn)(tv["g"])
+        tv["g"], g_state = self.g_optimizer.stateless_apply([v.value for v in self.g_optimizer.variables], g_grads, tv["g"])
+        for optimizer, new in ((self.d_optimizer, d_state), (self.g_optimizer, g_state)):
+            for variable, value in zip(optimizer.variables, new):
+                variable.assign(value)
+        for k, m in own.items():
+            values.update({id(v): x for v, x in zip(m.trainable_variables, tv[k])})
+        with keras.StatelessScope(state_mapping=list(zip(self.metrics_variables, metrics_variables))) as scope:
+            self.d_loss_tracker.update_state(d_loss)
+            self.g_loss_tracker.update_state(g_loss)
+            logs = {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+        metrics_variables = [scope.get_current_value(v) for v in self.metrics_variables]
+        state = ([values[id(v)] for v in self.trainable_variables], [values[id(v)] for v in self.non_trainable_variables],
+                 optimizer_variables, metrics_variables)
+        return logs, state
+
+
+def _gan():
+    keras.utils.set_random_seed(0)
+    discriminator = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    generator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(6)])
+    gan = GAN(discriminator, generator)
+    gan.compile(keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.02, beta_1=0.5),
+                keras.losses.BinaryCrossentropy(from_logits=True))
+    return gan
+
+
+def _state(model, optimizers):
+    return [keras.ops.convert_to_numpy(v) for v in model.weights] + [
+        keras.ops.convert_to_numpy(v) for o in optimizers for v in o.variables]
+
+
+def test_all_optimizers_finds_optimizers_in_attributes_lists_and_dicts_once_each():
+    from distkeras.backends import keras3
+
+    gan = _gan()
+    assert keras3.all_optimizers(gan) == [gan.optimizer, gan.d_optimizer, gan.g_optimizer]
+    extra = keras.optimizers.SGD()
+    gan.more = [gan.d_optimizer, extra]
+    gan.by_name = {"again": extra}
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    gan.scaled = scaled
+    found = keras3.all_optimizers(gan)
+    assert found[:3] == [gan.optimizer, gan.d_optimizer, gan.g_optimizer]
+    assert sorted(map(id, found[3:])) == sorted(map(id, [extra, scaled, scaled.inner_optimizer]))
+
+
+@pytest.mark.parametrize("devices, trained_before", [(2, False), (3, True)])
+def test_a_gan_with_optimizers_of_its_own_equals_one_device(devices, trained_before):
+    """Both optimizers (set in compile(), built before distribute, trained before it in one case) are laid out on
+    the mesh with the model: weights, both optimizers' slots and History equal one device's."""
+    x = scenarios.data(12)[0][:, :5]
+    x = np.concatenate([x, x[:, :1]], axis=1)  # 6 features
+    single = _gan()
+    expected = single.fit(x, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    gan = _gan()
+    if trained_before:
+        gan.fit(x, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    dist = distkeras.distribute(gan, devices=devices)
+    mesh = jax_devices(["cpu:{}".format(i) for i in range(devices)])
+    for v in dist.d_optimizer.variables + dist.g_optimizer.variables:
+        assert shards(v).keys() == mesh, v.path
+    history = dist.fit(x, batch_size=6, epochs=1 if trained_before else 2, shuffle=False, verbose=0).history
+    assert_weights_close(_state(single, [single.d_optimizer, single.g_optimizer]),
+                         _state(dist, [dist.d_optimizer, dist.g_optimizer]))
+    for key in ("d_loss", "g_loss"):
+        np.testing.assert_allclose(history[key], expected[key][-len(history[key]):], rtol=RTOL, atol=ATOL)
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_an_unbuilt_subclassed_model_creates_its_variables_on_the_mesh_and_equals_one_device(devices):
+    def build():
+        keras.utils.set_random_seed(0)
+        model = Subclassed()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        return model
+
+    x, y = scenarios.data(24)
+    single = build()
+    expected = single.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    model = build()
+    assert not model.built and not model.variables
+    dist = distkeras.distribute(model, devices=devices)
+    history = dist.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    mesh = jax_devices(["cpu:{}".format(i) for i in range(devices)])
+    for v in dist.weights + dist.optimizer.variables:
+        assert shards(v) == {d: tuple(v.shape) for d in mesh}, v.path
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=RTOL, atol=ATOL)
+
+
+class Sampling(keras.layers.Layer):
+    """z = mean + noise, the noise from keras.random.normal with the layer's own SeedGenerator (a VAE's)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x):
+        return x + keras.random.normal(keras.ops.shape(x), seed=self.seed_generator)
+
+
+def test_random_layers_draw_what_one_device_draws():
+    """Dropout and a keras.random.normal sampling layer on 3 devices: one SPMD program over the global batch
+    draws what one device draws for every row (weights, seed states and History equal)."""
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8), keras.layers.Dropout(0.4), Sampling(),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x, y = scenarios.data(24)
+    single = build()
+    expected = single.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    dist = distkeras.distribute(build(), devices=3)
+    history = dist.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    assert_weights_close([keras.ops.convert_to_numpy(v) for v in single.variables],
+                         [keras.ops.convert_to_numpy(v) for v in dist.variables])
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=RTOL, atol=ATOL)

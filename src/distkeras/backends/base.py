@@ -41,6 +41,9 @@ class Adapter(abc.ABC):
     framework = ""
     #: The pip requirement that installs the framework, for error messages.
     install_hint = ""
+    #: Whether a model that creates its variables later (an unbuilt subclassed model, at its first
+    #: ``fit``) gets them placed on the devices too: JAX creates them under the model's distribution.
+    places_later_variables = False
     #: Option names :meth:`distribute` accepts, with a one-line description each.
     options = {}  # type: Dict[str, str]
 

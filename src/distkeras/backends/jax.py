@@ -63,6 +63,7 @@ class JaxAdapter(Adapter):
     name = "jax"
     framework = "jax"
     install_hint = "jax (or 'jax[cuda12]' for NVIDIA GPUs)"
+    places_later_variables = True  # created under the model's distribution (its fit/evaluate/predict are scoped)
     options = {
         "strategy": "'data' (a replica on every device, the default) or 'model' (kernels sharded)",
         "layout_map": "strategy='model': {variable path regex: axes}, e.g. {'.*dense.*kernel': (None, 'model')}; "
@@ -353,7 +354,7 @@ def _assign_layouts(model, distribution):
     from keras.distribution import TensorLayout
 
     by_name = {v.path.replace("/", "_"): v for v in model.trainable_variables}
-    optimizer_variables = {id(v) for o in keras3.optimizers_of(model) for v in o.variables}
+    optimizer_variables = {id(v) for o in keras3.all_optimizers(model) for v in o.variables}
     for v in keras3.state_variables(model):
         v._layout = None  # an earlier distribution's layout
         reference = None
