@@ -23,10 +23,15 @@ global batch is placed with ``jax.make_array_from_callback``, so a process mater
 slices its own devices hold, and every process takes the same steps whatever the data size.
 
 JAX splits an array axis only evenly. A batch the "batch" axis doesn't divide (10 samples on 3
-devices, or an epoch's smaller last batch) runs whole on every device instead, with a warning: the
-single-device result, not in parallel. Padding it with zero-weight samples would keep it parallel but
-not exact: batch statistics (BatchNormalization), ``add_loss`` terms and metrics that ignore sample
-weights would all see the padding.
+devices, an epoch's smaller last batch, a batch smaller than the device count) is padded to a multiple
+of it and split where that is provably the single-device result (:mod:`distkeras.backends.jax_uneven`:
+always in predict(), in fit() and evaluate() for models of Keras' own parts, with zero-weight padding);
+elsewhere it runs whole on every device, with a warning naming why: the single-device result, not in
+parallel.
+
+Every optimizer the model holds is laid out (``keras3.all_optimizers``: a GAN's ``d_optimizer`` and
+``g_optimizer`` too), and a model built later (an unbuilt subclassed model) creates its variables under
+the distribution, at its first scoped fit/evaluate/predict.
 """
 
 import functools
