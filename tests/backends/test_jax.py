@@ -126,16 +126,17 @@ def _uneven_model(seed=0):
 @pytest.mark.parametrize("batch_size, weighted", [(4, False), (2, True)])
 def test_uneven_batches_are_padded_split_and_equal_one_device(monkeypatch, caplog, batch_size, weighted):
     """10 rows in batches of 4 (4, 4, 2) or 2 on 3 devices: every batch is padded to a multiple of 3 and split,
-    and fit (Dropout and GaussianNoise drawing, sample weights or none, metrics weighted and not), evaluate and
-    predict give one device's numbers: weights, Adam's slots, History, predictions."""
+    and fit (Dropout and GaussianNoise drawing, sample weights or none, metrics weighted and not, validation on 5
+    rows), evaluate and predict give one device's numbers: weights, Adam's slots, History, predictions."""
     x, y = scenarios.data(10)
     weights = np.linspace(0.5, 2.0, 10).astype("float32") if weighted else None
     single = _uneven_model()
     expected = single.fit(x, y, sample_weight=weights, batch_size=batch_size, epochs=2, shuffle=False,
-                          verbose=0).history
+                          verbose=0, validation_data=(x[:5], y[:5])).history
     dist = distkeras.distribute(_uneven_model(), devices=3)
     placed = Placed(monkeypatch)
-    history = dist.fit(x, y, sample_weight=weights, batch_size=batch_size, epochs=2, shuffle=False, verbose=0).history
+    history = dist.fit(x, y, sample_weight=weights, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
+                       validation_data=(x[:5], y[:5])).history
     assert_weights_close(single.get_weights(), dist.get_weights())
     assert_weights_close([keras.ops.convert_to_numpy(v) for v in single.optimizer.variables],
                          [keras.ops.convert_to_numpy(v) for v in dist.optimizer.variables])

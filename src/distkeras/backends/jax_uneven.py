@@ -36,7 +36,8 @@ The padding rows repeat the batch's first row (finite values: no NaN that a zero
 - Across processes every process holds the whole global batch and pads it alike, so the same rules
   hold.
 
-``train_on_batch``/``test_on_batch``/``predict_on_batch`` keep the fallback.
+``train_on_batch``/``test_on_batch``/``predict_on_batch`` and sparse batches keep the fallback. Callbacks'
+``on_predict_batch_end`` see a padded batch's outputs with the padding rows.
 
 Private Keras API, on purpose: the trainer module's ``_distribute_data`` (the one place that places each
 batch, with the batch structure in hand), the loss tracker ``_loss_tracker`` and the compiled
@@ -218,9 +219,15 @@ def pad(data, parts, call):
     import keras
     from keras.src.trainers.data_adapters import data_adapter_utils
 
+    import jax
+
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
     leaves = [a for a in keras.tree.flatten(x) if a is not None and getattr(a, "shape", ())]
     if not leaves:
+        return None, None
+    if not all(isinstance(a, (np.ndarray, jax.Array)) for a in keras.tree.flatten(data) if a is not None):
+        if leaves[0].shape[0] % parts:
+            return None, "its batches are not dense arrays"
         return None, None
     size = leaves[0].shape[0]
     total = -(-size // parts) * parts
