@@ -262,6 +262,8 @@ def pad(data, parts, call):
     if call.mode == "predict":
         return (keras.tree.map_structure(rows, x),), None
     weights = np.ones((size,), "float32") if sample_weight is None else np.asarray(sample_weight)
+    if not np.issubdtype(weights.dtype, np.floating):
+        weights = weights.astype("float32")  # an integer has no -0.0
     padding = np.full((total - size,) + weights.shape[1:], -0.0, weights.dtype)
     padded = keras.tree.map_structure(rows, x), keras.tree.map_structure(rows, y), np.concatenate([weights, padding])
     return padded, None

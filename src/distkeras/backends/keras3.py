@@ -1,4 +1,5 @@
-"""What the Keras adapters share: hooks on a model instance, the rank-0-writes rule, and a rebuild for tf.keras 2.x.
+"""What the Keras adapters share: hooks on a model instance, every optimizer a model holds, the rank-0-writes
+rule, and a rebuild for tf.keras 2.x.
 
 The adapters distribute the user's own model object in place (its variables' storage re-created or laid
 out on the devices). What changes behaviour is installed as *instance attributes* through :func:`hook`,
