@@ -155,6 +155,34 @@ def test_uneven_batches_are_padded_split_and_equal_one_device(monkeypatch, caplo
     assert "doesn't split evenly" not in caplog.text
 
 
+@pytest.mark.parametrize("loss, metric", [
+    (keras.losses.MeanAbsoluteError(reduction="mean"), "mse"),
+    (keras.losses.MeanAbsoluteError(reduction="mean_with_sample_weight"), "mse"),
+    ("sparse_categorical_crossentropy", "accuracy"),
+])
+def test_padded_batches_equal_one_device_for_each_allowed_loss_reduction(monkeypatch, loss, metric):
+    x, y = scenarios.data(10)
+    weights = np.linspace(0.5, 2.0, 10)  # float64: placed as float32
+    if metric == "accuracy":
+        y = np.arange(10) % 3
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=[metric], weighted_metrics=[metric])
+        return model
+
+    single = build()
+    expected = single.fit(x, y, sample_weight=weights, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    dist = distkeras.distribute(build(), devices=3)
+    placed = Placed(monkeypatch)
+    history = dist.fit(x, y, sample_weight=weights, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    assert {rows for rows, _ in placed.seen} == {6, 3}  # 4 and 2 rows, padded to 6 and 3
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=RTOL, atol=ATOL, err_msg=key)
+
+
 def test_a_batch_smaller_than_the_device_count_is_padded_in_predict():
     dist = distkeras.distribute(probed_model(), devices=3)  # Probe is a layer of its own: fit keeps the fallback
     x, _ = scenarios.data(7)

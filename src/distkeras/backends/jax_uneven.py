@@ -24,7 +24,7 @@ The padding rows repeat the batch's first row (finite values: no NaN that a zero
   where the model is made of Keras' own classes (no custom layer, model, ``train_step``,
   ``compute_loss`` or metric class: any could read the batch another way) and none of these is there:
   a loss reduction other than ``sum_over_batch_size``/``mean``/``mean_with_sample_weight``, several
-  compiled losses, sample weights with a set sign bit or per output, masks (``Masking``,
+  compiled losses, sample weights per output or per time step (not one per row), masks (``Masking``,
   ``Embedding(mask_zero=True)``: Keras rescales by the count of valid entries, padding included),
   activity regularization (an ``add_loss`` term over the batch), ``BatchNormalization`` in ``fit()``
   (its batch statistics would see the padding), a ``compression=`` step. Everything else keeps the
@@ -262,6 +262,8 @@ def pad(data, parts, call):
     if call.mode == "predict":
         return (keras.tree.map_structure(rows, x),), None
     weights = np.ones((size,), "float32") if sample_weight is None else np.asarray(sample_weight)
+    if weights.ndim != 1:
+        return None, "its sample weights are not one per row"
     if not np.issubdtype(weights.dtype, np.floating):
         weights = weights.astype("float32")  # an integer has no -0.0
     padding = np.full((total - size,) + weights.shape[1:], -0.0, weights.dtype)
