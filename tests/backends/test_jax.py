@@ -97,6 +97,171 @@ def test_a_batch_the_devices_dont_divide_runs_whole_on_each_and_matches_one_devi
     assert logs["loss"] == pytest.approx(single.evaluate(x, y, batch_size=12, verbose=0), rel=RTOL)
 
 
+class Placed:
+    """Spies on the function Keras' JAX trainer places every batch with: (rows, sharding spec) of each x."""
+
+    def __init__(self, monkeypatch):
+        from keras.src.backend.jax import trainer
+
+        self.seen, placed = [], trainer._distribute_data
+
+        def spy(data, layouts=None):
+            out = placed(data, layouts)
+            first = keras.tree.flatten(out)[0]
+            self.seen.append((first.shape[0], tuple(first.sharding.spec)[:1]))
+            return out
+
+        monkeypatch.setattr(trainer, "_distribute_data", spy)
+
+
+def _uneven_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dropout(0.3),
+                              keras.layers.GaussianNoise(0.1), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae", keras.metrics.R2Score()],
+                  weighted_metrics=["mse"])
+    return model
+
+
+@pytest.mark.parametrize("batch_size, weighted", [(4, False), (2, True)])
+def test_uneven_batches_are_padded_split_and_equal_one_device(monkeypatch, caplog, batch_size, weighted):
+    """10 rows in batches of 4 (4, 4, 2) or 2 on 3 devices: every batch is padded to a multiple of 3 and split,
+    and fit (Dropout and GaussianNoise drawing, sample weights or none, metrics weighted and not, validation on 5
+    rows), evaluate and predict give one device's numbers: weights, Adam's slots, History, predictions."""
+    x, y = scenarios.data(10)
+    weights = np.linspace(0.5, 2.0, 10).astype("float32") if weighted else None
+    single = _uneven_model()
+    expected = single.fit(x, y, sample_weight=weights, batch_size=batch_size, epochs=2, shuffle=False,
+                          verbose=0, validation_data=(x[:5], y[:5])).history
+    dist = distkeras.distribute(_uneven_model(), devices=3)
+    placed = Placed(monkeypatch)
+    history = dist.fit(x, y, sample_weight=weights, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
+                       validation_data=(x[:5], y[:5])).history
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    assert_weights_close([keras.ops.convert_to_numpy(v) for v in single.optimizer.variables],
+                         [keras.ops.convert_to_numpy(v) for v in dist.optimizer.variables])
+    assert history.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=RTOL, atol=ATOL, err_msg=key)
+    logs = dist.evaluate(x, y, sample_weight=weights, batch_size=batch_size, verbose=0, return_dict=True)
+    want = single.evaluate(x, y, sample_weight=weights, batch_size=batch_size, verbose=0, return_dict=True)
+    for key in want:
+        assert logs[key] == pytest.approx(want[key], rel=RTOL, abs=ATOL), key
+    predicted = dist.predict(x, batch_size=batch_size, verbose=0)
+    assert predicted.shape == (10, 3)
+    np.testing.assert_allclose(predicted, single.predict(x, batch_size=batch_size, verbose=0), rtol=RTOL, atol=ATOL)
+    padded = {4: {6, 3}, 2: {3}}[batch_size]  # 4 -> 6 and 2 -> 3 rows, one per device
+    assert {rows for rows, _ in placed.seen} == padded and all(spec == ("batch",) for _, spec in placed.seen), placed.seen
+    assert "doesn't split evenly" not in caplog.text
+
+
+@pytest.mark.parametrize("loss, metric", [
+    (keras.losses.MeanAbsoluteError(reduction="mean"), "mse"),
+    (keras.losses.MeanAbsoluteError(reduction="mean_with_sample_weight"), "mse"),
+    ("sparse_categorical_crossentropy", "accuracy"),
+])
+def test_padded_batches_equal_one_device_for_each_allowed_loss_reduction(monkeypatch, loss, metric):
+    x, y = scenarios.data(10)
+    weights = np.linspace(0.5, 2.0, 10)  # float64: placed as float32
+    if metric == "accuracy":
+        y = np.arange(10) % 3
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=[metric], weighted_metrics=[metric])
+        return model
+
+    single = build()
+    expected = single.fit(x, y, sample_weight=weights, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    dist = distkeras.distribute(build(), devices=3)
+    placed = Placed(monkeypatch)
+    history = dist.fit(x, y, sample_weight=weights, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    assert {rows for rows, _ in placed.seen} == {6, 3}  # 4 and 2 rows, padded to 6 and 3
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=RTOL, atol=ATOL, err_msg=key)
+
+
+def test_a_batch_smaller_than_the_device_count_is_padded_in_predict():
+    dist = distkeras.distribute(probed_model(), devices=3)  # Probe is a layer of its own: fit keeps the fallback
+    x, _ = scenarios.data(7)
+    single = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    single.set_weights(dist.get_weights())
+    np.testing.assert_allclose(dist.predict(x, batch_size=5, verbose=0), single.predict(x, verbose=0), rtol=RTOL,
+                               atol=ATOL)
+    np.testing.assert_allclose(dist.predict(x[:1], verbose=0), single.predict(x[:1], verbose=0), rtol=RTOL, atol=ATOL)
+    assert {size for size, _ in Probe.seen} == {6, 3} and all(spec[:1] == ("batch",) for _, spec in Probe.seen)
+
+
+class OwnLayer(keras.layers.Layer):
+    def call(self, x):
+        return x
+
+
+@pytest.mark.parametrize("case, why", [
+    ("batchnorm", "normalises by the statistics of the batch in training"),
+    ("sum", "its loss reduction is 'sum'"),
+    ("own_layer", "OwnLayer is your own class"),
+    ("mask", "makes a mask"),
+    ("activity", "activity regularization"),
+])
+def test_uneven_batches_keep_the_whole_batch_fallback_where_padding_is_not_proven_exact(caplog, case, why):
+    keras.utils.set_random_seed(0)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        middle = {"batchnorm": keras.layers.BatchNormalization(), "own_layer": OwnLayer(),
+                  "mask": keras.layers.Masking(), "activity": keras.layers.Dense(8, activity_regularizer="l2")}
+        layers = [keras.Input((5,)), keras.layers.Dense(8)] + ([middle[case]] if case in middle else [])
+        model = keras.Sequential(layers + [keras.layers.Dense(3)])
+        loss = keras.losses.MeanSquaredError(reduction="sum") if case == "sum" else "mse"
+        model.compile(optimizer="sgd", loss=loss, metrics=["mae"])
+        return model
+
+    x, y = scenarios.data(10)
+    single = build()
+    expected = single.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0).history
+    dist = distkeras.distribute(build(), devices=3)
+    history = dist.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0).history
+    assert why in caplog.text and "runs whole on every device" in caplog.text
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=RTOL, atol=ATOL)
+
+
+def test_negative_sample_weights_are_refused_while_padding():
+    dist = distkeras.distribute(_uneven_model(), devices=3)
+    x, y = scenarios.data(10)
+    with pytest.raises(distkeras.DistKerasError, match="A sample weight is negative.*non-negative"):
+        dist.fit(x, y, sample_weight=-np.ones(10, "float32"), batch_size=4, verbose=0)
+
+
+def test_private_api_pin_uneven_padding():
+    """jax_uneven.py reaches into: the trainer module's ``_distribute_data(data, layouts=None)`` (looked up per
+    call), the compiled loss' ``_flat_losses`` entries' ``loss``, the compiled metrics' ``_flat_metrics`` and
+    ``_flat_weighted_metrics`` groups (their ``metrics`` and ``update_state``), the model's ``_loss_tracker``
+    and what makes ``_symbolic_build`` draw a batch."""
+    import inspect
+
+    from keras.src.backend.jax import trainer
+    from keras.src.trainers import compile_utils
+    from keras.src.trainers.trainer import Trainer
+
+    assert list(inspect.signature(trainer._distribute_data).parameters) == ["data", "layouts"]
+    assert "_distribute_data(data, layouts)" in inspect.getsource(trainer.JAXEpochIterator._get_distributed_iterator)
+    assert compile_utils.CompileLoss.Loss._fields[1] == "loss"
+    model = distkeras.distribute(_uneven_model(), devices=3)
+    assert getattr(trainer._distribute_data, "distkeras", False)  # wrapped, and looked up per call
+    model.fit(*scenarios.data(6), batch_size=6, verbose=0)
+    assert model._compile_loss._flat_losses[0].loss.reduction == "sum_over_batch_size"
+    groups = model._compile_metrics._flat_metrics + model._compile_metrics._flat_weighted_metrics
+    assert all(hasattr(g, "metrics") and "sample_weight" in inspect.signature(g.update_state).parameters for g in groups)
+    assert isinstance(model._loss_tracker, keras.metrics.Mean)
+    source = inspect.getsource(Trainer._symbolic_build)
+    assert "self._compile_metrics.built" in source and "self._compile_loss.built" in source
+
+
 def test_batch_statistics_are_those_of_the_global_batch():
     # One SPMD program over the global batch: BatchNormalization normalises by the whole batch's moments
     # (and updates its moving ones) exactly as one device does, even on a batch that runs replicated.
@@ -459,3 +624,195 @@ def test_bfloat16_bits_are_rounded_as_xla_rounds():
     bf16 = jnp.dtype(jnp.bfloat16)
     expected = np.asarray(jnp.asarray(x).astype(bf16).astype(jnp.float32))
     np.testing.assert_array_equal(np.asarray(_decode(_encode(jnp.asarray(x), bf16), bf16)), expected)
+
+
+# ---- models with optimizers of their own (a GAN), unbuilt models, random layers
+
+
+class GAN(keras.Model):
+    """A GAN in the style of the Keras guides, written for JAX: ``compile(d_optimizer, g_optimizer, loss_fn)``
+    and a stateless ``train_step`` (``stateless_call``, ``jax.value_and_grad``, ``stateless_apply``, latent
+    noise from ``keras.random.normal`` with a SeedGenerator). Keras' JAX fit() carries only
+    ``model.optimizer``'s variables through its jitted step, so a step with optimizers of its own runs eagerly
+    and writes their new state back."""
+
+    def __init__(self, discriminator, generator, latent_dim=4):
+        super().__init__()
+        self.discriminator, self.generator, self.latent_dim = discriminator, generator, latent_dim
+        self.seed_generator = keras.random.SeedGenerator(1337)
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+        self.built = True  # no call(): Keras' fit() would otherwise try to build it by calling it
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile(run_eagerly=True)
+        self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+        d_optimizer.build(self.discriminator.trainable_variables)
+        g_optimizer.build(self.generator.trainable_variables)
+
+    def train_step(self, state, data):
+        import jax
+
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        values = {id(v): x for v, x in zip(self.trainable_variables + self.non_trainable_variables,
+                                          list(trainable) + list(non_trainable))}
+        own = {"g": self.generator, "d": self.discriminator}
+        tv = {k: [values[id(v)] for v in m.trainable_variables] for k, m in own.items()}
+        ntv = {k: [values[id(v)] for v in m.non_trainable_variables] for k, m in own.items()}
+        real = data[0] if isinstance(data, tuple) else data
+        batch = real.shape[0]
+        seed_state = self.seed_generator.state
+        with keras.StatelessScope(state_mapping=[(seed_state, values[id(seed_state)])]) as scope:
+            noise_d = keras.random.normal((batch, self.latent_dim), seed=self.seed_generator)
+            noise_g = keras.random.normal((batch, self.latent_dim), seed=self.seed_generator)
+            values[id(seed_state)] = scope.get_current_value(seed_state)
+        labels = keras.ops.concatenate([keras.ops.ones((batch, 1)), keras.ops.zeros((batch, 1))])
+
+        def d_loss_fn(d_tv):
+            fake, _ = self.generator.stateless_call(tv["g"], ntv["g"], noise_d)
+            predictions, _ = self.discriminator.stateless_call(d_tv, ntv["d"], keras.ops.concatenate([fake, real]))
+            return self.loss_fn(labels, predictions)
+
+        d_loss, d_grads = jax.value_and_grad(d_loss_fn)(tv["d"])
+        tv["d"], d_state = self.d_optimizer.stateless_apply([v.value for v in self.d_optimizer.variables], d_grads, tv["d"])
+
+        def g_loss_fn(g_tv):
+            fake, _ = self.generator.stateless_call(g_tv, ntv["g"], noise_g)
+            predictions, _ = self.discriminator.stateless_call(tv["d"], ntv["d"], fake)
+            return self.loss_fn(keras.ops.zeros((batch, 1)), predictions)
+
+        g_loss, g_grads = jax.value_and_grad(g_loss_fn)(tv["g"])
+        tv["g"], g_state = self.g_optimizer.stateless_apply([v.value for v in self.g_optimizer.variables], g_grads, tv["g"])
+        for optimizer, new in ((self.d_optimizer, d_state), (self.g_optimizer, g_state)):
+            for variable, value in zip(optimizer.variables, new):
+                variable.assign(value)
+        for k, m in own.items():
+            values.update({id(v): x for v, x in zip(m.trainable_variables, tv[k])})
+        with keras.StatelessScope(state_mapping=list(zip(self.metrics_variables, metrics_variables))) as scope:
+            self.d_loss_tracker.update_state(d_loss)
+            self.g_loss_tracker.update_state(g_loss)
+            logs = {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+        metrics_variables = [scope.get_current_value(v) for v in self.metrics_variables]
+        state = ([values[id(v)] for v in self.trainable_variables], [values[id(v)] for v in self.non_trainable_variables],
+                 optimizer_variables, metrics_variables)
+        return logs, state
+
+
+def _gan():
+    keras.utils.set_random_seed(0)
+    discriminator = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    generator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(6)])
+    gan = GAN(discriminator, generator)
+    gan.compile(keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.02, beta_1=0.5),
+                keras.losses.BinaryCrossentropy(from_logits=True))
+    return gan
+
+
+def _state(model, optimizers):
+    return [keras.ops.convert_to_numpy(v) for v in model.weights] + [
+        keras.ops.convert_to_numpy(v) for o in optimizers for v in o.variables]
+
+
+def test_all_optimizers_finds_optimizers_in_attributes_lists_and_dicts_once_each():
+    from distkeras.backends import keras3
+
+    gan = _gan()
+    assert keras3.all_optimizers(gan) == [gan.optimizer, gan.d_optimizer, gan.g_optimizer]
+    extra = keras.optimizers.SGD()
+    gan.more = [gan.d_optimizer, extra]
+    gan.by_name = {"again": extra}
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    gan.scaled = scaled
+    found = keras3.all_optimizers(gan)
+    assert found[:3] == [gan.optimizer, gan.d_optimizer, gan.g_optimizer]
+    assert sorted(map(id, found[3:])) == sorted(map(id, [extra, scaled, scaled.inner_optimizer]))
+
+
+@pytest.mark.parametrize("devices, trained_before", [(2, False), (3, True)])
+def test_a_gan_with_optimizers_of_its_own_equals_one_device(devices, trained_before):
+    """Both optimizers (set in compile(), built before distribute, trained before it in one case) are laid out on
+    the mesh with the model: weights, both optimizers' slots and History equal one device's."""
+    x = scenarios.data(12)[0][:, :5]
+    x = np.concatenate([x, x[:, :1]], axis=1)  # 6 features
+    single = _gan()
+    expected = single.fit(x, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    gan = _gan()
+    if trained_before:
+        gan.fit(x, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    dist = distkeras.distribute(gan, devices=devices)
+    mesh = jax_devices(["cpu:{}".format(i) for i in range(devices)])
+    for v in dist.d_optimizer.variables + dist.g_optimizer.variables:
+        assert shards(v).keys() == mesh, v.path
+    history = dist.fit(x, batch_size=6, epochs=1 if trained_before else 2, shuffle=False, verbose=0).history
+    assert_weights_close(_state(single, [single.d_optimizer, single.g_optimizer]),
+                         _state(dist, [dist.d_optimizer, dist.g_optimizer]))
+    for key in ("d_loss", "g_loss"):
+        np.testing.assert_allclose(history[key], expected[key][-len(history[key]):], rtol=RTOL, atol=ATOL)
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_an_unbuilt_subclassed_model_creates_its_variables_on_the_mesh_and_equals_one_device(devices):
+    def build():
+        keras.utils.set_random_seed(0)
+        model = Subclassed()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        return model
+
+    x, y = scenarios.data(24)
+    single = build()
+    expected = single.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    model = build()
+    assert not model.built and not model.variables
+    dist = distkeras.distribute(model, devices=devices)
+    history = dist.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    mesh = jax_devices(["cpu:{}".format(i) for i in range(devices)])
+    for v in dist.weights + dist.optimizer.variables:
+        assert shards(v) == {d: tuple(v.shape) for d in mesh}, v.path
+    assert_weights_close(single.get_weights(), dist.get_weights())
+    for key in expected:
+        np.testing.assert_allclose(history[key], expected[key], rtol=RTOL, atol=ATOL)
+
+
+class Sampling(keras.layers.Layer):
+    """z = mean + noise, the noise from keras.random.normal with the layer's own SeedGenerator (a VAE's)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x):
+        return x + keras.random.normal(keras.ops.shape(x), seed=self.seed_generator)
+
+
+def test_random_layers_draw_what_one_device_draws():
+    """Dropout and a keras.random.normal sampling layer on 3 devices: one SPMD program over the global batch
+    draws what one device draws for every row (weights, seed states and History equal)."""
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8), keras.layers.Dropout(0.4), Sampling(),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    x, y = scenarios.data(24)
+    single = build()
+    expected = single.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    dist = distkeras.distribute(build(), devices=3)
+    history = dist.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history
+    assert_weights_close([keras.ops.convert_to_numpy(v) for v in single.variables],
+                         [keras.ops.convert_to_numpy(v) for v in dist.variables])
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=RTOL, atol=ATOL)

@@ -23,10 +23,15 @@ global batch is placed with ``jax.make_array_from_callback``, so a process mater
 slices its own devices hold, and every process takes the same steps whatever the data size.
 
 JAX splits an array axis only evenly. A batch the "batch" axis doesn't divide (10 samples on 3
-devices, or an epoch's smaller last batch) runs whole on every device instead, with a warning: the
-single-device result, not in parallel. Padding it with zero-weight samples would keep it parallel but
-not exact: batch statistics (BatchNormalization), ``add_loss`` terms and metrics that ignore sample
-weights would all see the padding.
+devices, an epoch's smaller last batch, a batch smaller than the device count) is padded to a multiple
+of it and split where that is provably the single-device result (:mod:`distkeras.backends.jax_uneven`:
+always in predict(), in fit() and evaluate() for models of Keras' own parts, with zero-weight padding);
+elsewhere it runs whole on every device, with a warning naming why: the single-device result, not in
+parallel.
+
+Every optimizer the model holds is laid out (``keras3.all_optimizers``: a GAN's ``d_optimizer`` and
+``g_optimizer`` too), and a model built later (an unbuilt subclassed model) creates its variables under
+the distribution, at its first scoped fit/evaluate/predict.
 """
 
 import functools
@@ -139,7 +144,7 @@ class JaxAdapter(Adapter):
         """
         import keras
 
-        from . import jax_steps
+        from . import jax_steps, jax_uneven
 
         compression = check_compression(compression)
         if compression is not None and strategy != "data":
@@ -166,6 +171,7 @@ class JaxAdapter(Adapter):
         _replicate_uneven_batches()
         keras3.unhook(model)  # an earlier distribute()'s hooks
         jax_steps.uninstall(model)
+        jax_uneven.install(model)
         with distribution.scope():
             _assign_layouts(model, distribution)
             _lay_out(model, distribution)
@@ -175,7 +181,7 @@ class JaxAdapter(Adapter):
             jax_steps.install(model, distribution.device_mesh.backend_mesh, distribution.batch_dim_name,
                               jax_steps.WIRE[compression])
         for name in _SCOPED:
-            keras3.hook(model, name, _scoped(getattr(model, name), model, distribution))
+            keras3.hook(model, name, _scoped(getattr(model, name), model, distribution, name))
         if cluster.is_multi_worker:
             keras3.chief_speaks_and_writes(model, cluster.rank)
         return model
@@ -309,14 +315,21 @@ def _check_layouts(model, layouts, axis_sizes):
             ", ".join(map(repr, unused)), ", ".join(v.path for v in model.weights)))
 
 
-def _scoped(method, model, distribution):
-    """``method`` run under ``distribution``, with any variable created outside it moved onto the mesh."""
+def _scoped(method, model, distribution, name=None):
+    """``method`` run under ``distribution``, with any variable created outside it moved onto the mesh.
+    ``fit``/``evaluate``/``predict`` also run marked as such, for the padding of uneven batches
+    (:mod:`distkeras.backends.jax_uneven`); predict() returns without the padded rows."""
+    from . import jax_uneven
 
     @functools.wraps(method)
     def call(*args, **kwargs):
         with distribution.scope():
             _lay_out(model, distribution)
-            return method(*args, **kwargs)
+            if name not in jax_uneven.MODES:
+                return method(*args, **kwargs)
+            with jax_uneven.running(model, name) as running:
+                result = method(*args, **kwargs)
+            return jax_uneven.drop_padding(result, running) if name == "predict" else result
 
     return call
 
@@ -346,7 +359,7 @@ def _assign_layouts(model, distribution):
     from keras.distribution import TensorLayout
 
     by_name = {v.path.replace("/", "_"): v for v in model.trainable_variables}
-    optimizer_variables = {id(v) for o in keras3.optimizers_of(model) for v in o.variables}
+    optimizer_variables = {id(v) for o in keras3.all_optimizers(model) for v in o.variables}
     for v in keras3.state_variables(model):
         v._layout = None  # an earlier distribution's layout
         reference = None
@@ -399,6 +412,52 @@ def _replicate_uneven_batches():
 
     distribute_data_input.distkeras = True
     lib.distribute_data_input = distribute_data_input
+    _pad_uneven_batches()
+
+
+def _pad_uneven_batches():
+    """Pad a batch the "batch" mesh axis doesn't divide where that is exact (:mod:`jax_uneven`).
+
+    Keras' JAX trainer places each batch its epoch iterator yields with its module function
+    ``_distribute_data(data, layouts)``, looked up per call: the one place that sees a whole batch (x, y
+    and sample weights together) before it is split. There is no public hook, so that private function
+    is wrapped once (guarded: left alone where it is missing; pinned by a test). The wrapper changes
+    nothing outside a distributed model's fit/evaluate/predict, nor for a batch that divides;
+    ``*_on_batch`` (no layouts) keep the replicated fallback.
+    """
+    try:
+        from keras.src.backend.jax import trainer
+    except ImportError:
+        return
+    original = getattr(trainer, "_distribute_data", None)
+    if original is None or getattr(original, "distkeras", False):
+        return
+    from . import jax_uneven
+
+    @functools.wraps(original)
+    def _distribute_data(data, layouts=None):
+        import jax
+        import keras
+
+        call = jax_uneven.current()
+        current = keras.distribution.distribution()
+        warned = _ours.get(current) if current is not None else None
+        first = [layout for layout in keras.tree.flatten(layouts) if layout is not None] if layouts is not None else []
+        if call is None or warned is None or not first or not isinstance(first[0], jax.sharding.NamedSharding):
+            return original(data, layouts)
+        axis, parts = _batch_axis(first[0])
+        if axis != 0 or parts == 1:
+            return original(data, layouts)
+        padded, why_not = jax_uneven.pad(data, parts, call)
+        if padded is not None:
+            return original(padded)  # the layouts of the padded structure (sample weights added)
+        if why_not is not None:
+            rows = [a for a in keras.tree.flatten(data) if a is not None][0].shape[0]
+            _warn_uneven(warned, rows, parts, why_not)
+        return original(data, layouts)
+
+    _distribute_data.distkeras = True
+    trainer._distribute_data = _distribute_data
 
 
 def _batch_axis(sharding):
@@ -413,16 +472,18 @@ def _batch_axis(sharding):
     return 0, 1
 
 
-def _warn_uneven(warned, size, parts):
+def _warn_uneven(warned, size, parts, why_not=None):
     if size in warned:
         return
     warned.add(size)
     logger.warning(
-        "a batch of %d samples doesn't split evenly over %d devices (JAX shards only evenly), so it runs whole on "
-        "every device: the single-device result, not in parallel. A batch size divisible by %d keeps every step "
-        "parallel (an epoch's last batch is smaller when the sample count isn't a multiple of it).",
+        "a batch of %d samples doesn't split evenly over %d devices (JAX shards only evenly) and padding it isn't "
+        "exact here (%s), so it runs whole on every device: the single-device result, not in parallel. A batch "
+        "size divisible by %d keeps every step parallel (an epoch's last batch is smaller when the sample count "
+        "isn't a multiple of it).",
         size,
         parts,
+        why_not or "a batch placed outside fit, evaluate and predict",
         parts,
     )
 

@@ -19,8 +19,8 @@ over the shards (``psum``), so normalisation, moving statistics and the gradient
 are the single-device ones. Other cross-sample computations inside a layer's ``call`` see one shard,
 as each replica does on TensorFlow and PyTorch; dropout draws the same mask pattern on every shard.
 
-A batch the devices don't divide runs the uncompressed step (whole on every device, see
-:mod:`distkeras.backends.jax`).
+A batch the devices don't divide is not padded in fit() with compression (the replaced ``train_step`` is
+not proven exact on padding); it runs whole on every device (see :mod:`distkeras.backends.jax`).
 """
 
 import contextlib

@@ -1,4 +1,5 @@
-"""What the Keras adapters share: hooks on a model instance, the rank-0-writes rule, and a rebuild for tf.keras 2.x.
+"""What the Keras adapters share: hooks on a model instance, every optimizer a model holds, the rank-0-writes
+rule, and a rebuild for tf.keras 2.x.
 
 The adapters distribute the user's own model object in place (its variables' storage re-created or laid
 out on the devices). What changes behaviour is installed as *instance attributes* through :func:`hook`,
@@ -50,37 +51,40 @@ def optimizers_of(model):
     return found
 
 
+def _is_optimizer(obj):
+    # By type, not isinstance: Keras 3 and tf.keras optimizers alike, and no property of an arbitrary
+    # attribute is read.
+    return callable(getattr(type(obj), "apply_gradients", None)) and hasattr(type(obj), "variables")
+
+
 def all_optimizers(model):
-    """Every Keras optimizer a model holds, once each (by identity): ``model.optimizer`` first, then the
-    optimizers it wraps (the ``inner_optimizer`` chain of a LossScaleOptimizer), then every other optimizer
-    in the model's instance attributes, also inside lists, tuples and dicts held there (the ``d_optimizer``
-    and ``g_optimizer`` a GAN's ``compile()`` keeps, as in the Keras guides)."""
-    import keras
-
-    found = optimizers_of(model)
-
-    def add(value):
-        if isinstance(value, keras.optimizers.Optimizer):
-            if all(value is not known for known in found):
-                found.append(value)
-        elif isinstance(value, dict):
-            for item in list(value.values()):
-                add(item)
-        elif isinstance(value, (list, tuple)):
-            for item in list(value):
-                add(item)
-
+    """Every optimizer the model holds, once each: ``model.optimizer`` first, then the optimizers it wraps
+    (LossScaleOptimizer's ``inner_optimizer``), then the others found in the model's attributes, directly or
+    in a list, tuple or dict (a GAN's ``d_optimizer`` and ``g_optimizer`` set in its ``compile()``), each
+    followed by the optimizers it wraps. A model's training steps may use any of them, so each one's
+    variables are placed (and its gradients averaged) like ``model.optimizer``'s."""
+    found = list(optimizers_of(model))
+    candidates = []
     for value in list(vars(model).values()):
-        add(value)
+        if isinstance(value, dict):
+            candidates.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            candidates.extend(value)
+        else:
+            candidates.append(value)
+    for optimizer in candidates:
+        while _is_optimizer(optimizer) and all(optimizer is not known for known in found):
+            found.append(optimizer)
+            optimizer = getattr(optimizer, "inner_optimizer", None)
     return found
 
 
 def state_variables(model):
     """Every variable a model's training touches, once each: its weights (seed-generator states
-    included), its metrics' (compiled loss tracker included) and its optimizers'."""
+    included), its metrics' (compiled loss tracker included) and every optimizer's (:func:`all_optimizers`)."""
     variables, seen = [], set()
     groups = [model.variables, getattr(model, "metrics_variables", [])]
-    groups += [optimizer.variables for optimizer in optimizers_of(model)]
+    groups += [optimizer.variables for optimizer in all_optimizers(model)]
     for group in groups:
         for variable in group:
             if id(variable) not in seen:
