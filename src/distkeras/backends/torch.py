@@ -187,9 +187,7 @@ def place(model, device):
     """
     import torch
 
-    from . import torch_collectives
-
-    for variable in torch_collectives.state_variables(model):
+    for variable in keras3.state_variables(model):
         value = getattr(variable, "_value", None)
         if isinstance(value, torch.Tensor) and value.device != device:
             value.grad = None

@@ -17,22 +17,9 @@ import torch.distributed as dist
 from . import keras3
 
 
-def state_variables(model):
-    """Every variable of ``model`` that every rank must hold alike: :func:`keras3.state_variables` and the
-    variables of every other optimizer the model holds (:func:`keras3.all_optimizers`), once each."""
-    variables = keras3.state_variables(model)
-    seen = {id(v) for v in variables}
-    for optimizer in keras3.all_optimizers(model):
-        for variable in optimizer.variables:
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                variables.append(variable)
-    return variables
-
-
 def broadcast_from_rank0(model):
     """Give every rank rank 0's weights (all of them), metric state and every optimizer's state."""
-    broadcast_variables(state_variables(model))
+    broadcast_variables(keras3.state_variables(model))
 
 
 def broadcast_variables(variables):

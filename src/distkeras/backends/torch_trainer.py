@@ -314,7 +314,7 @@ def broadcast_new_variables(model, replica):
     at the same points, and finds the same new variables, in the same order."""
     known = replica.known
     # Weak references: a variable that is gone must not hide a new one that got its id.
-    new = [v for v in collectives.state_variables(model) if id(v) not in known or known[id(v)]() is not v]
+    new = [v for v in keras3.state_variables(model) if id(v) not in known or known[id(v)]() is not v]
     if new:
         collectives.broadcast_variables(new)
         known.update((id(v), weakref.ref(v)) for v in new)
