@@ -229,7 +229,7 @@ def distribute(model, devices=None, **options):
     """
     adapter = _adapter_for(model)
     adapter.check_options(options)
-    if not getattr(model, "built", False):
+    if not getattr(model, "built", False) and not _variables_created(model):
         raise ModelError(
             "The model is not built, so it has no weights to replicate yet. Build it first: give it an "
             "Input layer, call model.build(input_shape), or call it once on a batch of data."
@@ -273,6 +273,16 @@ def shutdown():
     """
     for adapter in backends.loaded():
         adapter.shutdown()
+
+
+def _variables_created(model):
+    """A model Keras calls unbuilt that holds its variables all the same (a GAN or VAE wrapper of built
+    sub-models, with no ``call()`` of its own)."""
+    try:
+        variables = list(model.variables)
+    except (AttributeError, ValueError):  # an unbuilt layer may refuse to list its variables
+        return False
+    return bool(variables)
 
 
 def describe(model):

@@ -50,6 +50,32 @@ def optimizers_of(model):
     return found
 
 
+def all_optimizers(model):
+    """Every Keras optimizer a model holds, once each (by identity): ``model.optimizer`` first, then the
+    optimizers it wraps (a LossScaleOptimizer's ``inner_optimizer`` chain), then every other optimizer
+    found in the model's instance attributes and inside the lists, tuples and dicts held there (a GAN's
+    ``d_optimizer`` and ``g_optimizer``, set by its own ``compile()``)."""
+    found = list(optimizers_of(model))
+    base = getattr(getattr(keras_module(model), "optimizers", None), "Optimizer", None)
+    if base is None:
+        return found
+
+    def visit(value):
+        if isinstance(value, base):
+            if all(value is not known for known in found):
+                found.append(value)
+        elif isinstance(value, dict):
+            for item in list(value.values()):
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in list(value):
+                visit(item)
+
+    for value in list(vars(model).values()):
+        visit(value)
+    return found
+
+
 def state_variables(model):
     """Every variable a model's training touches, once each: its weights (seed-generator states
     included), its metrics' (compiled loss tracker included) and its optimizers'."""

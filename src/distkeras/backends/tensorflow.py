@@ -34,7 +34,7 @@ from typing import List
 from .. import cluster as cluster_lib
 from ..devices import Device
 from ..errors import ClusterError, DistKerasError, OptionError, TooLateError
-from . import keras3, when_imported
+from . import keras3, tensorflow_steps, when_imported
 from .base import COMPRESSION_HELP, Adapter, check_compression
 
 _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
@@ -116,14 +116,18 @@ class TensorFlowAdapter(Adapter):
                 new = keras3.clone(model)
                 keras3.compile_like(new, model)
             model = new
+            if exact_loss_scaling and _uses_default_compute_loss(model):
+                # tf.keras 2.x divides every compiled loss by the replica count; re-weighed by batch share.
+                global_batch = None if cluster.is_multi_worker else _global_batch_of_each_run(tf, strategy)
+                _weigh_replicas_by_batch_share(model, tf, strategy.num_replicas_in_sync, global_batch)
         else:
             _mirror_in_place(model, tf, strategy, compression)
             _global_gradient_first(model, tf, strategy, compression)
             _batchnorm_moments(model, tf, sync_batchnorm)
-        if exact_loss_scaling and _uses_default_compute_loss(model):
-            # One host: every replica's batch is at hand when a step starts, so the global batch is too.
-            global_batch = None if cluster.is_multi_worker else _global_batch_of_each_run(tf, strategy)
-            _weigh_replicas_by_batch_share(model, tf, strategy.num_replicas_in_sync, global_batch)
+            # Each replica told its rows of the global batch; losses and random draws follow one device's rules.
+            tensorflow_steps.tell_replicas_their_rows(tf, strategy, exact_loss_scaling)
+            tensorflow_steps.gate_keras_loss_scaling()
+            tensorflow_steps.draw_like_one_device(tf)
         _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(model, tf)
@@ -229,18 +233,11 @@ def _mirror_in_place(model, tf, strategy, compression=None):
     their construction; the optimizer's variable index is keyed by the storage's id, so it is rebuilt.
     tests/backends/test_tensorflow.py pins all of these.
     """
-    for target in list(model._flatten_layers()) + keras3.optimizers_of(model):
+    for target in list(model._flatten_layers()) + _every_optimizer(model):
         keras3.unhook(target)  # an earlier distribute()'s hooks
-    with tf.init_scope():
-        for variable in keras3.state_variables(model):
-            storage = getattr(variable, "_value", None)
-            if storage is None:  # not created yet: it will be, under the strategy (see below)
-                continue
-            value = storage.read_value()
-            with strategy.scope():
-                variable._initialize(value)
+    _mirror_variables(tf, strategy, _state_variables(model))
     object.__setattr__(model, "_distribute_strategy", strategy)
-    for optimizer in keras3.optimizers_of(model):
+    for optimizer in _every_optimizer(model):
         _adopt_optimizer(optimizer, strategy)
     # Steps traced before (a model trained before distribute()) hold the old variables.
     model.train_function = model.test_function = model.predict_function = None
@@ -252,12 +249,50 @@ def _mirror_in_place(model, tf, strategy, compression=None):
         # A new optimizer and new metrics: created, and their variables built, under the strategy.
         with strategy.scope():
             compile_(*args, **kwargs)
-        for optimizer in keras3.optimizers_of(model):
+        # Optimizers (and metrics) a compile() of the model's own was given, created outside the scope.
+        _mirror_variables(tf, strategy, _state_variables(model))
+        for optimizer in _every_optimizer(model):
             keras3.unhook(optimizer)
             _adopt_optimizer(optimizer, strategy)
         _global_gradient_first(model, tf, strategy, compression)
 
     keras3.hook(model, "compile", compile)
+
+
+def _every_optimizer(model):
+    """Every optimizer of the model (:func:`keras3.all_optimizers`) and the optimizers they wrap."""
+    found = []
+    for optimizer in keras3.all_optimizers(model):
+        while optimizer is not None and all(optimizer is not known for known in found):
+            found.append(optimizer)
+            optimizer = getattr(optimizer, "inner_optimizer", None)
+    return found
+
+
+def _state_variables(model):
+    """:func:`keras3.state_variables`, with the variables of every other optimizer the model holds."""
+    variables = keras3.state_variables(model)
+    seen = {id(v) for v in variables}
+    for optimizer in _every_optimizer(model):
+        for variable in optimizer.variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    return variables
+
+
+def _mirror_variables(tf, strategy, variables):
+    """Re-create each variable's storage under ``strategy`` from its value (those already there are kept)."""
+    with tf.init_scope():
+        for variable in variables:
+            storage = getattr(variable, "_value", None)
+            if storage is None:  # not created yet: it will be, under the strategy (see below)
+                continue
+            if getattr(storage, "distribute_strategy", None) is strategy:
+                continue
+            value = storage.read_value()
+            with strategy.scope():
+                variable._initialize(value)
 
 
 def _adopt_optimizer(optimizer, strategy):
@@ -279,14 +314,22 @@ def _global_gradient_first(model, tf, strategy, compression=None):
     With ``compression`` the gradients are cast to bfloat16/float16 for the all-reduce and back to their
     own dtype after it (half the bytes on the wire; Horovod's ``Compression.fp16``).
     """
-    optimizers = keras3.optimizers_of(model)
-    if not optimizers:
-        return
+    optimizers = _every_optimizer(model)
     for optimizer in optimizers:
         if hasattr(optimizer, "_all_reduce_sum_gradients"):
             keras3.hook(optimizer, "_all_reduce_sum_gradients", list)
-    outer = optimizers[0]
-    apply = type(outer).apply.__get__(outer)
+        if hasattr(optimizer, "_backend_apply_gradients") and hasattr(optimizer, "gradient_accumulation_steps"):
+            keras3.hook(optimizer, "_backend_apply_gradients", _decided_across_replicas(optimizer, tf))
+    inner = {id(getattr(o, "inner_optimizer", None)) for o in optimizers}
+    for outer in optimizers:
+        if id(outer) not in inner:  # the optimizer a step calls, not one a LossScaleOptimizer wraps
+            keras3.hook(outer, "apply", _apply_global(outer, tf, compression))
+
+
+def _apply_global(optimizer, tf, compression):
+    """``optimizer.apply`` given the global gradient: sparse gradients made dense, each replica's weighed by
+    its share of the global batch (see tensorflow_steps), all-reduced, then Keras' own ``apply``."""
+    apply = type(optimizer).apply.__get__(optimizer)
 
     def apply_global(grads, trainable_variables=None):
         context = tf.distribute.get_replica_context()
@@ -294,7 +337,15 @@ def _global_gradient_first(model, tf, strategy, compression=None):
         if context is not None and context.num_replicas_in_sync > 1:
             present = [i for i, g in enumerate(grads) if g is not None]
             if present:
+                # An IndexedSlices gradient (a gather: Embedding, ops.take) stays one: all-reduced, the replicas'
+                # slices are concatenated in replica order, i.e. one slice per lookup of the global batch, as
+                # one device's gradient has them. Not made dense (Horovod's sparse_as_dense): Keras' TensorFlow
+                # optimizers treat slices apart (Adam squares each slice, ``ops.square`` being elementwise on
+                # IndexedSlices), so a dense sum would train something else than one device.
                 sent = [grads[i] for i in present]
+                share = tensorflow_steps.batch_share(tf, sent[0].dtype)
+                if share is not None:
+                    sent = [_scaled(tf, g, share) for g in sent]
                 if compression is not None:
                     sent = [tf.cast(g, _WIRE[compression]) for g in sent]
                 summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
@@ -302,10 +353,14 @@ def _global_gradient_first(model, tf, strategy, compression=None):
                     grads[i] = tf.cast(g, grads[i].dtype) if compression is not None else g
         return apply(grads, trainable_variables)
 
-    keras3.hook(outer, "apply", apply_global)
-    for optimizer in optimizers:
-        if hasattr(optimizer, "_backend_apply_gradients") and hasattr(optimizer, "gradient_accumulation_steps"):
-            keras3.hook(optimizer, "_backend_apply_gradients", _decided_across_replicas(optimizer, tf))
+    return apply_global
+
+
+def _scaled(tf, gradient, factor):
+    factor = tf.cast(factor, gradient.dtype)
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+    return gradient * factor
 
 
 def _decided_across_replicas(optimizer, tf):
