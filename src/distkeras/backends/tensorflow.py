@@ -334,6 +334,11 @@ def _apply_global(optimizer, tf, compression):
     def apply_global(grads, trainable_variables=None):
         context = tf.distribute.get_replica_context()
         grads = list(grads)
+        if not optimizer.built and trainable_variables is not None and context is not None:
+            # An optimizer first used inside a step (a GAN's d_optimizer): its slots created once, in the
+            # cross-replica context, as mirrored variables, rather than by every replica's thread.
+            variables = list(trainable_variables)
+            context.merge_call(lambda _: _build(tf, optimizer, variables))
         if context is not None and context.num_replicas_in_sync > 1:
             present = [i for i, g in enumerate(grads) if g is not None]
             if present:
@@ -354,6 +359,11 @@ def _apply_global(optimizer, tf, compression):
         return apply(grads, trainable_variables)
 
     return apply_global
+
+
+def _build(tf, optimizer, variables):
+    with tf.init_scope():
+        optimizer.build(variables)
 
 
 def _scaled(tf, gradient, factor):
@@ -484,6 +494,10 @@ def _build_from_one_replica(model, tf, strategy):
         return value
 
     def maybe_symbolic_build(iterator=None, data_batch=None):
+        if not model.built:
+            # A wrapper with no call() of its own (a GAN of built sub-models): nothing to build from a batch;
+            # its step builds what it uses, as Keras does on one device (where it skips this build).
+            return
         if iterator is not None:
             for _, _, batches in iterator:
                 data_batch = tf.nest.map_structure(local, next(batches))
