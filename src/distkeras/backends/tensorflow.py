@@ -11,13 +11,29 @@ exception: their layers hold their ``tf.Variable`` objects directly, so they are
 What the adapter changes so that every step is exactly the single-device step at the same global batch
 (each an instance attribute, installed by :func:`keras3.hook`; nothing of it is saved):
 
-- **Replicas weighed by their share of the batch.** Keras scales each replica's mean loss by 1/replicas,
-  which weighs the replicas equally even when a batch splits unevenly (the last batch of an epoch, or a
-  global batch the replica count doesn't divide) or leaves a replica empty. The adapter weighs each
-  replica's gradient by its share of the global batch instead; reported loss values are untouched. On
-  one host this costs no communication: ``strategy.run`` holds every replica's batch before they start,
-  and the adapter's strategy hands the global batch size to them. Across workers each worker holds only
-  its own replicas' batches, so there the replicas all-reduce their batch sizes (a scalar per step).
+- **One loss rule, replicas weighed by their share of the batch** (``exact_loss_scaling=True``, the
+  default; :mod:`.tensorflow_steps`). Keras divides some losses by the replica count and not others (a
+  loss function returning a scalar, a ``Loss`` object or ops called by hand in a custom step), and weighs
+  the replicas equally even when a batch splits unevenly or leaves a replica empty. While a replica runs
+  a step, every loss it computes is its own mean over its rows, however it is written (compiled loss,
+  ``compute_loss``, a ``Loss`` object or ops in a ``GradientTape`` step, ``add_loss``, a custom
+  ``test_step``), and ``optimizer.apply`` hands the optimizer ``sum_r (n_r / N) * g_r``: the gradient of
+  one device's mean. Each replica knows its rows: on one host ``strategy.run`` holds every replica's batch
+  before they start (no communication); across workers the replicas all-gather their batch sizes (a
+  scalar per step). ``exact_loss_scaling=False`` keeps Keras' own rule. tf.keras 2.x models, which use
+  no Keras 3 loss code, keep a correction of their ``compute_loss`` (:func:`_weigh_replicas_by_batch_share`).
+- **Random draws of one device.** ``keras.random.*``, Dropout and its variants, GaussianNoise, the
+  augmentation layers and seed generators in custom layers draw, on each replica, one device's values for
+  its rows of the global batch (see :mod:`.tensorflow_steps` for which functions are exact).
+- **Every optimizer of the model.** ``model.optimizer``, the optimizer a LossScaleOptimizer wraps, and
+  optimizers held in the model's attributes (a GAN's ``d_optimizer``, ``g_optimizer`` given to its own
+  ``compile()``), at ``distribute()`` and after each ``compile()``: told the strategy, their variables
+  mirrored, their ``apply`` given the global gradient as below. One first used inside a step is built
+  once, in the cross-replica context.
+- **Sparse gradients stay sparse.** An ``IndexedSlices`` gradient (Embedding, ``ops.take``) is weighed
+  and all-reduced as slices, i.e. concatenated in replica order: one slice per lookup of the global batch,
+  which is what Keras' TensorFlow optimizers see on one device (Adam squares each slice apart there, so
+  a dense sum, Horovod's ``sparse_as_dense``, would train something else).
 - **The optimizer sees the global gradient.** Keras 3 clips (``clipnorm``, ``global_clipnorm``,
   ``clipvalue``), accumulates and checks loss-scaled gradients for overflow in ``optimizer.apply``
   *before* its TensorFlow optimizer all-reduces them, i.e. on each replica's partial gradient. The
@@ -49,7 +65,8 @@ class TensorFlowAdapter(Adapter):
     install_hint = "tensorflow (or tensorflow-cpu)"
     options = {
         "cross_device_ops": "how MirroredStrategy all-reduces: " + ", ".join(_CROSS_DEVICE_OPS),
-        "exact_loss_scaling": "weigh replicas by their share of the global batch (default True)",
+        "exact_loss_scaling": "every loss a replica's own mean, gradients weighed by each replica's share of the global "
+                              "batch (default True); False: Keras' own rule (losses divided by the replica count)",
         "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
         "compression": COMPRESSION_HELP,
     }
@@ -304,8 +321,9 @@ def _adopt_optimizer(optimizer, strategy):
 
 
 def _global_gradient_first(model, tf, strategy, compression=None):
-    """All-reduce the gradients when they reach ``optimizer.apply``, before clipping, accumulation or the
-    loss-scale overflow check, and skip the all-reduce Keras' TensorFlow optimizer would do after them.
+    """All-reduce the gradients when they reach ``optimizer.apply`` (of every optimizer the model holds),
+    before clipping, accumulation or the loss-scale overflow check, and skip the all-reduce Keras'
+    TensorFlow optimizer would do after them.
 
     ``_all_reduce_sum_gradients`` is the private method of Keras' TFOptimizer that sums the replicas'
     gradients inside ``_backend_update_step``; with the gradients already summed it must pass them
@@ -575,7 +593,7 @@ def _uses_default_compute_loss(model):
 
 
 def _global_batch_of_each_run(tf, strategy):
-    """Have ``strategy.run`` tell its replicas the global batch size; returns the function that reads it.
+    """tf.keras 2.x (Keras 3 models use tensorflow_steps.tell_replicas_their_rows): have ``strategy.run`` tell its replicas the global batch size; returns the function that reads it.
 
     Keras runs a step as ``strategy.run(step, args=(data,))`` from the cross-replica context, where
     ``data`` holds every replica's batch (each leaf a ``DistributedValues``; on one host, one value per
@@ -625,8 +643,9 @@ def _global_batch_of_each_run(tf, strategy):
 
 
 def _weigh_replicas_by_batch_share(model, tf, replicas, global_batch=None):
-    """Install the loss correction described in the module docstring on ``model`` (an instance attribute:
-    nothing of it is saved). ``global_batch()`` gives the step's global batch size where it is known
+    """For a tf.keras 2.x model: have its ``compute_loss`` (whose losses tf.keras divides by the replica count)
+    weigh each replica's gradient by its share of the global batch (an instance attribute: nothing of it
+    is saved). ``global_batch()`` gives the step's global batch size where it is known
     without communication (see :func:`_global_batch_of_each_run`); elsewhere the replicas all-reduce
     their batch sizes."""
     original = model.compute_loss
