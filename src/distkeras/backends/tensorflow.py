@@ -56,7 +56,7 @@ from .base import COMPRESSION_HELP, Adapter, check_compression
 _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 #: The wire dtype of each ``compression`` (TensorFlow's names).
 _WIRE = {"bf16": "bfloat16", "fp16": "float16"}
-_strategy_serial = itertools.count()
+_strategy_serial = itertools.count(1)  # 0 stays the base of strategies made without distkeras
 
 
 class TensorFlowAdapter(Adapter):
