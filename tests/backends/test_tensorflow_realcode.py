@@ -84,6 +84,19 @@ def test_random_layers_draw_what_one_device_draws():
     assert_exact(build, x, y)
 
 
+def test_augmentation_layers_and_spatial_dropout_draw_what_one_device_draws():
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6, 6, 1)), keras.layers.RandomFlip(), keras.layers.RandomRotation(0.2),
+                                  keras.layers.RandomZoom(0.2), keras.layers.SpatialDropout2D(0.3),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    x = np.random.default_rng(0).normal(size=(SAMPLES, 6, 6, 1)).astype("float32")
+    assert_exact(build, x, data()[1])
+
+
 def test_random_functions_draw_one_devices_rows():
     """Each keras.random function, drawn in a replica step, against the same draw on one device."""
     import tensorflow as tf
