@@ -157,6 +157,17 @@ def test_a_loss_function_returning_a_scalar_and_add_loss():
     assert_exact(build, x, y)
 
 
+def test_a_loss_with_sum_reduction():
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.002), loss=keras.losses.MeanSquaredError(reduction="sum"))
+        return model
+
+    x, y = data()
+    assert_exact(build, x, y)
+
+
 # C. Sparse gradients ----------------------------------------------------------------------------------
 
 def test_adam_on_embedding_gradients():
@@ -324,8 +335,11 @@ def test_the_keras_privates_the_loss_and_random_rules_rely_on():
     # The loss rule: Keras' two functions, looked up on their module at call time by every caller.
     for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
         assert getattr(getattr(loss_module, name), "_distkeras_gated", False), name
-    assert loss_module.reduce_values.__globals__ is vars(loss_module)
+    assert loss_module.reduce_values.__wrapped__.__globals__ is vars(loss_module)
+    assert loss_module.reduce_weighted_values.__globals__ is vars(loss_module)
     trainer = next(c for c in keras.Model.__mro__ if "_aggregate_additional_loss" in vars(c))
+    assert loss_module.reduce_values._distkeras_gated
+    assert "loss = reduce_values(values, sample_weight, reduction)" in inspect.getsource(loss_module.reduce_weighted_values)
     for source in (inspect.getsource(trainer), inspect.getsource(compile_utils)):
         assert "loss_module.unscale_loss_for_distribution(" in source
     assert "loss_module.scale_loss_for_distribution(" in inspect.getsource(trainer)

@@ -14,10 +14,13 @@ and undoes its division for the loss it logs. While a replica runs a step, :func
 makes both functions the identity, so every loss a replica computes, however it is written, is its own
 mean over its own rows, as one device computes it over the whole batch; the optimizer hook in the adapter
 then hands the optimizer ``sum_r (n_r / N) * g_r`` (:func:`batch_share`), the gradient of the global
-mean. The logged loss is one device's too: Keras' loss tracker and a custom step's ``Mean`` metrics keep
-sync-on-read totals and counts, which are summed over the replicas when read. Not exact: a loss with
-``reduction="sum"`` (its gradient is weighed as if it were a mean), and values a custom step returns
-itself, unweighted, when the batch splits unevenly (Keras averages the replicas' values).
+mean. A ``Loss`` object with ``reduction="sum"`` returns N / n_r times its replica's sum, so its gradient
+and logged value are one device's sum. The logged loss is one device's too: Keras' loss tracker and a
+custom step's ``Mean`` metrics keep sync-on-read totals and counts, which are summed over the replicas
+when read. Not exact: a sum written by hand with ops (weighed as if it were a mean), a ``Loss`` with
+``reduction="mean_with_sample_weight"`` and uneven sample weights (weighed by row count, not by weight),
+and values a custom step returns itself, unweighted, when the batch splits unevenly (Keras averages the
+replicas' values).
 
 **Random draws.** Keras' seed generators are mirrored variables, so every replica draws with the same
 seed. While a replica runs a step, :func:`draw_like_one_device` has Keras' TensorFlow random functions
@@ -144,6 +147,24 @@ def gate_keras_loss_scaling():
         gated.__wrapped__ = keras_fn
         gated.__name__ = name
         setattr(loss_module, name, gated)
+
+    keras_reduce = loss_module.reduce_values
+    if getattr(keras_reduce, "_distkeras_gated", False):
+        return
+
+    def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+        loss = keras_reduce(values, sample_weight, reduction)
+        rows = current()
+        if rows is None or not rows.exact_losses or reduction != "sum" or tuple(values.shape) in ((), (0,)):
+            return loss
+        # A Loss with reduction="sum": one device's gradient is the sum over the global batch, which the
+        # weighing by n_r / N would shrink; N / n_r times the replica's sum undoes it (and its logged
+        # value, weighed by n_r and summed over the replicas, is the global sum).
+        return loss * tf.math.divide_no_nan(tf.cast(rows.total, loss.dtype), tf.cast(rows.local, loss.dtype))
+
+    reduce_values._distkeras_gated = True
+    reduce_values.__wrapped__ = keras_reduce
+    loss_module.reduce_values = reduce_values
 
 
 def _plan(tf, rows, shape):
