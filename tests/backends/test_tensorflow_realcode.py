@@ -274,6 +274,8 @@ class GAN(keras.Model):
         generated_images = self.generator(random_latent_vectors)
         combined_images = ops.concatenate([generated_images, real_images], axis=0)
         labels = ops.concatenate([ops.ones((batch_size, 1)), ops.zeros((batch_size, 1))], axis=0)
+        # The guide's label noise: drawn over the two batches concatenated.
+        labels += 0.05 * keras.random.uniform(ops.shape(labels), seed=self.seed_generator)
         with tf.GradientTape() as tape:
             predictions = self.discriminator(combined_images)
             d_loss = self.loss_fn(labels, predictions)

@@ -25,12 +25,19 @@ replicas' values).
 **Random draws.** Keras' seed generators are mirrored variables, so every replica draws with the same
 seed. While a replica runs a step, :func:`draw_like_one_device` has Keras' TensorFlow random functions
 draw a value whose leading dimension is the replica's row count at the global batch size instead, with
-the same seed, and keep the replica's rows: exactly what one device draws for those rows
-(``normal``, ``uniform``, ``truncated_normal``, ``randint``, ``dropout``, and ``gamma``, ``binomial``,
-``beta`` with scalar parameters). ``categorical`` and ``gamma``/``binomial``/``beta`` with per-row
-parameters draw over parameters padded to the global batch: different for every replica. ``shuffle``
+the same seed, and keep the replica's rows: exactly what one device draws for those rows. A leading
+dimension k times the row count that is only known when the step runs (noise over
+``concatenate([generated, real])``, as the Keras GAN guides draw label noise) is read as k batches
+concatenated: drawn at k times the global batch, the replica keeps its rows of each block. Exact for
+``normal``, ``uniform``, ``truncated_normal``, ``randint``, ``dropout``, and ``gamma``, ``binomial``,
+``beta`` with scalar parameters. ``categorical`` and ``gamma``/``binomial``/``beta`` with per-row
+parameters draw over parameters placed at the replica's rows of the global batch: independent for every
+replica, not shown to be one device's. ``shuffle``
 along the batch can't be one device's (its permutation mixes all rows) and permutes each replica's rows
-by keys drawn for its own rows. Draws of any other shape are the same on every replica, as on one device.
+by keys drawn for its own rows. Draws of any other shape are the same on every replica, as on one device;
+one whose leading dimension equals the replica's row count by coincidence (a weight-shaped draw) is not.
+Across workers a worker's rows are not a contiguous block of the global batch: draws are independent
+per replica there, not one device's.
 """
 
 import inspect
@@ -168,32 +175,42 @@ def gate_keras_loss_scaling():
 
 
 def _plan(tf, rows, shape):
-    """(global shape, first row, the shape asked for) for a draw of ``shape``: the global-batch draw when its
-    leading dimension is the replica's row count, else the draw itself (first row 0)."""
+    """(global shape, the rows of it the replica keeps, the shape asked for) for a draw of ``shape``.
+
+    A leading dimension equal to the replica's row count is its part of the global batch: drawn at the
+    global size, the replica keeps its rows. One that is k times its row count and not known before the
+    step runs is k batches concatenated (a GAN's ``concatenate([generated, real])``): drawn at k times the
+    global size, the replica keeps its rows of each block. Any other is drawn as asked, alike everywhere.
+    """
     try:
         asked = tf.cast(tf.convert_to_tensor(shape), tf.int32)
     except (TypeError, ValueError):
         return None
     if asked.shape.rank != 1 or asked.shape[0] == 0:
         return None
-    mine = tf.equal(asked[0], rows.local)
-    drawn = tf.concat([[tf.where(mine, rows.total, asked[0])], asked[1:]], 0)
-    return drawn, tf.where(mine, rows.offset, 0), asked
+    lead, local = asked[0], rows.local
+    has_rows = local > 0
+    if tf.get_static_value(lead) is not None:  # not batch-derived beyond the replica's own row count
+        mine = tf.logical_and(has_rows, tf.equal(lead, local))
+    else:
+        mine = tf.logical_and(has_rows, tf.equal(lead % tf.maximum(local, 1), 0))
+    blocks = tf.where(mine, lead // tf.maximum(local, 1), 1)
+    block_rows = tf.where(mine, local, lead)
+    block = tf.where(mine, rows.total, lead)
+    start = tf.where(mine, rows.offset, 0)
+    index = tf.reshape(tf.range(blocks)[:, None] * block + start + tf.range(block_rows)[None, :], [-1])
+    return tf.concat([[blocks * block], asked[1:]], 0), index, asked
 
 
-def _mine(tf, value, begin, asked):
+def _mine(tf, value, index, asked):
     """The replica's rows of ``value``, with the static shape a draw of ``asked`` has."""
-    rest = tf.zeros([tf.rank(value) - 1], tf.int32)
-    size = tf.concat([[asked[0]], tf.fill([tf.rank(value) - 1], -1)], 0)
-    return tf.reshape(tf.slice(value, tf.concat([[begin], rest], 0), size), asked)
+    return tf.reshape(tf.gather(value, index), asked)
 
 
-def _padded(tf, param, asked, drawn, begin, fill):
-    """A per-element parameter broadcast to ``asked`` and padded along the batch to ``drawn``."""
+def _padded(tf, param, asked, drawn, index, fill):
+    """A per-element parameter broadcast to ``asked``, placed at the replica's rows of ``drawn``."""
     param = tf.broadcast_to(param, asked)
-    after = drawn[0] - begin - asked[0]
-    paddings = tf.concat([[[begin, after]], tf.zeros([tf.size(asked) - 1, 2], tf.int32)], 0)
-    return tf.pad(param, paddings, constant_values=tf.cast(fill, param.dtype))
+    return tf.tensor_scatter_nd_update(tf.fill(drawn, tf.cast(fill, param.dtype)), index[:, None], param)
 
 
 def draw_like_one_device(tf):
@@ -220,13 +237,13 @@ def draw_like_one_device(tf):
             plan = _plan(tf, rows, shape) if rows is not None else None
             if plan is None:
                 return keras_fn(shape, *args, **kwargs)
-            drawn, begin, asked = plan
+            drawn, index, asked = plan
             bound = signature.bind(drawn, *args, **kwargs)
             for param, fill in params:
                 value = bound.arguments.get(param)
                 if value is not None and not scalar(value):
-                    bound.arguments[param] = _padded(tf, tf.convert_to_tensor(value), asked, drawn, begin, fill)
-            return _mine(tf, keras_fn(*bound.args, **bound.kwargs), begin, asked)
+                    bound.arguments[param] = _padded(tf, tf.convert_to_tensor(value), asked, drawn, index, fill)
+            return _mine(tf, keras_fn(*bound.args, **bound.kwargs), index, asked)
 
         draw.__wrapped__ = keras_fn
         setattr(module, name, draw)
@@ -247,11 +264,11 @@ def draw_like_one_device(tf):
         plan = _plan(tf, rows, module._get_concrete_noise_shape(inputs, noise_shape))
         if plan is None:
             return keras_dropout(inputs, rate, noise_shape=noise_shape, seed=seed)
-        drawn, begin, asked = plan
+        drawn, index, asked = plan
         # stateless_dropout's mask depends on the seed and the noise shape only: the global batch's mask,
         # the replica's rows of it.
         mask = keras_dropout(tf.ones(drawn, inputs.dtype), rate, seed=seed)
-        return inputs * _mine(tf, mask, begin, asked)
+        return inputs * _mine(tf, mask, index, asked)
 
     dropout.__wrapped__ = keras_dropout
     module.dropout = dropout
@@ -264,9 +281,9 @@ def draw_like_one_device(tf):
         plan = _plan(tf, rows, tf.shape(logits)) if rows is not None and logits.shape.rank == 2 else None
         if plan is None:
             return keras_categorical(logits, num_samples, dtype=dtype, seed=seed)
-        drawn, begin, asked = plan
-        samples = keras_categorical(_padded(tf, logits, asked, drawn, begin, 0.0), num_samples, dtype=dtype, seed=seed)
-        return _mine(tf, samples, begin, tf.stack([asked[0], tf.shape(samples)[1]]))
+        drawn, index, asked = plan
+        samples = keras_categorical(_padded(tf, logits, asked, drawn, index, 0.0), num_samples, dtype=dtype, seed=seed)
+        return _mine(tf, samples, index, tf.stack([asked[0], tf.shape(samples)[1]]))
 
     categorical.__wrapped__ = keras_categorical
     module.categorical = categorical
@@ -279,9 +296,9 @@ def draw_like_one_device(tf):
         if rows is None or axis != 0 or x.shape.rank == 0:
             return keras_shuffle(x, axis=axis, seed=seed)
         plan = _plan(tf, rows, tf.shape(x)[:1])
-        drawn, begin, asked = plan
+        drawn, index, asked = plan
         # Keras sorts uniform keys; the replica sorts its own rows' keys of the global batch's draw.
-        keys = _mine(tf, module.uniform.__wrapped__(drawn, seed=seed), begin, asked)
+        keys = _mine(tf, module.uniform.__wrapped__(drawn, seed=seed), index, asked)
         return tf.gather(x, tf.argsort(keys), axis=0)
 
     shuffle.__wrapped__ = keras_shuffle
