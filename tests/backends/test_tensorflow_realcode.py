@@ -340,7 +340,8 @@ def test_the_keras_privates_the_loss_and_random_rules_rely_on():
     assert loss_module.reduce_weighted_values.__globals__ is vars(loss_module)
     trainer = next(c for c in keras.Model.__mro__ if "_aggregate_additional_loss" in vars(c))
     assert loss_module.reduce_values._distkeras_gated
-    assert "loss = reduce_values(values, sample_weight, reduction)" in inspect.getsource(loss_module.reduce_weighted_values)
+    weighted = inspect.getsource(loss_module.reduce_weighted_values)
+    assert "loss = reduce_values(values, sample_weight, reduction)" in weighted
     for source in (inspect.getsource(trainer), inspect.getsource(compile_utils)):
         assert "loss_module.unscale_loss_for_distribution(" in source
     assert "loss_module.scale_loss_for_distribution(" in inspect.getsource(trainer)

@@ -65,8 +65,8 @@ class TensorFlowAdapter(Adapter):
     install_hint = "tensorflow (or tensorflow-cpu)"
     options = {
         "cross_device_ops": "how MirroredStrategy all-reduces: " + ", ".join(_CROSS_DEVICE_OPS),
-        "exact_loss_scaling": "every loss a replica's own mean, gradients weighed by each replica's share of the global "
-                              "batch (default True); False: Keras' own rule (losses divided by the replica count)",
+        "exact_loss_scaling": "every loss a replica's own mean, gradients weighed by each replica's share of the "
+                              "global batch (default True); False: Keras' own rule (losses divided by the replicas)",
         "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
         "compression": COMPRESSION_HELP,
     }
