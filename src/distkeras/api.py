@@ -279,6 +279,88 @@ def shutdown():
         adapter.shutdown()
 
 
+def distribute(model, devices=None, **options):
+    """Make a Keras model train data-parallel on ``devices``, in place.
+
+    The model itself is distributed and returned (``distribute(model) is model``): its own variables
+    (weights, metric state, optimizer slots) are placed on the devices, nothing is rebuilt from its
+    config, so any model that trains on one device works, subclassed ones included. Its compile
+    configuration and optimizer state stay as they were. Its ``fit``/``evaluate``/``predict`` run on every
+    device; the ``batch_size`` given to ``fit`` is the global batch, split evenly over the replicas,
+    and each step computes what one device would compute on that whole batch. ``save()`` writes the
+    plain single-device model, which loads in Keras without distkeras.
+
+    Args:
+        model: a ``keras.Model`` (compiled or not). On Keras 3 it may be unbuilt, or have no ``call()`` of
+            its own (a GAN wrapper whose ``train_step`` calls sub-models): the variables it creates when it
+            first builds are created distributed. Keras 2 (MXNet, CNTK) models must be built.
+        devices: ``None``/``"auto"`` (every accelerator, else every CPU device), an int N (the first N),
+            a list of accelerator ids, or device strings such as ``"gpu:0"``, ``"/device:GPU:1"``.
+        **options: backend options; each adapter lists the ones it accepts (an unknown one is an error).
+
+    Returns:
+        ``model`` itself, data-parallel (unchanged when one device is asked for in a one-process job).
+
+    Raises:
+        ModelError: ``model`` is not a Keras model, or a Keras 2 model that is not built.
+        DeviceSpecError: ``devices`` is malformed or names a device that isn't there.
+        BackendError / BackendUnavailableError: the Keras backend is unsupported or not installed.
+        OptionError: an option the backend doesn't know.
+
+    Example:
+        >>> model = distkeras.distribute(model, devices=2)   # distkeras: the one added line
+        >>> model.fit(x, y, batch_size=64)                    # 32 samples per device
+    """
+    adapter = _adapter_for(model)
+    adapter.check_options(options)
+    if not getattr(model, "built", False) and not adapter.late_variables:
+        raise ModelError(
+            "The {} backend replicates the variables a model has when it is distributed, and this {} is not "
+            "built, so it has none yet. Build it first: give it an Input layer, call model.build(input_shape), "
+            "or call it once on a batch of data (model(x[:1])), then distribute it.".format(
+                adapter.name, type(model).__name__)
+        )
+    cluster = cluster_lib.from_env()
+    available = adapter.list_devices()
+    if not cluster.is_multi_worker:
+        _check_virtual_cpus(available, adapter.name)
+    chosen = devices_lib.parse(devices, available)
+    if len(chosen) == 1 and not cluster.is_multi_worker:
+        if cluster.source != "single":
+            logger.warning("this %s job has one worker: it trains alone on %s, as without a launcher", cluster.source, chosen[0])
+        logger.info("one device (%s): the model is returned unchanged, nothing to distribute", chosen[0])
+        _record(model, adapter, chosen, cluster, distributed=False)
+        return model
+    result = adapter.distribute(model, chosen, cluster, **options)
+    # Read again: distribute() may have made this process part of a job (PyTorch's self-launch makes a
+    # plain process rank 0 of the processes it starts, through os.environ).
+    info = _record(result, adapter, chosen, cluster_lib.from_env(), distributed=True)
+    logger.info(
+        "%s backend, %d replica(s) on %s%s; fit()'s batch_size is the global batch, split evenly",
+        adapter.name,
+        info["replicas"],
+        ", ".join(info["devices"]),
+        " in {} worker processes".format(info["workers"]) if info["workers"] > 1 else "",
+    )
+    return result
+
+
+def shutdown():
+    # type: () -> None
+    """End this process' part in a multi-worker job: each adapter in use stops what it started.
+
+    With the CNTK backend this is ``Communicator.finalize()``, without which mpiexec reports the job as
+    failed; distkeras also calls it at exit, so call it yourself only to finish early. No training or
+    other collective operation may follow. Calling it again, or without a job, does nothing.
+
+    Example:
+        >>> model.fit(x, y, batch_size=64)
+        >>> distkeras.shutdown()
+    """
+    for adapter in backends.loaded():
+        adapter.shutdown()
+
+
 def describe(model):
     # type: (object) -> Dict[str, object]
     """What distkeras did with ``model``.

@@ -86,9 +86,10 @@ def test_exact_loss_scaling_on_one_host_adds_no_all_reduce(monkeypatch, run_eage
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
 
 
-def test_a_strategy_run_of_other_arguments_still_weighs_by_batch_share(monkeypatch):
-    # A custom loop may call the model's strategy.run with anything; where the arguments aren't the
-    # replicas' batches, the replicas all-reduce their batch sizes as before.
+def test_a_strategy_run_of_the_replicas_batches_computes_each_replicas_own_mean_loss(monkeypatch):
+    # A custom loop may call the model's strategy.run with anything. Where the arguments are the replicas'
+    # batches, each replica's loss is its own mean (the loss rule of tensorflow_steps, no collective);
+    # elsewhere Keras' own rule stays: each replica's loss divided by the replica count.
     import tensorflow as tf
 
     calls = count_all_reduces(monkeypatch)
@@ -100,13 +101,13 @@ def test_a_strategy_run_of_other_arguments_still_weighs_by_batch_share(monkeypat
     def losses(x, y):
         return strategy.run(lambda x, y: model.compute_loss(x=x, y=y, y_pred=model(x), training=True), args=(x, y))
 
+    squares = (model.predict(x, verbose=0) - y) ** 2
     whole = strategy.experimental_local_results(losses(tf.constant(x), tf.constant(y)))
-    assert len(calls) == 3  # one per replica
-    # Keras returns each replica's loss divided by the replica count, which the correction keeps.
-    np.testing.assert_allclose(np.array(whole) * 3, [np.mean((model.predict(x, verbose=0) - y) ** 2)] * 3, rtol=1e-5)
-    del calls[:]
+    np.testing.assert_allclose(np.array(whole) * 3, [np.mean(squares)] * 3, rtol=1e-5)
     batches = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(10))
-    strategy.experimental_local_results(losses(*next(iter(batches))))
+    own = strategy.experimental_local_results(losses(*next(iter(batches))))
+    split = [squares[:4], squares[4:8], squares[8:]]  # 10 rows on 3 replicas: 4+4+2
+    np.testing.assert_allclose(own, [np.mean(part) for part in split], rtol=1e-5)
     assert calls == []
 
 

@@ -11,13 +11,29 @@ exception: their layers hold their ``tf.Variable`` objects directly, so they are
 What the adapter changes so that every step is exactly the single-device step at the same global batch
 (each an instance attribute, installed by :func:`keras3.hook`; nothing of it is saved):
 
-- **Replicas weighed by their share of the batch.** Keras scales each replica's mean loss by 1/replicas,
-  which weighs the replicas equally even when a batch splits unevenly (the last batch of an epoch, or a
-  global batch the replica count doesn't divide) or leaves a replica empty. The adapter weighs each
-  replica's gradient by its share of the global batch instead; reported loss values are untouched. On
-  one host this costs no communication: ``strategy.run`` holds every replica's batch before they start,
-  and the adapter's strategy hands the global batch size to them. Across workers each worker holds only
-  its own replicas' batches, so there the replicas all-reduce their batch sizes (a scalar per step).
+- **One loss rule, replicas weighed by their share of the batch** (``exact_loss_scaling=True``, the
+  default; :mod:`.tensorflow_steps`). Keras divides some losses by the replica count and not others (a
+  loss function returning a scalar, a ``Loss`` object or ops called by hand in a custom step), and weighs
+  the replicas equally even when a batch splits unevenly or leaves a replica empty. While a replica runs
+  a step, every loss it computes is its own mean over its rows, however it is written (compiled loss,
+  ``compute_loss``, a ``Loss`` object or ops in a ``GradientTape`` step, ``add_loss``, a custom
+  ``test_step``), and ``optimizer.apply`` hands the optimizer ``sum_r (n_r / N) * g_r``: the gradient of
+  one device's mean. Each replica knows its rows: on one host ``strategy.run`` holds every replica's batch
+  before they start (no communication); across workers the replicas all-gather their batch sizes (a
+  scalar per step). ``exact_loss_scaling=False`` keeps Keras' own rule. tf.keras 2.x models, which use
+  no Keras 3 loss code, keep a correction of their ``compute_loss`` (:func:`_weigh_replicas_by_batch_share`).
+- **Random draws of one device.** ``keras.random.*``, Dropout and its variants, GaussianNoise, the
+  augmentation layers and seed generators in custom layers draw, on each replica, one device's values for
+  its rows of the global batch (see :mod:`.tensorflow_steps` for which functions are exact).
+- **Every optimizer of the model.** ``model.optimizer``, the optimizer a LossScaleOptimizer wraps, and
+  optimizers held in the model's attributes (a GAN's ``d_optimizer``, ``g_optimizer`` given to its own
+  ``compile()``), at ``distribute()`` and after each ``compile()``: told the strategy, their variables
+  mirrored, their ``apply`` given the global gradient as below. One first used inside a step is built
+  once, in the cross-replica context.
+- **Sparse gradients stay sparse.** An ``IndexedSlices`` gradient (Embedding, ``ops.take``) is weighed
+  and all-reduced as slices, i.e. concatenated in replica order: one slice per lookup of the global batch,
+  which is what Keras' TensorFlow optimizers see on one device (Adam squares each slice apart there, so
+  a dense sum, Horovod's ``sparse_as_dense``, would train something else).
 - **The optimizer sees the global gradient.** Keras 3 clips (``clipnorm``, ``global_clipnorm``,
   ``clipvalue``), accumulates and checks loss-scaled gradients for overflow in ``optimizer.apply``
   *before* its TensorFlow optimizer all-reduces them, i.e. on each replica's partial gradient. The
@@ -34,13 +50,13 @@ from typing import List
 from .. import cluster as cluster_lib
 from ..devices import Device
 from ..errors import ClusterError, DistKerasError, ModelError, OptionError, TooLateError
-from . import keras3, when_imported
+from . import keras3, tensorflow_steps, when_imported
 from .base import COMPRESSION_HELP, Adapter, check_compression
 
 _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 #: The wire dtype of each ``compression`` (TensorFlow's names).
 _WIRE = {"bf16": "bfloat16", "fp16": "float16"}
-_strategy_serial = itertools.count()
+_strategy_serial = itertools.count(1)  # 0 stays the base of strategies made without distkeras
 
 
 class TensorFlowAdapter(Adapter):
@@ -50,7 +66,8 @@ class TensorFlowAdapter(Adapter):
     install_hint = "tensorflow (or tensorflow-cpu)"
     options = {
         "cross_device_ops": "how MirroredStrategy all-reduces: " + ", ".join(_CROSS_DEVICE_OPS),
-        "exact_loss_scaling": "weigh replicas by their share of the global batch (default True)",
+        "exact_loss_scaling": "every loss a replica's own mean, gradients weighed by each replica's share of the "
+                              "global batch (default True); False: Keras' own rule (losses divided by the replicas)",
         "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
         "compression": COMPRESSION_HELP,
     }
@@ -123,14 +140,18 @@ class TensorFlowAdapter(Adapter):
                 new = keras3.clone(model)
                 keras3.compile_like(new, model)
             model = new
+            if exact_loss_scaling and _uses_default_compute_loss(model):
+                # tf.keras 2.x divides every compiled loss by the replica count; re-weighed by batch share.
+                global_batch = None if cluster.is_multi_worker else _global_batch_of_each_run(tf, strategy)
+                _weigh_replicas_by_batch_share(model, tf, strategy.num_replicas_in_sync, global_batch)
         else:
             _mirror_in_place(model, tf, strategy, compression)
             _global_gradient_first(model, tf, strategy, compression)
             _batchnorm_moments(model, tf, sync_batchnorm)
-        if exact_loss_scaling and _uses_default_compute_loss(model):
-            # One host: every replica's batch is at hand when a step starts, so the global batch is too.
-            global_batch = None if cluster.is_multi_worker else _global_batch_of_each_run(tf, strategy)
-            _weigh_replicas_by_batch_share(model, tf, strategy.num_replicas_in_sync, global_batch)
+            # Each replica told its rows of the global batch; losses and random draws follow one device's rules.
+            tensorflow_steps.tell_replicas_their_rows(tf, strategy, exact_loss_scaling)
+            tensorflow_steps.gate_keras_loss_scaling()
+            tensorflow_steps.draw_like_one_device(tf)
         _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(model, tf)
@@ -236,18 +257,11 @@ def _mirror_in_place(model, tf, strategy, compression=None):
     their construction; the optimizer's variable index is keyed by the storage's id, so it is rebuilt.
     tests/backends/test_tensorflow.py pins all of these.
     """
-    for target in list(model._flatten_layers()) + keras3.optimizers_of(model):
+    for target in list(model._flatten_layers()) + _every_optimizer(model):
         keras3.unhook(target)  # an earlier distribute()'s hooks
-    with tf.init_scope():
-        for variable in keras3.state_variables(model):
-            storage = getattr(variable, "_value", None)
-            if storage is None:  # not created yet: it will be, under the strategy (see below)
-                continue
-            value = storage.read_value()
-            with strategy.scope():
-                variable._initialize(value)
+    _mirror_variables(tf, strategy, _state_variables(model))
     object.__setattr__(model, "_distribute_strategy", strategy)
-    for optimizer in keras3.optimizers_of(model):
+    for optimizer in _every_optimizer(model):
         _adopt_optimizer(optimizer, strategy)
     # Steps traced before (a model trained before distribute()) hold the old variables.
     model.train_function = model.test_function = model.predict_function = None
@@ -259,12 +273,50 @@ def _mirror_in_place(model, tf, strategy, compression=None):
         # A new optimizer and new metrics: created, and their variables built, under the strategy.
         with strategy.scope():
             compile_(*args, **kwargs)
-        for optimizer in keras3.optimizers_of(model):
+        # Optimizers (and metrics) a compile() of the model's own was given, created outside the scope.
+        _mirror_variables(tf, strategy, _state_variables(model))
+        for optimizer in _every_optimizer(model):
             keras3.unhook(optimizer)
             _adopt_optimizer(optimizer, strategy)
         _global_gradient_first(model, tf, strategy, compression)
 
     keras3.hook(model, "compile", compile)
+
+
+def _every_optimizer(model):
+    """Every optimizer of the model (:func:`keras3.all_optimizers`) and the optimizers they wrap."""
+    found = []
+    for optimizer in keras3.all_optimizers(model):
+        while optimizer is not None and all(optimizer is not known for known in found):
+            found.append(optimizer)
+            optimizer = getattr(optimizer, "inner_optimizer", None)
+    return found
+
+
+def _state_variables(model):
+    """:func:`keras3.state_variables`, with the variables of every other optimizer the model holds."""
+    variables = keras3.state_variables(model)
+    seen = {id(v) for v in variables}
+    for optimizer in _every_optimizer(model):
+        for variable in optimizer.variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                variables.append(variable)
+    return variables
+
+
+def _mirror_variables(tf, strategy, variables):
+    """Re-create each variable's storage under ``strategy`` from its value (those already there are kept)."""
+    with tf.init_scope():
+        for variable in variables:
+            storage = getattr(variable, "_value", None)
+            if storage is None:  # not created yet: it will be, under the strategy (see below)
+                continue
+            if getattr(storage, "distribute_strategy", None) is strategy:
+                continue
+            value = storage.read_value()
+            with strategy.scope():
+                variable._initialize(value)
 
 
 def _adopt_optimizer(optimizer, strategy):
@@ -276,8 +328,9 @@ def _adopt_optimizer(optimizer, strategy):
 
 
 def _global_gradient_first(model, tf, strategy, compression=None):
-    """All-reduce the gradients when they reach ``optimizer.apply``, before clipping, accumulation or the
-    loss-scale overflow check, and skip the all-reduce Keras' TensorFlow optimizer would do after them.
+    """All-reduce the gradients when they reach ``optimizer.apply`` (of every optimizer the model holds),
+    before clipping, accumulation or the loss-scale overflow check, and skip the all-reduce Keras'
+    TensorFlow optimizer would do after them.
 
     ``_all_reduce_sum_gradients`` is the private method of Keras' TFOptimizer that sums the replicas'
     gradients inside ``_backend_update_step``; with the gradients already summed it must pass them
@@ -286,22 +339,43 @@ def _global_gradient_first(model, tf, strategy, compression=None):
     With ``compression`` the gradients are cast to bfloat16/float16 for the all-reduce and back to their
     own dtype after it (half the bytes on the wire; Horovod's ``Compression.fp16``).
     """
-    optimizers = keras3.optimizers_of(model)
-    if not optimizers:
-        return
+    optimizers = _every_optimizer(model)
     for optimizer in optimizers:
         if hasattr(optimizer, "_all_reduce_sum_gradients"):
             keras3.hook(optimizer, "_all_reduce_sum_gradients", list)
-    outer = optimizers[0]
-    apply = type(outer).apply.__get__(outer)
+        if hasattr(optimizer, "_backend_apply_gradients") and hasattr(optimizer, "gradient_accumulation_steps"):
+            keras3.hook(optimizer, "_backend_apply_gradients", _decided_across_replicas(optimizer, tf))
+    inner = {id(getattr(o, "inner_optimizer", None)) for o in optimizers}
+    for outer in optimizers:
+        if id(outer) not in inner:  # the optimizer a step calls, not one a LossScaleOptimizer wraps
+            keras3.hook(outer, "apply", _apply_global(outer, tf, compression))
+
+
+def _apply_global(optimizer, tf, compression):
+    """``optimizer.apply`` given the global gradient: sparse gradients made dense, each replica's weighed by
+    its share of the global batch (see tensorflow_steps), all-reduced, then Keras' own ``apply``."""
+    apply = type(optimizer).apply.__get__(optimizer)
 
     def apply_global(grads, trainable_variables=None):
         context = tf.distribute.get_replica_context()
         grads = list(grads)
+        if not optimizer.built and trainable_variables is not None and context is not None:
+            # An optimizer first used inside a step (a GAN's d_optimizer): its slots created once, in the
+            # cross-replica context, as mirrored variables, rather than by every replica's thread.
+            variables = list(trainable_variables)
+            context.merge_call(lambda _: _build(tf, optimizer, variables))
         if context is not None and context.num_replicas_in_sync > 1:
             present = [i for i, g in enumerate(grads) if g is not None]
             if present:
+                # An IndexedSlices gradient (a gather: Embedding, ops.take) stays one: all-reduced, the replicas'
+                # slices are concatenated in replica order, i.e. one slice per lookup of the global batch, as
+                # one device's gradient has them. Not made dense (Horovod's sparse_as_dense): Keras' TensorFlow
+                # optimizers treat slices apart (Adam squares each slice, ``ops.square`` being elementwise on
+                # IndexedSlices), so a dense sum would train something else than one device.
                 sent = [grads[i] for i in present]
+                share = tensorflow_steps.batch_share(tf, sent[0].dtype)
+                if share is not None:
+                    sent = [_scaled(tf, g, share) for g in sent]
                 if compression is not None:
                     sent = [tf.cast(g, _WIRE[compression]) for g in sent]
                 summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
@@ -309,10 +383,19 @@ def _global_gradient_first(model, tf, strategy, compression=None):
                     grads[i] = tf.cast(g, grads[i].dtype) if compression is not None else g
         return apply(grads, trainable_variables)
 
-    keras3.hook(outer, "apply", apply_global)
-    for optimizer in optimizers:
-        if hasattr(optimizer, "_backend_apply_gradients") and hasattr(optimizer, "gradient_accumulation_steps"):
-            keras3.hook(optimizer, "_backend_apply_gradients", _decided_across_replicas(optimizer, tf))
+    return apply_global
+
+
+def _build(tf, optimizer, variables):
+    with tf.init_scope():
+        optimizer.build(variables)
+
+
+def _scaled(tf, gradient, factor):
+    factor = tf.cast(factor, gradient.dtype)
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+    return gradient * factor
 
 
 def _decided_across_replicas(optimizer, tf):
@@ -436,6 +519,10 @@ def _build_from_one_replica(model, tf, strategy):
         return value
 
     def maybe_symbolic_build(iterator=None, data_batch=None):
+        if not model.built:
+            # A wrapper with no call() of its own (a GAN of built sub-models): nothing to build from a batch;
+            # its step builds what it uses, as Keras does on one device (where it skips this build).
+            return
         if iterator is not None:
             for _, _, batches in iterator:
                 data_batch = tf.nest.map_structure(local, next(batches))
@@ -513,7 +600,7 @@ def _uses_default_compute_loss(model):
 
 
 def _global_batch_of_each_run(tf, strategy):
-    """Have ``strategy.run`` tell its replicas the global batch size; returns the function that reads it.
+    """tf.keras 2.x (Keras 3 models use tensorflow_steps.tell_replicas_their_rows): have ``strategy.run`` tell its replicas the global batch size; returns the function that reads it.
 
     Keras runs a step as ``strategy.run(step, args=(data,))`` from the cross-replica context, where
     ``data`` holds every replica's batch (each leaf a ``DistributedValues``; on one host, one value per
@@ -563,8 +650,9 @@ def _global_batch_of_each_run(tf, strategy):
 
 
 def _weigh_replicas_by_batch_share(model, tf, replicas, global_batch=None):
-    """Install the loss correction described in the module docstring on ``model`` (an instance attribute:
-    nothing of it is saved). ``global_batch()`` gives the step's global batch size where it is known
+    """For a tf.keras 2.x model: have its ``compute_loss`` (whose losses tf.keras divides by the replica count)
+    weigh each replica's gradient by its share of the global batch (an instance attribute: nothing of it
+    is saved). ``global_batch()`` gives the step's global batch size where it is known
     without communication (see :func:`_global_batch_of_each_run`); elsewhere the replicas all-reduce
     their batch sizes."""
     original = model.compute_loss

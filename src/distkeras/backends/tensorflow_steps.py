@@ -1,0 +1,305 @@
+"""What a TensorFlow replica knows of the step it runs, and the two rules built on it: losses and random draws.
+
+MirroredStrategy runs a step as ``strategy.run(step, args=(data,))``, every replica in a thread of its
+own, each on its rows of the global batch (the batch split into contiguous chunks in replica order).
+:func:`tell_replicas_their_rows` wraps the strategy's ``run`` so that each replica holds, in a
+thread-local, its :class:`Rows`: how many rows it has, where they start in the global batch, and the
+global batch size. On one host all of it is known before the replicas start (every replica's batch is
+at hand); across workers the replicas all-gather their batch sizes (one small collective a step).
+
+**One loss rule.** Keras divides some losses by the replica count (``scale_loss_for_distribution``: a
+compiled loss that reduces over the batch, ``add_loss`` terms) and not others (a loss function that
+returns a scalar, a loss written by hand with ops, a ``Loss`` object whose value a custom step reports),
+and undoes its division for the loss it logs. While a replica runs a step, :func:`gate_keras_loss_scaling`
+makes both functions the identity, so every loss a replica computes, however it is written, is its own
+mean over its own rows, as one device computes it over the whole batch; the optimizer hook in the adapter
+then hands the optimizer ``sum_r (n_r / N) * g_r`` (:func:`batch_share`), the gradient of the global
+mean. A ``Loss`` object with ``reduction="sum"`` returns N / n_r times its replica's sum, so its gradient
+and logged value are one device's sum. The logged loss is one device's too: Keras' loss tracker and a
+custom step's ``Mean`` metrics keep sync-on-read totals and counts, which are summed over the replicas
+when read. Not exact: a sum written by hand with ops (weighed as if it were a mean), a ``Loss`` with
+``reduction="mean_with_sample_weight"`` and uneven sample weights (weighed by row count, not by weight),
+and values a custom step returns itself, unweighted, when the batch splits unevenly (Keras averages the
+replicas' values).
+
+**Random draws.** Keras' seed generators are mirrored variables, so every replica draws with the same
+seed. While a replica runs a step, :func:`draw_like_one_device` has Keras' TensorFlow random functions
+draw a value whose leading dimension is the replica's row count at the global batch size instead, with
+the same seed, and keep the replica's rows: exactly what one device draws for those rows. A leading
+dimension k times the row count that is only known when the step runs (noise over
+``concatenate([generated, real])``, as the Keras GAN guides draw label noise) is read as k batches
+concatenated: drawn at k times the global batch, the replica keeps its rows of each block. Exact for
+``normal``, ``uniform``, ``truncated_normal``, ``randint``, ``dropout``, and ``gamma``, ``binomial``,
+``beta`` with scalar parameters. ``categorical`` and ``gamma``/``binomial``/``beta`` with per-row
+parameters draw over parameters placed at the replica's rows of the global batch: independent for every
+replica, not shown to be one device's. ``shuffle``
+along the batch can't be one device's (its permutation mixes all rows) and permutes each replica's rows
+by keys drawn for its own rows. Draws of any other shape are the same on every replica, as on one device;
+one whose leading dimension equals the replica's row count by coincidence (a weight-shaped draw) is not.
+Across workers a worker's rows are not a contiguous block of the global batch: draws are independent
+per replica there, not one device's.
+"""
+
+import inspect
+import threading
+from typing import NamedTuple
+
+_held = threading.local()
+
+
+class Rows(NamedTuple):
+    """A replica's rows of the global batch (scalar int32 tensors); ``exact_losses``: the loss rule is on."""
+
+    local: object
+    offset: object
+    total: object
+    exact_losses: bool
+
+
+def current():
+    """The :class:`Rows` of the replica step running in this thread, or None."""
+    return getattr(_held, "rows", None)
+
+
+def tell_replicas_their_rows(tf, strategy, exact_losses):
+    """Wrap ``strategy.run`` (this instance only, which distkeras made) so each replica holds its :class:`Rows`.
+
+    A run whose arguments' first leaf isn't one batch per local replica (a custom loop's own arguments), or
+    whose function is itself a ``tf.function``, goes through unchanged: Keras' own rules apply there.
+    """
+    run = strategy.run
+    replicas = strategy.num_replicas_in_sync
+    local_replicas = len(strategy.extended.worker_devices)
+
+    def first_batch(structure):
+        for leaf in tf.nest.flatten(structure):
+            if leaf is not None:
+                return leaf
+        return None
+
+    def sizes_known_here(args, kwargs):
+        """Every replica's row count when they are all in this process, else None; False: not a batch."""
+        leaf = first_batch((args, kwargs))
+        if not isinstance(leaf, tf.distribute.DistributedValues) or len(leaf.values) != local_replicas:
+            return False
+        if not all(isinstance(value, tf.Tensor) and value.shape.rank for value in leaf.values):
+            return False
+        if local_replicas != replicas:
+            return None
+        return tf.stack([tf.shape(value)[0] for value in leaf.values])
+
+    def run_telling_rows(fn, args=(), kwargs=None, options=None):
+        sizes = False
+        if not isinstance(fn, tf.types.experimental.GenericFunction):
+            sizes = sizes_known_here(args, kwargs)
+        if sizes is False:
+            return run(fn, args=args, kwargs=kwargs, options=options)
+
+        def replica_fn(*replica_args, **replica_kwargs):
+            context = tf.distribute.get_replica_context()
+            local = tf.shape(first_batch((replica_args, replica_kwargs)))[0]
+            every = sizes if sizes is not None else context.all_gather(tf.reshape(local, [1]), axis=0)
+            index = context.replica_id_in_sync_group
+            offset = tf.reduce_sum(every[:index])
+            outer = current()
+            _held.rows = Rows(local, tf.cast(offset, tf.int32), tf.cast(tf.reduce_sum(every), tf.int32), exact_losses)
+            try:
+                return fn(*replica_args, **replica_kwargs)
+            finally:
+                _held.rows = outer
+
+        return run(replica_fn, args=args, kwargs=kwargs, options=options)
+
+    strategy.run = run_telling_rows
+
+
+def batch_share(tf, dtype):
+    """``n_r / N`` for the replica step running in this thread (its weight in the global gradient), or None
+    where the loss rule is off."""
+    rows = current()
+    if rows is None or not rows.exact_losses:
+        return None
+    return tf.math.divide_no_nan(tf.cast(rows.local, dtype), tf.cast(rows.total, dtype))
+
+
+def gate_keras_loss_scaling():
+    """Make Keras' ``scale_loss_for_distribution`` / ``unscale_loss_for_distribution`` the identity while a
+    replica step runs with the loss rule on; Keras' own elsewhere. Idempotent.
+
+    They are module functions of ``keras.src.losses.loss`` that every caller looks up there at call time
+    (``Loss.__call__``'s reduction as a module global, the TensorFlow trainer and ``compile_utils`` as
+    ``loss_module.<name>``), so replacing the module attributes reaches them all. Private Keras API, and
+    the only place Keras decides this; pinned by a test.
+    """
+    import tensorflow as tf
+    from keras.src.losses import loss as loss_module
+
+    for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
+        keras_fn = getattr(loss_module, name)
+        if getattr(keras_fn, "_distkeras_gated", False):
+            continue
+
+        def gated(value, _keras_fn=keras_fn, _logged=name.startswith("un")):
+            rows = current()
+            if rows is None or not rows.exact_losses:
+                return _keras_fn(value)
+            if _logged:
+                # The value Keras logs, weighed by the replica's row count: a replica a short batch left
+                # without rows logs 0 with weight 0, not the NaN a scalar mean over no rows is.
+                value = tf.convert_to_tensor(value)
+                return tf.where(rows.local > 0, value, tf.zeros_like(value))
+            return value
+
+        gated._distkeras_gated = True
+        gated.__wrapped__ = keras_fn
+        gated.__name__ = name
+        setattr(loss_module, name, gated)
+
+    keras_reduce = loss_module.reduce_values
+    if getattr(keras_reduce, "_distkeras_gated", False):
+        return
+
+    def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+        loss = keras_reduce(values, sample_weight, reduction)
+        rows = current()
+        if rows is None or not rows.exact_losses or reduction != "sum" or tuple(values.shape) in ((), (0,)):
+            return loss
+        # A Loss with reduction="sum": one device's gradient is the sum over the global batch, which the
+        # weighing by n_r / N would shrink; N / n_r times the replica's sum undoes it (and its logged
+        # value, weighed by n_r and summed over the replicas, is the global sum).
+        return loss * tf.math.divide_no_nan(tf.cast(rows.total, loss.dtype), tf.cast(rows.local, loss.dtype))
+
+    reduce_values._distkeras_gated = True
+    reduce_values.__wrapped__ = keras_reduce
+    loss_module.reduce_values = reduce_values
+
+
+def _plan(tf, rows, shape):
+    """(global shape, the rows of it the replica keeps, the shape asked for) for a draw of ``shape``.
+
+    A leading dimension equal to the replica's row count is its part of the global batch: drawn at the
+    global size, the replica keeps its rows. One that is k times its row count and not known before the
+    step runs is k batches concatenated (a GAN's ``concatenate([generated, real])``): drawn at k times the
+    global size, the replica keeps its rows of each block. Any other is drawn as asked, alike everywhere.
+    """
+    try:
+        asked = tf.cast(tf.convert_to_tensor(shape), tf.int32)
+    except (TypeError, ValueError):
+        return None
+    if asked.shape.rank != 1 or asked.shape[0] == 0:
+        return None
+    lead, local = asked[0], rows.local
+    has_rows = local > 0
+    if tf.get_static_value(lead) is not None:  # not batch-derived beyond the replica's own row count
+        mine = tf.logical_and(has_rows, tf.equal(lead, local))
+    else:
+        mine = tf.logical_and(has_rows, tf.equal(lead % tf.maximum(local, 1), 0))
+    blocks = tf.where(mine, lead // tf.maximum(local, 1), 1)
+    block_rows = tf.where(mine, local, lead)
+    block = tf.where(mine, rows.total, lead)
+    start = tf.where(mine, rows.offset, 0)
+    index = tf.reshape(tf.range(blocks)[:, None] * block + start + tf.range(block_rows)[None, :], [-1])
+    return tf.concat([[blocks * block], asked[1:]], 0), index, asked
+
+
+def _mine(tf, value, index, asked):
+    """The replica's rows of ``value``, with the static shape a draw of ``asked`` has."""
+    return tf.reshape(tf.gather(value, index), asked)
+
+
+def _padded(tf, param, asked, drawn, index, fill):
+    """A per-element parameter broadcast to ``asked``, placed at the replica's rows of ``drawn``."""
+    param = tf.broadcast_to(param, asked)
+    return tf.tensor_scatter_nd_update(tf.fill(drawn, tf.cast(fill, param.dtype)), index[:, None], param)
+
+
+def draw_like_one_device(tf):
+    """Patch Keras' TensorFlow random functions (the module ``keras.src.backend.random`` is under the
+    TensorFlow backend; every ``keras.random.*`` call, Keras' random layers and its augmentation layers
+    call them through it) as the module docstring says, only while a replica step runs. Idempotent.
+    Private Keras API (its names are pinned by a test)."""
+    from keras.src import backend
+
+    module = backend.random
+    if getattr(module, "_distkeras_patched", False):
+        return
+    module._distkeras_patched = True
+
+    def scalar(value):
+        return not hasattr(value, "shape") or len(value.shape) == 0
+
+    def shaped(name, params=()):
+        keras_fn = getattr(module, name)
+        signature = inspect.signature(keras_fn)
+
+        def draw(shape, *args, **kwargs):
+            rows = current()
+            plan = _plan(tf, rows, shape) if rows is not None else None
+            if plan is None:
+                return keras_fn(shape, *args, **kwargs)
+            drawn, index, asked = plan
+            bound = signature.bind(drawn, *args, **kwargs)
+            for param, fill in params:
+                value = bound.arguments.get(param)
+                if value is not None and not scalar(value):
+                    bound.arguments[param] = _padded(tf, tf.convert_to_tensor(value), asked, drawn, index, fill)
+            return _mine(tf, keras_fn(*bound.args, **bound.kwargs), index, asked)
+
+        draw.__wrapped__ = keras_fn
+        setattr(module, name, draw)
+
+    for name in ("normal", "uniform", "truncated_normal", "randint"):
+        shaped(name)
+    shaped("gamma", [("alpha", 1.0)])
+    shaped("binomial", [("counts", 1.0), ("probabilities", 0.5)])
+    shaped("beta", [("alpha", 1.0), ("beta", 1.0)])
+
+    keras_dropout = module.dropout
+
+    def dropout(inputs, rate, noise_shape=None, seed=None):
+        rows = current()
+        if rows is None or isinstance(rate, (int, float)) and rate in (0.0, 1.0):
+            return keras_dropout(inputs, rate, noise_shape=noise_shape, seed=seed)
+        inputs = tf.convert_to_tensor(inputs)
+        plan = _plan(tf, rows, module._get_concrete_noise_shape(inputs, noise_shape))
+        if plan is None:
+            return keras_dropout(inputs, rate, noise_shape=noise_shape, seed=seed)
+        drawn, index, asked = plan
+        # stateless_dropout's mask depends on the seed and the noise shape only: the global batch's mask,
+        # the replica's rows of it.
+        mask = keras_dropout(tf.ones(drawn, inputs.dtype), rate, seed=seed)
+        return inputs * _mine(tf, mask, index, asked)
+
+    dropout.__wrapped__ = keras_dropout
+    module.dropout = dropout
+
+    keras_categorical = module.categorical
+
+    def categorical(logits, num_samples, dtype="int64", seed=None):
+        rows = current()
+        logits = tf.convert_to_tensor(logits)
+        plan = _plan(tf, rows, tf.shape(logits)) if rows is not None and logits.shape.rank == 2 else None
+        if plan is None:
+            return keras_categorical(logits, num_samples, dtype=dtype, seed=seed)
+        drawn, index, asked = plan
+        samples = keras_categorical(_padded(tf, logits, asked, drawn, index, 0.0), num_samples, dtype=dtype, seed=seed)
+        return _mine(tf, samples, index, tf.stack([asked[0], tf.shape(samples)[1]]))
+
+    categorical.__wrapped__ = keras_categorical
+    module.categorical = categorical
+
+    keras_shuffle = module.shuffle
+
+    def shuffle(x, axis=0, seed=None):
+        rows = current()
+        x = tf.convert_to_tensor(x)
+        if rows is None or axis != 0 or x.shape.rank == 0:
+            return keras_shuffle(x, axis=axis, seed=seed)
+        plan = _plan(tf, rows, tf.shape(x)[:1])
+        drawn, index, asked = plan
+        # Keras sorts uniform keys; the replica sorts its own rows' keys of the global batch's draw.
+        keys = _mine(tf, module.uniform.__wrapped__(drawn, seed=seed), index, asked)
+        return tf.gather(x, tf.argsort(keys), axis=0)
+
+    shuffle.__wrapped__ = keras_shuffle
+    module.shuffle = shuffle
