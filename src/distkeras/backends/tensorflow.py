@@ -518,10 +518,14 @@ def _build_from_one_replica(model, tf, strategy):
             return strategy.experimental_local_results(value)[0]
         return value
 
+    keras = keras3.keras_module(model)
+    inherited = (getattr(keras.Model, "call", None), getattr(keras.layers.Layer, "call", None))
+
     def maybe_symbolic_build(iterator=None, data_batch=None):
-        if not model.built:
+        if not model.built and getattr(type(model), "call", None) in inherited:
             # A wrapper with no call() of its own (a GAN of built sub-models): nothing to build from a batch;
-            # its step builds what it uses, as Keras does on one device (where it skips this build).
+            # its step builds what it uses, as Keras does on one device (where it skips this build). An
+            # unbuilt model with a call() is built here, in the scope, as Keras builds it under a strategy.
             return
         if iterator is not None:
             for _, _, batches in iterator:
