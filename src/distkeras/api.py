@@ -197,6 +197,15 @@ def _record(model, adapter, devices, cluster, distributed):
     return info
 
 
+def _has_all_variables(model):
+    """A model that isn't ``built`` (no ``call()``: a GAN or VAE wrapper) but whose layers all are, with variables."""
+    try:
+        layers = list(model.layers)
+        return bool(layers) and bool(list(model.variables)) and all(getattr(l, "built", False) for l in layers)
+    except Exception:  # a model whose layers can't be listed is treated as unbuilt
+        return False
+
+
 def distribute(model, devices=None, **options):
     """Make a built Keras model train data-parallel on ``devices``, in place.
 
@@ -229,7 +238,7 @@ def distribute(model, devices=None, **options):
     """
     adapter = _adapter_for(model)
     adapter.check_options(options)
-    if not getattr(model, "built", False):
+    if not getattr(model, "built", False) and not _has_all_variables(model):
         raise ModelError(
             "The model is not built, so it has no weights to replicate yet. Build it first: give it an "
             "Input layer, call model.build(input_shape), or call it once on a batch of data."
