@@ -218,7 +218,8 @@ def distribute(model, devices=None, **options):
     plain single-device model, which loads in Keras without distkeras.
 
     Args:
-        model: a built ``keras.Model`` (compiled or not).
+        model: a built ``keras.Model`` (compiled or not), or a wrapper without ``call()`` (a GAN, a VAE)
+            whose layers are all built.
         devices: ``None``/``"auto"`` (every accelerator, else every CPU device), an int N (the first N),
             a list of accelerator ids, or device strings such as ``"gpu:0"``, ``"/device:GPU:1"``.
         **options: backend options; each adapter lists the ones it accepts (an unknown one is an error).
@@ -227,7 +228,7 @@ def distribute(model, devices=None, **options):
         ``model`` itself, data-parallel (unchanged when one device is asked for in a one-process job).
 
     Raises:
-        ModelError: ``model`` is not a built Keras model.
+        ModelError: ``model`` is not a Keras model, or neither it nor all of its layers are built.
         DeviceSpecError: ``devices`` is malformed or names a device that isn't there.
         BackendError / BackendUnavailableError: the Keras backend is unsupported or not installed.
         OptionError: an option the backend doesn't know.

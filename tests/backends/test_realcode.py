@@ -78,4 +78,4 @@ def test_suite_catches_a_perturbed_run():
     with pytest.raises(AssertionError):
         assert_same_results(expected, got, atol)
     unperturbed = realcode.run(name, 1, perturb=True)  # the hook leaves one-device runs alone
-    assert_same_results(expected, unperturbed, 0.0)
+    assert_same_results(expected, unperturbed, atol)
