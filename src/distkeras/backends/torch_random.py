@@ -25,8 +25,11 @@ this rank's row count as a draw over the batch:
   rank's rows. Each rank draws with its own seed (the step's seed and its rank), without changing any
   generator's state, so no two ranks draw alike.
 - Every other draw (a shape without this rank's row count first: a weight initializer, a draw per
-  feature) is left as it is, the same on every rank, as one device draws it once. A draw whose leading
-  dimension equals the rank's row count by coincidence, without being per-row, is taken for a per-row one.
+  feature) is left as it is, the same on every rank, as one device draws it once. A draw of two or more
+  dimensions whose leading dimension is 2 to 4 times the rank's rows (two rows or more) is taken for that
+  many batches stacked, as the Keras GAN examples' label noise over ``concatenate([generated, real])``:
+  each rank keeps its rows of each. A draw whose leading dimension matches by coincidence, without being
+  per-row, is taken for a per-row one.
 
 A rank with no rows in a step (a stand-in sample, weight zero) draws the global shape as well, so its
 generators stay in step with the other ranks'. The functions are swapped in the module, for the process:
@@ -48,27 +51,53 @@ SHAPED = ("normal", "uniform", "truncated_normal", "randint")
 PARAMETRIZED = {"gamma": ("alpha",), "binomial": ("counts", "probabilities"), "beta": ("alpha", "beta")}
 #: Every function :func:`global_draws` replaces.
 PATCHED = SHAPED + tuple(PARAMETRIZED) + ("dropout", "shuffle", "categorical")
+#: The most batches a draw may stack (see :class:`_Rows`).
+MAX_BLOCKS = 4
 
 _state = threading.local()
 
 
 class _Rows(object):
-    """This rank's rows of a global batch of ``total``: ``local`` rows, ``keep`` the slice of the global draw."""
+    """This rank's rows of a global batch of ``total``: ``local`` rows, ``keep`` the slice of the global draw.
+
+    A draw may also be ``k`` batches stacked (``k`` times this rank's rows, as the Keras GAN examples' label
+    noise over ``concatenate([generated, real])``): it is drawn as ``k`` global batches, and this rank keeps
+    its rows of each. Taken so only where that can't be a draw of another shape by chance as easily: at least
+    two rows here, a draw of two dimensions or more, ``k`` up to :data:`MAX_BLOCKS`.
+    """
 
     def __init__(self, rank, world, count, total):
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.count = rank, world, count
         self.total = max(int(total), 1)
         self.local = count if count else 1  # a stand-in step runs on one sample
         self.keep = slice(rank, None, world) if count else slice(0, 1)
 
-    def per_row(self, shape):
+    def blocks(self, shape):
+        """How many of this rank's batches the draw's leading dimension stacks (0: not a draw over rows)."""
         try:
-            return len(shape) > 0 and int(shape[0]) == self.local and self.local != self.total
+            lead = int(shape[0]) if len(shape) > 0 else 0
         except (TypeError, ValueError):
-            return False
+            return 0
+        if not lead or self.local == self.total:
+            return 0
+        if lead == self.local:
+            return 1
+        k, rest = divmod(lead, self.local)
+        if not rest and self.count >= 2 and len(shape) >= 2 and 2 <= k <= MAX_BLOCKS:
+            return k
+        return 0
+
+    def per_row(self, shape):
+        return self.blocks(shape) > 0
 
     def global_shape(self, shape):
-        return (self.total,) + tuple(int(d) for d in shape[1:])
+        return (self.blocks(shape) * self.total,) + tuple(int(d) for d in shape[1:])
+
+    def rows_of(self, value, blocks):
+        """This rank's rows of each of the ``blocks`` global batches stacked in ``value``."""
+        if blocks == 1:
+            return value[self.keep].contiguous()
+        return torch.cat([value[b * self.total:(b + 1) * self.total][self.keep] for b in range(blocks)]).contiguous()
 
 
 def _module():
@@ -86,15 +115,15 @@ def _rank_seed(module, seed, rank):
     return (first * 1000003 + second + 7919 * (rank + 1)) & 0x7FFFFFFF
 
 
-def _rows_of(value, rows):
-    return value[rows.keep].contiguous()
+def _rows_of(value, rows, shape):
+    return rows.rows_of(value, rows.blocks(shape))
 
 
 def _shaped(module, original, rows):
     def draw(shape, *args, **kwargs):
         if _symbolic(module) or not rows.per_row(shape):
             return original(shape, *args, **kwargs)
-        return _rows_of(original(rows.global_shape(shape), *args, **kwargs), rows)
+        return _rows_of(original(rows.global_shape(shape), *args, **kwargs), rows, shape)
 
     return draw
 
@@ -111,7 +140,7 @@ def _parametrized(module, original, rows, names):
         except RuntimeError:  # per-row parameters: the other ranks' rows are unknown here
             seed = kwargs.pop("seed", None)
             return original(shape, *args, seed=_rank_seed(module, seed, rows.rank), **kwargs)
-        return _rows_of(original(target, *args, **kwargs), rows)
+        return _rows_of(original(target, *args, **kwargs), rows, shape)
 
     return draw
 
@@ -124,7 +153,7 @@ def _dropout(module, original, rows):
         # or torch's, whichever Keras takes), then this rank's rows of it.
         ones = torch.ones(rows.global_shape(inputs.shape), dtype=inputs.dtype, device=inputs.device)
         mask = original(ones, rate, noise_shape=noise_shape, seed=seed)
-        return inputs * _rows_of(mask, rows)
+        return inputs * _rows_of(mask, rows, inputs.shape)
 
     return dropout
 
@@ -142,7 +171,7 @@ def _shuffle(module, original, rows):
         shape = [1] * (axis + 1)
         shape[axis] = size
         table = torch.arange(size, device=x.device).reshape(shape).expand(rows.global_shape(x.shape[: axis + 1]))
-        order = _rows_of(original(table, axis=axis, seed=seed), rows)
+        order = _rows_of(original(table, axis=axis, seed=seed), rows, x.shape)
         for _ in range(x.ndim - axis - 1):
             order = order.unsqueeze(-1)
         return x.gather(axis, order.expand(x.shape))
