@@ -246,3 +246,40 @@ def batchnorm_layers(model, method):
     own = getattr(base, method, None)
     synced = [layer for layer in layers if callable(own) and getattr(type(layer), method, None) is own]
     return synced, [layer for layer in layers if all(layer is not s for s in synced)]
+
+
+def weigh_scalar_means(model, share):
+    """Make the model's own ``keras.metrics.Mean`` trackers log one device's value in a distributed step.
+
+    A custom step that logs a loss with ``tracker.update_state(loss)`` (a scalar: the Keras guides' GAN, VAE
+    and "customizing fit()" style) adds its replica's own mean with weight 1 on every replica; the states,
+    summed over the replicas, then average the replicas' means equally, which is not the global batch's mean
+    when the batch splits unevenly. While a step runs, ``share()`` gives this replica's ``replicas * n_r / N``
+    (its rows over an equal share): such an update gets it as its sample weight, so the summed totals and
+    counts are exactly one device's. Updates with a sample weight or per-sample values, and subclasses that
+    override ``update_state``, are left as they are. Instance hooks; nothing is saved.
+    """
+    keras = keras_module(model)
+    base = getattr(getattr(keras, "metrics", None), "Mean", None)
+    if base is None or True:
+        return
+    for metric in getattr(model, "metrics", []):
+        if isinstance(metric, base) and getattr(type(metric), "update_state", None) is base.update_state:
+            hook(metric, "update_state", _scalar_weighted(type(metric).update_state.__get__(metric), share, keras))
+
+
+def _scalar_weighted(update_state, share, keras):
+    def weighted_update_state(values, sample_weight=None):
+        if sample_weight is None and _is_scalar(values):
+            sample_weight = share()
+        return update_state(values, sample_weight=sample_weight)
+
+    return weighted_update_state
+
+
+def _is_scalar(values):
+    shape = getattr(values, "shape", ())
+    try:
+        return len(shape) == 0
+    except (TypeError, ValueError):  # a tensor of unknown rank
+        return False

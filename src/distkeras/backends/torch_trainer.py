@@ -62,7 +62,10 @@ so distributing a model twice replaces the hooks instead of stacking them.
   logs: a value named after one of the model's metrics (``{m.name: m.result() for m in self.metrics}``,
   as the Keras guide writes it) becomes that metric's global result, any other scalar (a Loss object's
   value, the mean over the rank's rows) is averaged over the ranks weighted by their rows: the global
-  batch's value. Per-batch progress shows rank 0's own running values.
+  batch's value. A ``keras.metrics.Mean`` tracker the step updates with a scalar (``update_state(loss)``,
+  the guides' GAN and VAE) gets the rank's rows over an equal share as its sample weight
+  (:func:`~distkeras.backends.keras3.weigh_scalar_means`), so its summed states are the global batch's
+  too, however unevenly the batch splits. Per-batch progress shows rank 0's own running values.
 - ``fit`` / ``evaluate`` / ``predict``: ``verbose=0`` on ranks other than 0. ``fit()`` starts, and
   every epoch begins, with rank 0's random state (Python, NumPy, torch), so shuffling and augmentation
   produce the same global batches on every rank. ``fit``/``evaluate``/``predict`` read only this rank's
@@ -130,7 +133,7 @@ class Replica(object):
         self.timeout = timeout
         self.launch_failure = launch_failure
         self.compression = compression
-        self.count = None  # samples of the train step in flight (None outside one)
+        self.count = None  # samples of the train or test step in flight (None outside one)
         self.total = None  # samples of the whole global batch of that step (every rank's counts summed)
         self.last_count = None  # samples of the last train or test step
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
@@ -138,6 +141,13 @@ class Replica(object):
         self.known = {}  # id -> weak reference of each variable broadcast from rank 0 so far
         # (rows, count, total) of the batches the sharded loader in its pass read and no step has taken yet.
         self.read = collections.deque()
+
+    def scalar_share(self):
+        """In a train or test step: this rank's rows over an equal share of the global batch (the sample
+        weight :func:`~distkeras.backends.keras3.weigh_scalar_means` gives a Mean tracker's scalar update)."""
+        if self.count is None or not self.total:
+            return None
+        return float(self.world * self.count) / float(self.total)
 
     def split(self, data):
         """What this rank's step runs on, its sample count and the global batch's: ``(rows, count, total)``.
@@ -473,6 +483,7 @@ def _train_step(model, step, replica, global_state):
         local, count, total = replica.split(data)
         replica.count = replica.last_count = count
         replica.total = total
+        keras3.weigh_scalar_means(model, replica.scalar_share)
         replica.applied = 0
         if replica.buckets is not None:
             replica.buckets.begin(model.trainable_variables)
@@ -507,10 +518,15 @@ def _test_step(model, step, replica):
         broadcast_new_variables(model, replica)
         local, count, total = replica.split(data)
         replica.last_count = count
-        with torch_random.global_draws(replica.rank, replica.world, count, total):
-            if count:
-                return step(local)
-            return _without_trace(step, local, _metric_variables(model))
+        replica.count, replica.total = count, total
+        keras3.weigh_scalar_means(model, replica.scalar_share)
+        try:
+            with torch_random.global_draws(replica.rank, replica.world, count, total):
+                if count:
+                    return step(local)
+                return _without_trace(step, local, _metric_variables(model))
+        finally:
+            replica.count = None
 
     return test_step
 
