@@ -983,3 +983,24 @@ def test_each_rank_draws_one_devices_values_for_its_rows():
     # A stand-in step (no rows of its own) still draws the global shape: it keeps the first row.
     np.testing.assert_allclose(_draws(2, 0)["normal"], single["normal"][:1], rtol=1e-6)
     assert not np.array_equal(per_rank[1]["categorical"], per_rank[2]["categorical"])
+
+
+def test_keras_reduce_values_is_the_one_loss_reduction_looked_up_at_call_time():
+    """Pins the Keras private the sum-reduction rule replaces (torch_trainer._gate_sum_reduction): a Loss
+    reduces through the module attribute ``keras.src.losses.loss.reduce_values``, looked up at call time."""
+    from keras.src.losses import loss as loss_module
+
+    original = loss_module.reduce_values
+    seen = []
+
+    def spy(values, sample_weight=None, reduction="sum_over_batch_size"):
+        seen.append(reduction)
+        return original(values, sample_weight, reduction)
+
+    loss_module.reduce_values = spy
+    try:
+        y = keras.ops.ones((4, 3))
+        keras.losses.MeanSquaredError(reduction="sum")(y, y * 2)
+    finally:
+        loss_module.reduce_values = original
+    assert seen == ["sum"]

@@ -477,6 +477,15 @@ def _add_loss(keras):
     return model
 
 
+def _sum_loss(keras):
+    inputs = keras.Input((5,))
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(inputs)))
+    # reduction="sum": one device's gradient is the sum over the global batch, not the mean.
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.MeanSquaredError(reduction="sum"),
+                  metrics=["mae"])
+    return model
+
+
 def _unbuilt(keras):
     from tests.backends import torch_models
 
@@ -495,6 +504,7 @@ ISSUE21 = {
     "loss_object": (_loss_object, 40, (5,), _TEN, True),
     "add_loss": (_add_loss, 40, (5,), _TEN, True),
     "unbuilt": (_unbuilt, 40, (5,), _TEN, True),
+    "sum_loss": (_sum_loss, 40, (5,), _TEN, True),
 }
 
 

@@ -38,8 +38,9 @@ so distributing a model twice replaces the hooks instead of stacking them.
   function alike, as long as it is the mean over the rank's rows). Everything the optimizer does next
   (clipping, gradient accumulation, loss scaling, weight decay, EMA, learning-rate schedules) acts on
   that average, as on one device. Exact for losses that average over the batch (Keras' default
-  reduction); with ``reduction="sum"`` each rank's sum is weighted by its share, which gives about
-  1/world of the one-device gradient. With ``overlap`` (the default, more than one rank) most of that
+  reduction); a ``Loss`` with ``reduction="sum"`` returns ``N / n_r`` times the rank's sum in a step
+  (:func:`_gate_sum_reduction`), so its weighted average is one device's sum; a sum written by hand with
+  ops can't be told from a mean and is weighed as one. With ``overlap`` (the default, more than one rank) most of that
   all-reduce has already run during the backward pass (next item), and ``apply`` launches what is left
   and waits; without it, or when the step's gradients are not the backward pass' own, one all-reduce
   sums the weighted gradients and the counts after the backward pass
@@ -353,6 +354,50 @@ def _batchnorm_layers(model):
     return synced, other
 
 
+#: The Replica whose train or test step runs in this thread (for the sum-reduction gate).
+_stepping = threading.local()
+
+
+def _gate_sum_reduction():
+    """A ``Loss`` with ``reduction="sum"`` gives one device's gradient and logged value in a distributed step.
+
+    One device's gradient is the sum over the global batch; each rank's gradient is weighed by ``n_r / N``
+    (right for the mean reductions), which would shrink it. So while a step runs, Keras' ``reduce_values``
+    (a private module function of ``keras.src.losses.loss``, which ``Loss.__call__`` looks up at call time:
+    the one place Keras reduces a loss) returns ``N / n_r`` times the rank's sum: weighed and summed over
+    the ranks, gradient and logged value are the global sum. Idempotent; outside a step, Keras' own.
+    Pinned by a test. A sum written by hand with ops can't be told from a mean, and is weighed as one.
+    """
+    from keras.src.losses import loss as loss_module
+
+    keras_reduce = loss_module.reduce_values
+    if getattr(keras_reduce, "_distkeras_torch_gated", False):
+        return
+
+    def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+        loss = keras_reduce(values, sample_weight, reduction)
+        replica = getattr(_stepping, "replica", None)
+        if os.environ.get("DISTKERAS_TEST_NO_SUM_GATE") or reduction != "sum" or replica is None or not replica.count or not replica.total:
+            return loss
+        if tuple(getattr(values, "shape", ())) in ((), (0,)):
+            return loss
+        return loss * (float(replica.total) / float(replica.count))
+
+    reduce_values._distkeras_torch_gated = True
+    reduce_values.__wrapped__ = keras_reduce
+    loss_module.reduce_values = reduce_values
+
+
+@contextlib.contextmanager
+def _in_step(replica):
+    outer = getattr(_stepping, "replica", None)
+    _stepping.replica = replica
+    try:
+        yield
+    finally:
+        _stepping.replica = outer
+
+
 def install(model, replica, sync_batchnorm=True, overlap=True, bucket_mb=torch_buckets.DEFAULT_BUCKET_MB):
     """Install the hooks of the module docstring on ``model`` (already on this rank's device).
 
@@ -362,6 +407,7 @@ def install(model, replica, sync_batchnorm=True, overlap=True, bucket_mb=torch_b
     (:class:`~distkeras.backends.torch_buckets.Buckets`).
     """
     uninstall(model)
+    _gate_sum_reduction()
     for name in (_PRIVATE_LOGS, _PRIVATE_LAYERS):
         if not callable(getattr(model, name, None)):
             raise DistKerasError(
@@ -488,7 +534,7 @@ def _train_step(model, step, replica, global_state):
         if replica.buckets is not None:
             replica.buckets.begin(model.trainable_variables)
         try:
-            with torch_random.global_draws(replica.rank, replica.world, count, total):
+            with torch_random.global_draws(replica.rank, replica.world, count, total), _in_step(replica):
                 if count:
                     logs = step(local)
                 else:  # no samples here: a stand-in with weight zero joins the step's collectives
@@ -521,7 +567,7 @@ def _test_step(model, step, replica):
         replica.count, replica.total = count, total
         keras3.weigh_scalar_means(model, replica.scalar_share)
         try:
-            with torch_random.global_draws(replica.rank, replica.world, count, total):
+            with torch_random.global_draws(replica.rank, replica.world, count, total), _in_step(replica):
                 if count:
                     return step(local)
                 return _without_trace(step, local, _metric_variables(model))
