@@ -15,7 +15,14 @@ learner in ``data_parallel_distributed_learner``, installs a new Trainer, partit
 - **Initial weights.** CNTK does not synchronise them; every worker takes rank 0's weights and optimizer
   state through :meth:`CNTKAdapter.all_sum`, an all-reduce built from the same distributed learner.
 
-Only rank 0 prints and saves; ``evaluate`` and ``predict`` run whole on every worker, with equal results.
+- **evaluate, predict and fit()'s validation** on arrays are split as one process batches them: each worker
+  computes its rows ``[rank::workers]`` of every global batch (:class:`_TestStep`, :class:`_PredictStep`) and
+  one all-reduce per step adds up the losses times their rows and the metric states (evaluate: one process's
+  values), or the predictions each worker wrote into zeros at its rows (predict: the whole output, in order,
+  on every worker, exactly). Every worker must make the same calls; ones that differ in samples or batch
+  size raise ShardError on every worker. Tensors, generators and ``steps`` run whole on every worker.
+
+Only rank 0 prints and saves.
 Python 3.6 compatible: CNTK 2.7 runs on CPython 3.5/3.6 only.
 """
 
