@@ -239,10 +239,10 @@ SPLIT = """
     model = toy.model(seed=100 + toy.rank())
     if {workers}:
         model = distkeras.distribute(model)
-    seen = []   # the rows of every batch this rank's test and predict functions compute
+    seen = []   # the rows of every batch this rank's test and predict functions (no trainer) compute
     call = cntk_backend.Function.__call__
     def counting(self, inputs):
-        if self.placeholders and self.placeholders[0] is model._feed_inputs[0]:
+        if self.trainer is None and self.placeholders and self.placeholders[0] is model._feed_inputs[0]:
             seen.append(len(inputs[0]))
         return call(self, inputs)
     cntk_backend.Function.__call__ = counting
@@ -252,15 +252,16 @@ SPLIT = """
     evaluation, evaluated = rows(lambda: model.evaluate(x, y, batch_size=4, verbose=0))
     weighted, weighed = rows(lambda: model.evaluate(x, y, batch_size=4, sample_weight=weights, verbose=0))
     prediction, predicted = rows(lambda: model.predict(x, batch_size=4))
+    history, validated = rows(lambda: model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0,
+                                                validation_data=(x[:7], y[:7], weights[:7])))
     cntk_backend.Function.__call__ = call
-    history = model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0, validation_data=(x[:7], y[:7], weights[:7]))
     error = None
     if {workers}:
         try:
             model.evaluate(x[:10 - toy.rank()], y[:10 - toy.rank()], batch_size=4, verbose=0)
         except distkeras.ShardError as exc:
             error = str(exc)
-    toy.report(evaluation=evaluation, weighted=weighted, prediction=prediction, rows=[evaluated, weighed, predicted],
+    toy.report(evaluation=evaluation, weighted=weighted, prediction=prediction, rows=[evaluated, weighed, predicted], validated=validated,
                history=history.history, error=error)
 """
 
@@ -279,6 +280,9 @@ def test_evaluate_and_predict_split_the_rows_over_the_workers_with_the_results_o
     for rank, got in job.results.items():
         mine = [len(range(rank, size, workers)) for size in (4, 4, 2)]
         assert got["rows"] == [[n for n in mine if n]] * 3, "rank {} computed other rows than its own".format(rank)
+        step = 6 // workers  # fit() feeds Keras a rank's share of the global batch, which it also validates in
+        mine = [len(range(rank, min(step, 7 - start), workers)) for start in range(0, 7, step)]
+        assert got["validated"] == [n for n in mine if n] * 2, rank
         for key in ("evaluation", "weighted"):
             assert close(got[key], want[key], tol=1e-6), (key, got[key], want[key])
         assert np.array_equal(got["prediction"], job.results[0]["prediction"])
@@ -289,7 +293,7 @@ def test_evaluate_and_predict_split_the_rows_over_the_workers_with_the_results_o
         assert got["error"] == (
             "Every worker must call evaluate() with the same full arrays, batch_size (distkeras shards the data itself). "
             "Received (samples, batch_size) by rank: {}.".format(", ".join("{}: ({}, 4)".format(r, 10 - r) for r in range(workers))))
-    assert [n for n in [want["rows"]]] == [[[4, 4, 2]] * 3]
+    assert want["rows"] == [[4, 4, 2]] * 3 and want["validated"] == [6, 1] * 2
 
 
 def test_one_bit_sgd_trains_the_workers_alike_but_not_exactly(tmp_path):
