@@ -230,6 +230,72 @@ def test_evaluate_and_predict_give_every_worker_the_same_results(tmp_path):
     assert job.results[0] == job.results[1]
 
 
+SPLIT = """
+    import numpy as np, distkeras
+    from keras.backend import cntk_backend
+    from tests.cntk import toy
+    x, y = toy.data(10)
+    weights = np.linspace(0.1, 2, 10).astype("float32")
+    model = toy.model(seed=100 + toy.rank())
+    if {workers}:
+        model = distkeras.distribute(model)
+    seen = []   # the rows of every batch this rank's test and predict functions (no trainer) compute
+    call = cntk_backend.Function.__call__
+    def counting(self, inputs):
+        if self.trainer is None and self.placeholders and self.placeholders[0] is model._feed_inputs[0]:
+            seen.append(len(inputs[0]))
+        return call(self, inputs)
+    cntk_backend.Function.__call__ = counting
+    def rows(run):
+        del seen[:]
+        return run(), list(seen)
+    evaluation, evaluated = rows(lambda: model.evaluate(x, y, batch_size=4, verbose=0))
+    weighted, weighed = rows(lambda: model.evaluate(x, y, batch_size=4, sample_weight=weights, verbose=0))
+    prediction, predicted = rows(lambda: model.predict(x, batch_size=4))
+    history, validated = rows(lambda: model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0,
+                                                validation_data=(x[:7], y[:7], weights[:7])))
+    cntk_backend.Function.__call__ = call
+    error = None
+    if {workers}:
+        try:
+            model.evaluate(x[:10 - toy.rank()], y[:10 - toy.rank()], batch_size=4, verbose=0)
+        except distkeras.ShardError as exc:
+            error = str(exc)
+    toy.report(evaluation=evaluation, weighted=weighted, prediction=prediction, rows=[evaluated, weighed, predicted], validated=validated,
+               history=history.history, error=error)
+"""
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_evaluate_and_predict_split_the_rows_over_the_workers_with_the_results_of_one_process(tmp_path, workers):
+    """10 rows at batch 4: each rank computes its rows [rank::workers] of every global batch (with 3 ranks,
+    rank 2 has none of the last batch's 2), and evaluate (with and without sample weights), predict and fit()'s
+    validation give one process' results on every rank; evaluate calls that differ raise on every rank."""
+    want = run(tmp_path / "1", SPLIT.format(workers=0))
+    assert want.returncode == 0, want
+    want = want.results[0]
+    job = run(tmp_path / str(workers), SPLIT.format(workers=workers), workers=workers)
+    assert job.returncode == 0, job
+    assert sorted(job.results) == list(range(workers))
+    for rank, got in job.results.items():
+        mine = [len(range(rank, size, workers)) for size in (4, 4, 2)]
+        assert got["rows"] == [[n for n in mine if n]] * 3, "rank {} computed other rows than its own".format(rank)
+        step = 6 // workers  # fit() feeds Keras a rank's share of the global batch, which it also validates in
+        mine = [len(range(rank, min(step, 7 - start), workers)) for start in range(0, 7, step)]
+        assert got["validated"] == [n for n in mine if n] * 2, rank
+        for key in ("evaluation", "weighted"):
+            assert close(got[key], want[key], tol=1e-6), (key, got[key], want[key])
+        assert np.array_equal(got["prediction"], job.results[0]["prediction"])
+        assert close(got["prediction"], want["prediction"], tol=1e-6)
+        assert sorted(got["history"]) == ["loss", "mae", "val_loss", "val_mae"]
+        for key in ("val_loss", "val_mae"):
+            assert close(got["history"][key], want["history"][key], tol=1e-5), (key, got["history"][key], want["history"][key])
+        assert got["error"] == (
+            "Every worker must call evaluate() with the same full arrays, batch_size (distkeras shards the data itself). "
+            "Received (samples, batch_size) by rank: {}.".format(", ".join("{}: ({}, 4)".format(r, 10 - r) for r in range(workers))))
+    assert want["rows"] == [[4, 4, 2]] * 3 and want["validated"] == [6, 1] * 2
+
+
 def test_one_bit_sgd_trains_the_workers_alike_but_not_exactly(tmp_path):
     """CNTK 2.7's PyPI wheel has 1-bit SGD: compression='1bit' quantizes the summed gradients (with error
     feedback), so the ranks stay identical and learn, but end away from the exact 32-bit run."""

@@ -15,7 +15,14 @@ learner in ``data_parallel_distributed_learner``, installs a new Trainer, partit
 - **Initial weights.** CNTK does not synchronise them; every worker takes rank 0's weights and optimizer
   state through :meth:`CNTKAdapter.all_sum`, an all-reduce built from the same distributed learner.
 
-Only rank 0 prints and saves; ``evaluate`` and ``predict`` run whole on every worker, with equal results.
+- **evaluate, predict and fit()'s validation** on arrays are split as one process batches them: each worker
+  computes its rows ``[rank::workers]`` of every global batch (:class:`_TestStep`, :class:`_PredictStep`) and
+  one all-reduce per step adds up the losses times their rows and the metric states (evaluate: one process's
+  values), or the predictions each worker wrote into zeros at its rows (predict: the whole output, in order,
+  on every worker, exactly). Every worker must make the same calls; ones that differ in samples or batch
+  size raise ShardError on every worker. Tensors, generators and ``steps`` run whole on every worker.
+
+Only rank 0 prints and saves.
 Python 3.6 compatible: CNTK 2.7 runs on CPython 3.5/3.6 only.
 """
 
@@ -107,7 +114,15 @@ class CNTKAdapter(Adapter):
         model.set_weights(_unflat(self.all_sum(_flat(weights, rank)), weights))
         keras3.chief_speaks_and_writes(model, rank)
         model._make_train_function = functools.partial(_make_train_function, model, model._make_train_function)
+        # Keras calls these before every evaluate/predict (and fit()'s validation); they wrap its functions in
+        # steps that keep this worker's rows of every global batch while the calls below are under way.
+        model._make_test_function = functools.partial(_make_split_function, model, model._make_test_function,
+                                                      "test_function", _TestStep)
+        model._make_predict_function = functools.partial(_make_split_function, model, model._make_predict_function,
+                                                         "predict_function", _PredictStep)
         model.fit = functools.partial(_fit, model, model.fit)
+        model.evaluate = functools.partial(_evaluate, model, model.evaluate)
+        model.predict = functools.partial(_predict, model, model.predict)
         if getattr(model, "optimizer", None) is not None:
             model._make_train_function()
         return model
@@ -226,6 +241,7 @@ class _Replica(object):
 
     def __init__(self, adapter, rank, workers, bits):
         self.adapter, self.rank, self.workers, self.bits = adapter, rank, workers, bits
+        self.split = False  # True while evaluate(), predict() or fit() on arrays runs: the steps keep their rows
 
     def broadcast(self, variables):
         """Give Keras ``variables`` rank 0's values on every worker."""
@@ -275,6 +291,144 @@ class _Step(object):
         return outputs
 
 
+def _make_split_function(model, make, name, step):
+    """Keras' ``_make_test_function`` or ``_make_predict_function``, its function then wrapped in ``step``."""
+    make()
+    function = getattr(model, name)
+    if function is not None and not isinstance(function, step):
+        setattr(model, name, step(function, model))
+
+
+def _mine(inputs, rank, workers):
+    """This worker's rows ``[rank::workers]`` of the global batch in ``inputs`` (Keras' arrays of one step; a
+    learning-phase flag, a scalar, passes as it is), and how many there are: 0 in a batch smaller than the
+    number of workers, for the last ranks."""
+    size = len(inputs[0])
+    mine = [value[rank::workers] if getattr(value, "ndim", 0) and len(value) == size else value for value in inputs]
+    return mine, len(range(rank, size, workers))
+
+
+class _TestStep(object):
+    """Keras' test function (``evaluate()``, and the validation of ``fit()``) on one worker. While the adapter
+    splits a call (``_Replica.split``), each worker evaluates its rows ``[rank::workers]`` of every global
+    batch, then one all-reduce adds up, over the workers: the loss times the rows it averages (Keras' loss
+    is a mean over the rows plus the regularization, so the sum over the global batch's rows is the global
+    batch's), and what each added to the metrics' states; and every worker takes rank 0's metric values
+    (rank 0 always has rows). Keras on CNTK computes those before the step's update of the states (CNTK has
+    no control dependencies), from states every worker holds alike: the global ones. So every step returns,
+    and leaves, what one process's does. Keras' loop weighs each step's loss by the global batch's rows."""
+
+    def __init__(self, function, model):
+        self.function, self.state = function, model._distkeras_cntk
+        metrics = model._get_training_eval_metrics()
+        self.metric_states = [w for m in metrics for w in m.weights]
+        self.values = len([m for m in metrics if hasattr(m, "_call_result")])  # Keras' outputs after the loss
+
+    def __call__(self, inputs):
+        import numpy as np
+        from keras import backend as K
+
+        state = self.state
+        if not state.split or state.workers == 1:
+            return self.function(inputs)
+        mine, real = _mine(inputs, state.rank, state.workers)
+        before = K.batch_get_value(self.metric_states)
+        values = np.zeros(1 + self.values, "float32")
+        if real:
+            outputs = self.function(mine)
+            values[0] = float(outputs[0]) * real
+            if state.rank == 0:
+                values[1:] = [float(value) for value in outputs[1:]]
+        after = K.batch_get_value(self.metric_states)
+        total = state.adapter.all_sum(np.concatenate([values, _flat(after, state.rank, base=_flat(before, 0))]))
+        if self.metric_states:
+            K.batch_set_value(list(zip(self.metric_states, _unflat(total[1 + self.values:], after))))
+        return [np.float32(total[0] / len(inputs[0]))] + [np.float32(value) for value in total[1:1 + self.values]]
+
+
+class _PredictStep(object):
+    """Keras' predict function on one worker. While the adapter splits a call (``_Replica.split``), each
+    worker predicts its rows ``[rank::workers]`` of the global batch and writes them at their places in zeros
+    shaped like the global batch's prediction; the all-reduce of those is that prediction, in order, on
+    every worker, exactly (each value is added to zeros). A worker with no row in a batch smaller than the
+    number of workers computes nothing (where an output's shape has an unknown dimension past the batch, it
+    predicts the batch's first row to learn it) and writes nothing."""
+
+    def __init__(self, function, model):
+        from keras import backend as K
+
+        self.function, self.state = function, model._distkeras_cntk
+        self.shapes = [tuple(K.int_shape(output)[1:]) for output in model.outputs]
+
+    def __call__(self, inputs):
+        import numpy as np
+
+        state = self.state
+        if not state.split or state.workers == 1:
+            return self.function(inputs)
+        size = len(inputs[0])
+        mine, real = _mine(inputs, state.rank, state.workers)
+        if real:
+            outputs = [np.asarray(out) for out in self.function(mine)]
+        elif all(None not in shape for shape in self.shapes):
+            outputs = [np.zeros((0,) + shape, "float32") for shape in self.shapes]
+        else:
+            outputs = [np.asarray(out)[:0] for out in self.function(_mine(inputs, 0, size)[0])]
+        full = [np.zeros((size,) + out.shape[1:], "float32") for out in outputs]
+        if real:
+            for whole, out in zip(full, outputs):
+                whole[state.rank::state.workers] = out
+        summed = state.adapter.all_sum(np.concatenate([whole.ravel() for whole in full]))
+        return [whole.astype(out.dtype, copy=False) for whole, out in zip(_unflat(summed, full), outputs)]
+
+
+def _on_arrays(method, args, kwargs):
+    """Keras 2's ``evaluate``/``predict(*args, **kwargs)`` bound (defaults applied) and its count of samples, the
+    latter None unless the data are NumPy arrays fed without ``steps`` (what the adapter splits over workers)."""
+    import inspect
+
+    import numpy as np
+
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    data = [given.get(name) for name in ("x", "y", "sample_weight")]
+    arrays = [a for part in data if part is not None for a in sharding.parts(part)]
+    if given["steps"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
+        return bound, None
+    return bound, sharding.num_samples(arrays)
+
+
+def _evaluate(model, evaluate, *args, **kwargs):
+    """Keras' ``evaluate`` on arrays, as one process runs it at ``batch_size``, each worker evaluating its rows
+    of every global batch (:class:`_TestStep`). Tensors and ``steps`` pass through, whole on every worker."""
+    return _split(model, "evaluate", evaluate, args, kwargs)
+
+
+def _predict(model, predict, *args, **kwargs):
+    """Keras' ``predict`` on arrays: each worker predicts its rows of every global batch, and every worker gets
+    the whole prediction, in order (:class:`_PredictStep`). Tensors and ``steps`` pass through, whole."""
+    return _split(model, "predict", predict, args, kwargs)
+
+
+def _split(model, call, method, args, kwargs):
+    state = model._distkeras_cntk
+    bound, samples = _on_arrays(method, args, kwargs)
+    if samples is None or state.workers == 1:
+        return method(*bound.args, **bound.kwargs)
+    _check_same_everywhere(state, call, [("samples", samples), ("batch_size", bound.arguments["batch_size"] or 32)])
+    return _splitting(state, method, bound.args, bound.kwargs)
+
+
+def _splitting(state, method, args, kwargs):
+    """``method(*args, **kwargs)`` with the test and predict steps keeping this worker's rows."""
+    before, state.split = state.split, True
+    try:
+        return method(*args, **kwargs)
+    finally:
+        state.split = before
+
+
 def _weighted(sample_weight, weights, rows, outputs):
     """The user's sample weights (None, an array, or one per output) for ``rows``, times ``weights``."""
     if weights is None:
@@ -302,26 +456,38 @@ def _fit(model, fit, *args, **kwargs):
         cut = int(n * (1.0 - split))
         given["validation_data"] = tuple(sharding.select(part, slice(cut, None)) for part in data if part is not None)
         data, n = [None if part is None else sharding.select(part, slice(0, cut)) for part in data], cut
+    validation = given["validation_data"]
+    arrays = isinstance(validation, (list, tuple)) and all(
+        isinstance(a, np.ndarray) for part in validation if part is not None for a in sharding.parts(part))
     if state.workers > 1:
-        _check_same_everywhere(state, n, batch, given["epochs"])
+        _check_same_everywhere(state, "fit", [("samples", n), ("batch_size", batch), ("epochs", given["epochs"])] + (
+            [("validation_samples", sharding.num_samples([p for p in validation if p is not None]))] if arrays else []))
     rows, weights = sharding.batch_rows(n, batch, state.rank, state.workers)
     weights = None if weights is None else np.asarray(weights, dtype="float32")
     given.update(x=sharding.select(data[0], rows), y=None if data[1] is None else sharding.select(data[1], rows),
                  sample_weight=_weighted(data[2], weights, rows, len(getattr(model, "outputs", [None]))),
                  batch_size=batch // state.workers, validation_split=0.0)
-    return fit(*bound.args, **bound.kwargs)
+    if validation is None or not arrays:
+        return fit(*bound.args, **bound.kwargs)
+    return _splitting(state, fit, bound.args, bound.kwargs)  # the validation, each worker its rows (_TestStep)
 
 
-def _check_same_everywhere(state, n, batch, epochs):
-    """Raise on every worker if their ``fit()`` calls differ in samples, batch size or epochs: they would
-    take different numbers of steps, and the job would hang in the first step one of them skips."""
+def _check_same_everywhere(state, call, values):
+    """Raise on every worker if their ``call`` (``fit``, ``evaluate``, ``predict``) calls differ in ``values``,
+    ``[(name, int)]``, samples first: they would take different numbers of steps, and the job would hang in
+    the first step one of them skips."""
     import numpy as np
 
-    mine = np.zeros((state.workers, 4), "float32")
-    mine[state.rank] = (n // 4096, n % 4096, batch, epochs)  # float32 holds each part exactly
-    everyone = state.adapter.all_sum(mine.ravel()).reshape(state.workers, 4)
+    mine = np.zeros((state.workers, len(values), 2), "float32")
+    for i, (_, value) in enumerate(values):
+        mine[state.rank, i] = divmod(int(value) + 1, 4096)  # float32 holds each part exactly; +1: -1 means none
+    everyone = state.adapter.all_sum(mine.ravel()).reshape(mine.shape)
     if (everyone != everyone[0]).any():
+        names = [name for name, _ in values]
+        arguments = names[1:]
+        said = arguments[0] if len(arguments) == 1 else "{} and {}".format(", ".join(arguments[:-1]), arguments[-1])
         raise ShardError(
-            "Every worker must call fit() with the same full arrays, batch_size and epochs (distkeras shards the "
-            "data itself). Received (samples, batch_size, epochs) by rank: {}.".format(", ".join(
-                "{}: ({}, {}, {})".format(r, int(a) * 4096 + int(b), int(c), int(d)) for r, (a, b, c, d) in enumerate(everyone))))
+            "Every worker must call {}() with the same full arrays, {} (distkeras shards the data itself). Received "
+            "({}) by rank: {}.".format(call, said, ", ".join(names), ", ".join(
+                "{}: ({})".format(r, ", ".join(str(int(a) * 4096 + int(b) - 1) for a, b in row))
+                for r, row in enumerate(everyone))))
