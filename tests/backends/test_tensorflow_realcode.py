@@ -5,7 +5,8 @@ scalar, ``add_loss``, a ``reduction="sum"`` loss, sparse (gather) gradients unde
 hand in a custom step with a custom ``test_step``, and the Keras guide's GAN with optimizers of its own:
 at N=2 and N=3 the weights, every optimizer's variables, the History and ``evaluate()`` equal one
 device's at the same global batch. 50 samples at batch 12: the last batch of 2 leaves a replica empty on
-3 devices (the custom steps, whose own unweighted Mean trackers are exact only for even splits, use 48).
+3 devices (the GAN's Mean trackers, updated with the step's scalar loss, are weighed by each replica's rows:
+one device's value on uneven splits too; the custom steps, which also log a raw scalar of their own, use 48).
 """
 
 import numpy as np
@@ -313,7 +314,7 @@ def train_gan(devices, x):
 
 
 def test_a_gan_with_optimizers_of_its_own():
-    x = np.random.default_rng(3).normal(size=(48, 6)).astype("float32")
+    x = np.random.default_rng(3).normal(size=(SAMPLES, 6)).astype("float32")
     state, history = train_gan(1, x)
     for devices in (2, 3):
         state_n, history_n = train_gan(devices, x)

@@ -261,7 +261,7 @@ def weigh_scalar_means(model, share):
     """
     keras = keras_module(model)
     base = getattr(getattr(keras, "metrics", None), "Mean", None)
-    if base is None or True:
+    if base is None:
         return
     for metric in getattr(model, "metrics", []):
         if isinstance(metric, base) and getattr(type(metric), "update_state", None) is base.update_state:
@@ -272,6 +272,9 @@ def _scalar_weighted(update_state, share, keras):
     def weighted_update_state(values, sample_weight=None):
         if sample_weight is None and _is_scalar(values):
             sample_weight = share()
+            if sample_weight is not None:
+                # A replica a short batch left without rows has a mean over no rows (NaN): weight 0, value 0.
+                values = keras.ops.where(keras.ops.greater(sample_weight, 0), values, keras.ops.zeros_like(values))
         return update_state(values, sample_weight=sample_weight)
 
     return weighted_update_state

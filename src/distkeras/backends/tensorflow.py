@@ -152,6 +152,7 @@ class TensorFlowAdapter(Adapter):
             tensorflow_steps.tell_replicas_their_rows(tf, strategy, exact_loss_scaling)
             tensorflow_steps.gate_keras_loss_scaling()
             tensorflow_steps.draw_like_one_device(tf)
+            keras3.weigh_scalar_means(model, tensorflow_steps.scalar_share(tf, strategy.num_replicas_in_sync))
         _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(model, tf)

@@ -113,6 +113,20 @@ def tell_replicas_their_rows(tf, strategy, exact_losses):
     strategy.run = run_telling_rows
 
 
+def scalar_share(tf, replicas):
+    """The function :func:`~distkeras.backends.keras3.weigh_scalar_means` asks for a Mean tracker's scalar
+    update: ``replicas * n_r / N`` in a replica step with the loss rule on (the tracker's sync-on-read total
+    and count, summed over the replicas, then hold one device's mean), else None."""
+
+    def share():
+        rows = current()
+        if rows is None or not rows.exact_losses:
+            return None
+        return tf.math.divide_no_nan(tf.cast(rows.local * replicas, tf.float32), tf.cast(rows.total, tf.float32))
+
+    return share
+
+
 def batch_share(tf, dtype):
     """``n_r / N`` for the replica step running in this thread (its weight in the global gradient), or None
     where the loss rule is off."""
