@@ -165,6 +165,24 @@ def fit_on_arrays(fit, args, kwargs):
     return bound, data
 
 
+def on_arrays(method, args, kwargs):
+    """Keras 2's ``evaluate``/``predict(*args, **kwargs)`` bound (defaults applied) and its count of samples, the
+    latter None unless the data are NumPy arrays fed without ``steps`` (what the MXNet and CNTK adapters split
+    over workers)."""
+    import inspect
+
+    import numpy as np
+
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    data = [given.get(name) for name in ("x", "y", "sample_weight")]
+    arrays = [a for part in data if part is not None for a in parts(part)]
+    if given["steps"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
+        return bound, None
+    return bound, num_samples(arrays)
+
+
 def batch_rows(n, batch, rank, workers):
     # type: (int, int, int, int) -> Tuple[List[int], Optional[List[float]]]
     """The rows of ``n`` that worker ``rank`` trains on in batches of ``batch // workers``, and their weights.

@@ -382,23 +382,6 @@ class _PredictStep(object):
         return [whole.astype(out.dtype, copy=False) for whole, out in zip(_unflat(summed, full), outputs)]
 
 
-def _on_arrays(method, args, kwargs):
-    """Keras 2's ``evaluate``/``predict(*args, **kwargs)`` bound (defaults applied) and its count of samples, the
-    latter None unless the data are NumPy arrays fed without ``steps`` (what the adapter splits over workers)."""
-    import inspect
-
-    import numpy as np
-
-    bound = inspect.signature(method).bind(*args, **kwargs)
-    bound.apply_defaults()
-    given = bound.arguments
-    data = [given.get(name) for name in ("x", "y", "sample_weight")]
-    arrays = [a for part in data if part is not None for a in sharding.parts(part)]
-    if given["steps"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
-        return bound, None
-    return bound, sharding.num_samples(arrays)
-
-
 def _evaluate(model, evaluate, *args, **kwargs):
     """Keras' ``evaluate`` on arrays, as one process runs it at ``batch_size``, each worker evaluating its rows
     of every global batch (:class:`_TestStep`). Tensors and ``steps`` pass through, whole on every worker."""
@@ -413,7 +396,7 @@ def _predict(model, predict, *args, **kwargs):
 
 def _split(model, call, method, args, kwargs):
     state = model._distkeras_cntk
-    bound, samples = _on_arrays(method, args, kwargs)
+    bound, samples = sharding.on_arrays(method, args, kwargs)
     if samples is None or state.workers == 1:
         return method(*bound.args, **bound.kwargs)
     _check_same_everywhere(state, call, [("samples", samples), ("batch_size", bound.arguments["batch_size"] or 32)])

@@ -772,28 +772,11 @@ def _fit(model, fit, *args, **kwargs):
         model._distkeras_shard = None
 
 
-def _on_arrays(method, args, kwargs):
-    """Keras 2's ``evaluate``/``predict(*args, **kwargs)`` bound (defaults applied) and its count of samples, the
-    latter None unless the data are NumPy arrays fed without ``steps`` (what the adapter splits over workers)."""
-    import inspect
-
-    import numpy as np
-
-    bound = inspect.signature(method).bind(*args, **kwargs)
-    bound.apply_defaults()
-    given = bound.arguments
-    data = [given.get(name) for name in ("x", "y", "sample_weight")]
-    arrays = [a for part in data if part is not None for a in sharding.parts(part)]
-    if given["steps"] is not None or data[0] is None or not all(isinstance(a, np.ndarray) for a in arrays):
-        return bound, None
-    return bound, sharding.num_samples(arrays)
-
-
 def _evaluate(model, evaluate, *args, **kwargs):
     """Keras' ``evaluate`` on arrays, as one process runs it at ``batch_size``: every worker runs Keras' loop over
     the global arrays, each test step keeps the worker's rows ``[rank::workers]`` of the global batch and the
     job adds up the values (:func:`_test_step_in_job`). Tensors and ``steps`` pass through, whole on every worker."""
-    bound, samples = _on_arrays(evaluate, args, kwargs)
+    bound, samples = sharding.on_arrays(evaluate, args, kwargs)
     if samples is None:
         return evaluate(*bound.args, **bound.kwargs)
     job = model._distkeras_job
@@ -804,7 +787,7 @@ def _evaluate(model, evaluate, *args, **kwargs):
 def _predict(model, predict, *args, **kwargs):
     """Keras' ``predict`` on arrays, as one process runs it: each worker predicts its rows ``[rank::workers]`` of
     every global batch, and every worker gets the whole prediction, in order (:func:`_predict_step_in_job`)."""
-    bound, samples = _on_arrays(predict, args, kwargs)
+    bound, samples = sharding.on_arrays(predict, args, kwargs)
     if samples is None:
         return predict(*bound.args, **bound.kwargs)
     job = model._distkeras_job
