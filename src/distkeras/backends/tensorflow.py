@@ -152,6 +152,7 @@ class TensorFlowAdapter(Adapter):
             tensorflow_steps.tell_replicas_their_rows(tf, strategy, exact_loss_scaling)
             tensorflow_steps.gate_keras_loss_scaling()
             tensorflow_steps.draw_like_one_device(tf)
+            tensorflow_steps.one_device_step_logs(tf, model, keras3.keras_module(model).Model)
         _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(model, tf)
@@ -533,6 +534,10 @@ def _build_from_one_replica(model, tf, strategy):
                 break
         with strategy.scope():
             model._symbolic_build(data_batch=data_batch)
+        # Keras builds metrics in a stateless scope and creates their variables only when it exits, under
+        # tf.init_scope(), which leaves the strategy scope behind: plain variables every replica would
+        # update (a compiled metric a custom step updates read half the rows). Mirrored like the rest.
+        _mirror_variables(tf, strategy, _state_variables(model))
 
     keras3.hook(model, "_maybe_symbolic_build", maybe_symbolic_build)
 

@@ -303,3 +303,89 @@ def draw_like_one_device(tf):
 
     shuffle.__wrapped__ = keras_shuffle
     module.shuffle = shuffle
+
+
+def _every_metric(model):
+    """The model's metrics and the metrics inside them (a ``CompileMetrics``' own), each once."""
+    found, stack = [], list(model.metrics)
+    while stack:
+        metric = stack.pop(0)
+        if any(metric is seen for seen in found):
+            continue
+        found.append(metric)
+        inner = getattr(metric, "metrics", None)
+        stack.extend(list(inner) if isinstance(inner, (list, tuple)) else [])
+        stack.extend(getattr(metric, "_metrics", None) or [])
+    return found
+
+
+def _global_result(tf, metric):
+    """Hook ``metric.result`` so that, read inside a replica step, it is the result over every replica's
+    rows (its sync-on-read variables all-reduced as the strategy reduces them when read outside a step),
+    the same on every replica: what one device's ``result()`` is at that point. Idempotent."""
+    keras_result = metric.result
+    if getattr(keras_result, "_distkeras_global", False):
+        return
+    reduce_ops = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
+
+    def result():
+        context = tf.distribute.get_replica_context()
+        if (current() is None or getattr(_held, "in_global_result", False) or context is None
+                or context.num_replicas_in_sync == 1):
+            return keras_result()
+        # Keras' stateless_result reads the metric's variables (its inner metrics' too) as the values given:
+        # the replicas' totals all-reduced as the strategy reduces them when read, nothing assigned.
+        values = []
+        for variable in metric.variables:
+            aggregation = getattr(variable, "aggregation", None)
+            value = tf.convert_to_tensor(variable.value)
+            values.append(context.all_reduce(reduce_ops[aggregation], value) if aggregation in reduce_ops else value)
+        _held.in_global_result = True
+        try:
+            return metric.stateless_result(values)
+        finally:
+            _held.in_global_result = False
+
+    result._distkeras_global = True
+    metric.__dict__["result"] = result
+
+
+def one_device_step_logs(tf, model, keras_model_class):
+    """For a custom ``train_step`` / ``test_step`` (Keras' own read their logs from the metric variables):
+    make what it returns one device's.
+
+    Keras averages a step's returned values over the replicas, and reads a custom step's epoch and
+    ``evaluate()`` logs from the last step's values when their names aren't exactly the model's metrics
+    (``_get_metrics_result_or_logs``). So (1) every metric's ``result()`` read inside the step is the global
+    result (:func:`_global_result`), the same on every replica; (2) each float scalar the step returns is
+    weighed by ``R * n_r / N`` (``R`` replicas, ``n_r`` of the ``N`` rows), so Keras' average is the
+    batch-share-weighted sum: a metric result stays itself, a replica's mean over its rows becomes the mean
+    over the global batch, and a replica a short batch left without rows (whose mean over no rows is NaN
+    or 0) counts for nothing.
+    """
+    from distkeras.backends import keras3
+
+    for name in ("train_step", "test_step"):
+        if getattr(type(model), name, None) is getattr(keras_model_class, name, None):
+            continue
+        step = getattr(model, name)
+
+        def one_device_step(data, _step=step):
+            for metric in _every_metric(model):
+                _global_result(tf, metric)
+            logs = _step(data)
+            rows = current()
+            context = tf.distribute.get_replica_context()
+            if rows is None or context is None or context.num_replicas_in_sync == 1:
+                return logs
+
+            def weighed(value):
+                if not isinstance(value, tf.Tensor) or value.shape.rank != 0 or not value.dtype.is_floating:
+                    return value
+                share = tf.math.divide_no_nan(tf.cast(rows.local * context.num_replicas_in_sync, value.dtype),
+                                              tf.cast(rows.total, value.dtype))
+                return tf.where(rows.local > 0, value * share, tf.zeros_like(value))
+
+            return tf.nest.map_structure(weighed, logs)
+
+        keras3.hook(model, name, one_device_step)
