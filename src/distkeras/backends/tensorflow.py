@@ -152,6 +152,7 @@ class TensorFlowAdapter(Adapter):
             tensorflow_steps.tell_replicas_their_rows(tf, strategy, exact_loss_scaling)
             tensorflow_steps.gate_keras_loss_scaling()
             tensorflow_steps.draw_like_one_device(tf)
+            tensorflow_steps.convolve_empty_batches(tf)
             tensorflow_steps.one_device_step_logs(tf, model, keras3.keras_module(model).Model)
         _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:

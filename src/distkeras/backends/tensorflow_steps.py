@@ -389,3 +389,38 @@ def one_device_step_logs(tf, model, keras_model_class):
             return tf.nest.map_structure(weighed, logs)
 
         keras3.hook(model, name, one_device_step)
+
+
+def convolve_empty_batches(tf):
+    """Patch Keras' TensorFlow convolutions (``conv``, ``depthwise_conv``, ``separable_conv``,
+    ``conv_transpose`` of ``keras.src.backend.tensorflow.nn``, which ``keras.ops`` and the conv layers call
+    through it) so that, while a replica step runs, a batch of no rows gives the output shape it should.
+
+    TensorFlow's oneDNN convolution returns an empty input unchanged (shape and all: a 3x3 VALID conv of
+    ``(0, 8, 8, 1)`` is ``(0, 8, 8, 1)``), and the next layer fails ("input depth must be evenly divisible
+    by filter depth"). A replica gets no rows when a batch is smaller than the replica count (an
+    evaluate() or fit() tail). Such a replica convolves one row of zeros and keeps none of it.
+    Idempotent. Private Keras API (its names are pinned by a test).
+    """
+    from keras.src.backend.tensorflow import nn
+
+    if getattr(nn, "_distkeras_empty_batches", False):
+        return
+    nn._distkeras_empty_batches = True
+
+    def guarded(name):
+        keras_fn = getattr(nn, name)
+
+        def convolve(inputs, *args, **kwargs):
+            if current() is None:
+                return keras_fn(inputs, *args, **kwargs)
+            inputs = tf.convert_to_tensor(inputs)
+            one = tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
+            return tf.cond(tf.shape(inputs)[0] > 0, lambda: keras_fn(inputs, *args, **kwargs),
+                           lambda: keras_fn(one, *args, **kwargs)[:0])
+
+        convolve.__wrapped__ = keras_fn
+        setattr(nn, name, convolve)
+
+    for name in ("conv", "depthwise_conv", "separable_conv", "conv_transpose"):
+        guarded(name)
