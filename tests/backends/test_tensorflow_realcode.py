@@ -241,6 +241,80 @@ def test_a_loss_written_by_hand_in_a_custom_step(by_ops):
     assert_exact(build, x, y)
 
 
+class Tracked(keras.Model):
+    """The Keras distillation example's steps: compiled metrics a custom step updates through
+    ``self.metrics`` and returns as ``{m.name: m.result()}``, with a per-batch loss of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+        self.loss_of = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def tracked(self, y, y_pred, loss):
+        for metric in self.metrics:
+            if metric.name != "loss":
+                metric.update_state(y, y_pred)
+        results = {m.name: m.result() for m in self.metrics if m.name != "loss"}
+        results["step_loss"] = loss
+        return results
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.loss_of(y, y_pred)
+        grads = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        return self.tracked(y, y_pred, loss)
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        return self.tracked(y, y_pred, self.loss_of(y, y_pred))
+
+
+def test_a_custom_step_returning_metric_results():
+    """Its returned metric results are the global results (Keras builds the compiled metrics after
+    distribute(), in a stateless scope: they must be mirrored too), its own per-batch loss the global
+    batch's: History and evaluate() are one device's, tails of 2 (1+1, 1+1+0) included."""
+    def build():
+        keras.utils.set_random_seed(0)
+        model = Tracked()
+        model(np.zeros((1, 5), "float32"))
+        model.compile(optimizer=keras.optimizers.Adam(0.05), metrics=[keras.metrics.SparseCategoricalAccuracy()])
+        return model
+
+    x, _ = data()
+    y = (np.arange(SAMPLES) % 3).astype("int32")
+    assert_exact(build, x, y, epochs=2)
+
+
+def test_a_conv_net_with_batches_smaller_than_the_replica_count():
+    """fit() and evaluate() with batches 5, 5, 1 (the last leaves a replica without rows) run an empty
+    replica's convolutions and poolings with the right output shapes (TensorFlow's oneDNN Conv2D returns an
+    empty input unchanged; its MaxPool gradient aborts on one) and train one device's numbers."""
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3, activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(4, 2, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ])
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+        return model
+
+    x = np.random.default_rng(2).normal(size=(11, 8, 8, 1)).astype("float32")
+    assert_exact(build, x, data(samples=11)[1], batch_size=5)
+
+
 # E. A GAN with optimizers of its own (the Keras guide's) ------------------------------------------------
 
 class GAN(keras.Model):
@@ -358,3 +432,12 @@ def test_the_keras_privates_the_loss_and_random_rules_rely_on():
 
     assert "backend.random.dropout(" in inspect.getsource(dropout)
     assert "backend.random.normal(" in inspect.getsource(gaussian_noise)
+    # Convolutions of an empty replica: the TensorFlow backend's functions, called through ``backend.nn``.
+    from keras.src.backend.tensorflow import nn
+    from keras.src.ops import nn as ops_nn
+
+    for name in ("conv", "depthwise_conv", "separable_conv", "conv_transpose"):
+        assert callable(getattr(nn, name).__wrapped__), name
+        assert "backend.nn.{}(".format(name) in inspect.getsource(ops_nn), name
+    # A custom step's metric results: Keras' stateless_result reads the variables given.
+    assert list(inspect.signature(keras.metrics.Metric.stateless_result).parameters) == ["self", "metric_variables"]

@@ -392,14 +392,17 @@ def one_device_step_logs(tf, model, keras_model_class):
 
 
 def convolve_empty_batches(tf):
-    """Patch Keras' TensorFlow convolutions (``conv``, ``depthwise_conv``, ``separable_conv``,
-    ``conv_transpose`` of ``keras.src.backend.tensorflow.nn``, which ``keras.ops`` and the conv layers call
-    through it) so that, while a replica step runs, a batch of no rows gives the output shape it should.
+    """Patch Keras' TensorFlow convolutions and poolings (``conv``, ``depthwise_conv``, ``separable_conv``,
+    ``conv_transpose``, ``max_pool``, ``average_pool`` of ``keras.src.backend.tensorflow.nn``, which
+    ``keras.ops`` and the layers call through it) so that, while a replica step runs, a batch of no rows
+    gives the output shape it should and a gradient.
 
-    TensorFlow's oneDNN convolution returns an empty input unchanged (shape and all: a 3x3 VALID conv of
-    ``(0, 8, 8, 1)`` is ``(0, 8, 8, 1)``), and the next layer fails ("input depth must be evenly divisible
-    by filter depth"). A replica gets no rows when a batch is smaller than the replica count (an
-    evaluate() or fit() tail). Such a replica convolves one row of zeros and keeps none of it.
+    TensorFlow's oneDNN kernels mishandle an empty batch: Conv2D returns the input unchanged (shape and
+    all: a 3x3 VALID conv of ``(0, 8, 8, 1)`` is ``(0, 8, 8, 1)``, and the next layer fails with "input
+    depth must be evenly divisible by filter depth"), MaxPool's gradient aborts the process. A replica
+    gets no rows when a batch is smaller than the replica count (an evaluate() or fit() tail). Such a
+    replica runs the op on one row of zeros and keeps none of it (a ``tf.cond``: a replica with rows
+    runs Keras' op, and its gradient, alone).
     Idempotent. Private Keras API (its names are pinned by a test).
     """
     from keras.src.backend.tensorflow import nn
@@ -422,5 +425,5 @@ def convolve_empty_batches(tf):
         convolve.__wrapped__ = keras_fn
         setattr(nn, name, convolve)
 
-    for name in ("conv", "depthwise_conv", "separable_conv", "conv_transpose"):
+    for name in ("conv", "depthwise_conv", "separable_conv", "conv_transpose", "max_pool", "average_pool"):
         guarded(name)
