@@ -380,8 +380,16 @@ def _apply_global(optimizer, tf, compression):
                     sent = [_scaled(tf, g, share) for g in sent]
                 if compression is not None:
                     sent = [tf.cast(g, _WIRE[compression]) for g in sent]
+                # A lookup that is no sample's (a position embedding's arange(maxlen)): the same indices on
+                # every replica, and one device has one slice per index with the whole batch's sum, not the
+                # replicas' slices side by side. Its values are summed as a dense tensor.
+                common = [isinstance(g, tf.IndexedSlices) and not tensorflow_steps.depends_on_batch(tf, g.indices)
+                          for g in sent]
+                sent = [g.values if shared else g for g, shared in zip(sent, common)]
                 summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
-                for i, g in zip(present, summed):
+                for i, g, shared in zip(present, summed, common):
+                    if shared:
+                        g = tf.IndexedSlices(g, grads[i].indices, grads[i].dense_shape)
                     grads[i] = tf.cast(g, grads[i].dtype) if compression is not None else g
         return apply(grads, trainable_variables)
 

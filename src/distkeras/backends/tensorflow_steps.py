@@ -48,12 +48,14 @@ _held = threading.local()
 
 
 class Rows(NamedTuple):
-    """A replica's rows of the global batch (scalar int32 tensors); ``exact_losses``: the loss rule is on."""
+    """A replica's rows of the global batch (scalar int32 tensors); ``exact_losses``: the loss rule is on;
+    ``batch``: the replica's batch tensors (what :func:`depends_on_batch` looks for)."""
 
     local: object
     offset: object
     total: object
     exact_losses: bool
+    batch: tuple = ()
 
 
 def current():
@@ -102,7 +104,9 @@ def tell_replicas_their_rows(tf, strategy, exact_losses):
             index = context.replica_id_in_sync_group
             offset = tf.reduce_sum(every[:index])
             outer = current()
-            _held.rows = Rows(local, tf.cast(offset, tf.int32), tf.cast(tf.reduce_sum(every), tf.int32), exact_losses)
+            batch = tuple(t for t in tf.nest.flatten((replica_args, replica_kwargs)) if isinstance(t, tf.Tensor))
+            _held.rows = Rows(local, tf.cast(offset, tf.int32), tf.cast(tf.reduce_sum(every), tf.int32), exact_losses,
+                              batch)
             try:
                 return fn(*replica_args, **replica_kwargs)
             finally:
@@ -111,6 +115,33 @@ def tell_replicas_their_rows(tf, strategy, exact_losses):
         return run(replica_fn, args=args, kwargs=kwargs, options=options)
 
     strategy.run = run_telling_rows
+
+
+def depends_on_batch(tf, tensor):
+    """Whether ``tensor``, in the replica step running in this thread, is computed from the replica's batch
+    (a walk up the step's graph, when it is traced). True where that can't be told (eagerly, outside a
+    replica step): the caller's rule for batch-derived values is the one that held before.
+
+    What it tells apart: the indices of a gather's gradient (``IndexedSlices``). One device's slices are
+    one per lookup; for a lookup per sample (token ids, from the batch) they are the replicas' slices
+    concatenated, for a lookup that is no sample's (a position embedding's ``arange(maxlen)``, the same on
+    every replica) they are the replicas' values summed under their common indices.
+    """
+    rows = current()
+    if rows is None or not rows.batch or tf.executing_eagerly() or not hasattr(tensor, "op"):
+        return True
+    batch = {t.ref() for t in rows.batch}
+    seen, stack = set(), [tensor]
+    while stack:
+        value = stack.pop()
+        if value.ref() in batch:
+            return True
+        op = value.op
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        stack.extend(op.inputs)
+    return False
 
 
 def batch_share(tf, dtype):
