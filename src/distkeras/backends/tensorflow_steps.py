@@ -446,12 +446,15 @@ def convolve_empty_batches(tf):
         keras_fn = getattr(nn, name)
 
         def convolve(inputs, *args, **kwargs):
-            if current() is None:
-                return keras_fn(inputs, *args, **kwargs)
             inputs = tf.convert_to_tensor(inputs)
+            if current() is None or inputs.shape.rank is None or inputs.shape[0]:  # no replica step, or rows
+                return keras_fn(inputs, *args, **kwargs)
+            rows = tf.shape(inputs)[0]
             one = tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
-            return tf.cond(tf.shape(inputs)[0] > 0, lambda: keras_fn(inputs, *args, **kwargs),
-                           lambda: keras_fn(one, *args, **kwargs)[:0])
+            # The empty branch keeps ``rows`` (0) rows, not a literal 0: its static batch size stays unknown,
+            # as the other branch's may be, and the gradient of the cond takes either shape.
+            return tf.cond(rows > 0, lambda: keras_fn(inputs, *args, **kwargs),
+                           lambda: keras_fn(one, *args, **kwargs)[:rows])
 
         convolve.__wrapped__ = keras_fn
         setattr(nn, name, convolve)
