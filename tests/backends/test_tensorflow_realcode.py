@@ -186,6 +186,35 @@ def test_adam_on_embedding_gradients():
     assert_exact(build, x, y)
 
 
+class TokenAndPosition(keras.layers.Layer):
+    """The Keras text-transformer example's embedding: token ids from the batch, positions from arange."""
+
+    def __init__(self):
+        super().__init__()
+        self.token_emb = keras.layers.Embedding(6, 3)
+        self.pos_emb = keras.layers.Embedding(4, 3)
+
+    def call(self, x):
+        return self.token_emb(x) + self.pos_emb(ops.arange(0, ops.shape(x)[-1], 1))
+
+
+def test_adam_on_a_position_embedding():
+    """A gather whose indices are no sample's (``arange(maxlen)``, the same on every replica) gives one
+    device one slice per position with the whole batch's sum: the replicas' values are summed under those
+    indices (concatenated, Adam would square each replica's part apart), the token ids' slices still
+    concatenated."""
+    def build():
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((4,), dtype="int32")
+        hidden = keras.layers.Flatten()(TokenAndPosition()(ids))
+        model = keras.Model(ids, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        return model
+
+    x = np.random.default_rng(2).integers(0, 6, size=(SAMPLES, 4)).astype("int32")
+    assert_exact(build, x, data()[1])
+
+
 # D. Losses written by hand in a custom step, a custom test_step ---------------------------------------
 
 class HandWritten(keras.Model):
