@@ -33,7 +33,17 @@ What the adapter changes so that every step is exactly the single-device step at
 - **Sparse gradients stay sparse.** An ``IndexedSlices`` gradient (Embedding, ``ops.take``) is weighed
   and all-reduced as slices, i.e. concatenated in replica order: one slice per lookup of the global batch,
   which is what Keras' TensorFlow optimizers see on one device (Adam squares each slice apart there, so
-  a dense sum, Horovod's ``sparse_as_dense``, would train something else).
+  a dense sum, Horovod's ``sparse_as_dense``, would train something else). A gather whose indices are
+  computed from no sample (a position embedding's ``arange(maxlen)``: the same indices on every replica)
+  has, on one device, one slice per index holding the whole batch's sum: its values are all-reduced under
+  those indices (:func:`tensorflow_steps.depends_on_batch` walks the traced step to tell them apart).
+- **A custom step's logs.** A custom ``train_step`` / ``test_step`` that returns ``m.result()`` of the
+  model's metrics returns the global results, and the other scalars it returns are weighed by batch
+  share, so History and ``evaluate()`` show one device's values (:func:`tensorflow_steps.one_device_step_logs`).
+  Metrics Keras builds after ``distribute()`` (a compiled metric first built by fit()) are mirrored too.
+- **Batches smaller than the replica count.** A replica a batch leaves without rows runs Keras'
+  convolutions and poolings on one row of zeros and keeps none of it: TensorFlow's oneDNN kernels
+  mishandle an empty batch (:func:`tensorflow_steps.convolve_empty_batches`).
 - **The optimizer sees the global gradient.** Keras 3 clips (``clipnorm``, ``global_clipnorm``,
   ``clipvalue``), accumulates and checks loss-scaled gradients for overflow in ``optimizer.apply``
   *before* its TensorFlow optimizer all-reduces them, i.e. on each replica's partial gradient. The

@@ -19,8 +19,21 @@ and logged value are one device's sum. The logged loss is one device's too: Kera
 custom step's ``Mean`` metrics keep sync-on-read totals and counts, which are summed over the replicas
 when read. Not exact: a sum written by hand with ops (weighed as if it were a mean), a ``Loss`` with
 ``reduction="mean_with_sample_weight"`` and uneven sample weights (weighed by row count, not by weight),
-and values a custom step returns itself, unweighted, when the batch splits unevenly (Keras averages the
-replicas' values).
+and a sum a custom step returns itself (weighed as if it were a mean).
+
+**A custom step's logs.** Keras averages the values a step returns over the replicas and, where their
+names are not exactly the model's metrics' (a custom step's own values), reports the last step's as the
+epoch's and ``evaluate()``'s. :func:`one_device_step_logs` makes every metric's ``result()`` read inside a
+custom step the result over all replicas (the variables all-reduced, read through Keras'
+``stateless_result``), and weighs every other scalar it returns by ``R * n_r / N``: Keras' average is then
+the global batch's value (a replica a short batch left empty counts for nothing).
+
+**Gathers.** :func:`depends_on_batch` tells the indices of a sparse gradient looked up per sample (token
+ids: the replicas' slices, concatenated, are one device's) from indices no sample gives (a position
+embedding's ``arange``: the same on every replica; one device has their values summed).
+
+**Empty replicas.** :func:`convolve_empty_batches`: TensorFlow's oneDNN convolution and pooling kernels
+mishandle a batch of no rows, which a replica gets when a batch is smaller than the replica count.
 
 **Random draws.** Keras' seed generators are mirrored variables, so every replica draws with the same
 seed. While a replica runs a step, :func:`draw_like_one_device` has Keras' TensorFlow random functions
