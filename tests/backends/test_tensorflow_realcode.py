@@ -1,8 +1,10 @@
 """TensorFlow: code as the Keras examples write it trains on N replicas what it trains on one device.
 
 Random layers (regularization and augmentation) and ``keras.random`` draws, a loss function returning a
-scalar, ``add_loss``, a ``reduction="sum"`` loss, sparse (gather) gradients under Adam, losses written by
-hand in a custom step with a custom ``test_step``, and the Keras guide's GAN with optimizers of its own:
+scalar, ``add_loss``, a ``reduction="sum"`` loss, sparse (gather) gradients under Adam (token ids and a
+position embedding's ``arange``), losses written by hand in a custom step with a custom ``test_step``, a
+custom step returning its metrics' results (the distillation example), a conv net whose batches are smaller
+than the replica count, and the Keras guide's GAN with optimizers of its own:
 at N=2 and N=3 the weights, every optimizer's variables, the History and ``evaluate()`` equal one
 device's at the same global batch. 50 samples at batch 12: the last batch of 2 leaves a replica empty on
 3 devices (the custom steps, whose own unweighted Mean trackers are exact only for even splits, use 48).
