@@ -150,10 +150,12 @@ def depends_on_batch(tf, tensor):
         if value.ref() in batch:
             return True
         op = value.op
-        if op.name in seen:
+        if (op.graph, op.name) in seen:
             continue
-        seen.add(op.name)
+        seen.add((op.graph, op.name))
         stack.extend(op.inputs)
+        if op.type == "Placeholder":  # a value a nested graph (a loop's, a cond's body) captured: its source
+            stack.extend(outer for outer, inner in getattr(op.graph, "captures", ()) if inner is value)
     return False
 
 
