@@ -1,8 +1,10 @@
 """TensorFlow: code as the Keras examples write it trains on N replicas what it trains on one device.
 
 Random layers (regularization and augmentation) and ``keras.random`` draws, a loss function returning a
-scalar, ``add_loss``, a ``reduction="sum"`` loss, sparse (gather) gradients under Adam, losses written by
-hand in a custom step with a custom ``test_step``, and the Keras guide's GAN with optimizers of its own:
+scalar, ``add_loss``, a ``reduction="sum"`` loss, sparse (gather) gradients under Adam (token ids and a
+position embedding's ``arange``), losses written by hand in a custom step with a custom ``test_step``, a
+custom step returning its metrics' results (the distillation example), a conv net whose batches are smaller
+than the replica count, and the Keras guide's GAN with optimizers of its own:
 at N=2 and N=3 the weights, every optimizer's variables, the History and ``evaluate()`` equal one
 device's at the same global batch. 50 samples at batch 12: the last batch of 2 leaves a replica empty on
 3 devices (the GAN's Mean trackers, updated with the step's scalar loss, are weighed by each replica's rows:
@@ -187,6 +189,35 @@ def test_adam_on_embedding_gradients():
     assert_exact(build, x, y)
 
 
+class TokenAndPosition(keras.layers.Layer):
+    """The Keras text-transformer example's embedding: token ids from the batch, positions from arange."""
+
+    def __init__(self):
+        super().__init__()
+        self.token_emb = keras.layers.Embedding(6, 3)
+        self.pos_emb = keras.layers.Embedding(4, 3)
+
+    def call(self, x):
+        return self.token_emb(x) + self.pos_emb(ops.arange(0, ops.shape(x)[-1], 1))
+
+
+def test_adam_on_a_position_embedding():
+    """A gather whose indices are no sample's (``arange(maxlen)``, the same on every replica) gives one
+    device one slice per position with the whole batch's sum: the replicas' values are summed under those
+    indices (concatenated, Adam would square each replica's part apart), the token ids' slices still
+    concatenated."""
+    def build():
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((4,), dtype="int32")
+        hidden = keras.layers.Flatten()(TokenAndPosition()(ids))
+        model = keras.Model(ids, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        return model
+
+    x = np.random.default_rng(2).integers(0, 6, size=(SAMPLES, 4)).astype("int32")
+    assert_exact(build, x, data()[1])
+
+
 # D. Losses written by hand in a custom step, a custom test_step ---------------------------------------
 
 class HandWritten(keras.Model):
@@ -240,6 +271,80 @@ def test_a_loss_written_by_hand_in_a_custom_step(by_ops):
     # The step's own unweighted per-batch values are averaged over replicas: exact where batches split evenly.
     x, y = data(samples=48)
     assert_exact(build, x, y)
+
+
+class Tracked(keras.Model):
+    """The Keras distillation example's steps: compiled metrics a custom step updates through
+    ``self.metrics`` and returns as ``{m.name: m.result()}``, with a per-batch loss of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+        self.loss_of = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def tracked(self, y, y_pred, loss):
+        for metric in self.metrics:
+            if metric.name != "loss":
+                metric.update_state(y, y_pred)
+        results = {m.name: m.result() for m in self.metrics if m.name != "loss"}
+        results["step_loss"] = loss
+        return results
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.loss_of(y, y_pred)
+        grads = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        return self.tracked(y, y_pred, loss)
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        return self.tracked(y, y_pred, self.loss_of(y, y_pred))
+
+
+def test_a_custom_step_returning_metric_results():
+    """Its returned metric results are the global results (Keras builds the compiled metrics after
+    distribute(), in a stateless scope: they must be mirrored too), its own per-batch loss the global
+    batch's: History and evaluate() are one device's, tails of 2 (1+1, 1+1+0) included."""
+    def build():
+        keras.utils.set_random_seed(0)
+        model = Tracked()
+        model(np.zeros((1, 5), "float32"))
+        model.compile(optimizer=keras.optimizers.Adam(0.05), metrics=[keras.metrics.SparseCategoricalAccuracy()])
+        return model
+
+    x, _ = data()
+    y = (np.arange(SAMPLES) % 3).astype("int32")
+    assert_exact(build, x, y, epochs=2)
+
+
+def test_a_conv_net_with_batches_smaller_than_the_replica_count():
+    """fit() and evaluate() with batches 5, 5, 1 (the last leaves a replica without rows) run an empty
+    replica's convolutions and poolings with the right output shapes (TensorFlow's oneDNN Conv2D returns an
+    empty input unchanged; its MaxPool gradient aborts on one) and train one device's numbers."""
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3, activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(4, 2, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(1),
+        ])
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+        return model
+
+    x = np.random.default_rng(2).normal(size=(11, 8, 8, 1)).astype("float32")
+    assert_exact(build, x, data(samples=11)[1], batch_size=5)
 
 
 # E. A GAN with optimizers of its own (the Keras guide's) ------------------------------------------------
@@ -359,3 +464,12 @@ def test_the_keras_privates_the_loss_and_random_rules_rely_on():
 
     assert "backend.random.dropout(" in inspect.getsource(dropout)
     assert "backend.random.normal(" in inspect.getsource(gaussian_noise)
+    # Convolutions of an empty replica: the TensorFlow backend's functions, called through ``backend.nn``.
+    from keras.src.backend.tensorflow import nn
+    from keras.src.ops import nn as ops_nn
+
+    for name in ("conv", "depthwise_conv", "separable_conv", "conv_transpose"):
+        assert callable(getattr(nn, name).__wrapped__), name
+        assert "backend.nn.{}(".format(name) in inspect.getsource(ops_nn), name
+    # A custom step's metric results: Keras' stateless_result reads the variables given.
+    assert list(inspect.signature(keras.metrics.Metric.stateless_result).parameters) == ["self", "metric_variables"]

@@ -33,7 +33,17 @@ What the adapter changes so that every step is exactly the single-device step at
 - **Sparse gradients stay sparse.** An ``IndexedSlices`` gradient (Embedding, ``ops.take``) is weighed
   and all-reduced as slices, i.e. concatenated in replica order: one slice per lookup of the global batch,
   which is what Keras' TensorFlow optimizers see on one device (Adam squares each slice apart there, so
-  a dense sum, Horovod's ``sparse_as_dense``, would train something else).
+  a dense sum, Horovod's ``sparse_as_dense``, would train something else). A gather whose indices are
+  computed from no sample (a position embedding's ``arange(maxlen)``: the same indices on every replica)
+  has, on one device, one slice per index holding the whole batch's sum: its values are all-reduced under
+  those indices (:func:`tensorflow_steps.depends_on_batch` walks the traced step to tell them apart).
+- **A custom step's logs.** A custom ``train_step`` / ``test_step`` that returns ``m.result()`` of the
+  model's metrics returns the global results, and the other scalars it returns are weighed by batch
+  share, so History and ``evaluate()`` show one device's values (:func:`tensorflow_steps.one_device_step_logs`).
+  Metrics Keras builds after ``distribute()`` (a compiled metric first built by fit()) are mirrored too.
+- **Batches smaller than the replica count.** A replica a batch leaves without rows runs Keras'
+  convolutions and poolings on one row of zeros and keeps none of it: TensorFlow's oneDNN kernels
+  mishandle an empty batch (:func:`tensorflow_steps.convolve_empty_batches`).
 - **The optimizer sees the global gradient.** Keras 3 clips (``clipnorm``, ``global_clipnorm``,
   ``clipvalue``), accumulates and checks loss-scaled gradients for overflow in ``optimizer.apply``
   *before* its TensorFlow optimizer all-reduces them, i.e. on each replica's partial gradient. The
@@ -153,6 +163,8 @@ class TensorFlowAdapter(Adapter):
             tensorflow_steps.gate_keras_loss_scaling()
             tensorflow_steps.draw_like_one_device(tf)
             keras3.weigh_scalar_means(model, tensorflow_steps.scalar_share(tf, strategy.num_replicas_in_sync))
+            tensorflow_steps.convolve_empty_batches(tf)
+            tensorflow_steps.one_device_step_logs(tf, model, keras3.keras_module(model).Model)
         _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(model, tf)
@@ -379,8 +391,16 @@ def _apply_global(optimizer, tf, compression):
                     sent = [_scaled(tf, g, share) for g in sent]
                 if compression is not None:
                     sent = [tf.cast(g, _WIRE[compression]) for g in sent]
+                # A lookup that is no sample's (a position embedding's arange(maxlen)): the same indices on
+                # every replica, and one device has one slice per index with the whole batch's sum, not the
+                # replicas' slices side by side. Its values are summed as a dense tensor.
+                common = [isinstance(g, tf.IndexedSlices) and not tensorflow_steps.depends_on_batch(tf, g.indices)
+                          for g in sent]
+                sent = [g.values if shared else g for g, shared in zip(sent, common)]
                 summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
-                for i, g in zip(present, summed):
+                for i, g, shared in zip(present, summed, common):
+                    if shared:
+                        g = tf.IndexedSlices(g, grads[i].indices, grads[i].dense_shape)
                     grads[i] = tf.cast(g, grads[i].dtype) if compression is not None else g
         return apply(grads, trainable_variables)
 
@@ -534,6 +554,10 @@ def _build_from_one_replica(model, tf, strategy):
                 break
         with strategy.scope():
             model._symbolic_build(data_batch=data_batch)
+        # Keras builds metrics in a stateless scope and creates their variables only when it exits, under
+        # tf.init_scope(), which leaves the strategy scope behind: plain variables every replica would
+        # update (a compiled metric a custom step updates read half the rows). Mirrored like the rest.
+        _mirror_variables(tf, strategy, _state_variables(model))
 
     keras3.hook(model, "_maybe_symbolic_build", maybe_symbolic_build)
 

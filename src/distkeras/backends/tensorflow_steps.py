@@ -19,8 +19,21 @@ and logged value are one device's sum. The logged loss is one device's too: Kera
 custom step's ``Mean`` metrics keep sync-on-read totals and counts, which are summed over the replicas
 when read. Not exact: a sum written by hand with ops (weighed as if it were a mean), a ``Loss`` with
 ``reduction="mean_with_sample_weight"`` and uneven sample weights (weighed by row count, not by weight),
-and values a custom step returns itself, unweighted, when the batch splits unevenly (Keras averages the
-replicas' values).
+and a sum a custom step returns itself (weighed as if it were a mean).
+
+**A custom step's logs.** Keras averages the values a step returns over the replicas and, where their
+names are not exactly the model's metrics' (a custom step's own values), reports the last step's as the
+epoch's and ``evaluate()``'s. :func:`one_device_step_logs` makes every metric's ``result()`` read inside a
+custom step the result over all replicas (the variables all-reduced, read through Keras'
+``stateless_result``), and weighs every other scalar it returns by ``R * n_r / N``: Keras' average is then
+the global batch's value (a replica a short batch left empty counts for nothing).
+
+**Gathers.** :func:`depends_on_batch` tells the indices of a sparse gradient looked up per sample (token
+ids: the replicas' slices, concatenated, are one device's) from indices no sample gives (a position
+embedding's ``arange``: the same on every replica; one device has their values summed).
+
+**Empty replicas.** :func:`convolve_empty_batches`: TensorFlow's oneDNN convolution and pooling kernels
+mishandle a batch of no rows, which a replica gets when a batch is smaller than the replica count.
 
 **Random draws.** Keras' seed generators are mirrored variables, so every replica draws with the same
 seed. While a replica runs a step, :func:`draw_like_one_device` has Keras' TensorFlow random functions
@@ -48,12 +61,14 @@ _held = threading.local()
 
 
 class Rows(NamedTuple):
-    """A replica's rows of the global batch (scalar int32 tensors); ``exact_losses``: the loss rule is on."""
+    """A replica's rows of the global batch (scalar int32 tensors); ``exact_losses``: the loss rule is on;
+    ``batch``: the replica's batch tensors (what :func:`depends_on_batch` looks for)."""
 
     local: object
     offset: object
     total: object
     exact_losses: bool
+    batch: tuple = ()
 
 
 def current():
@@ -102,7 +117,9 @@ def tell_replicas_their_rows(tf, strategy, exact_losses):
             index = context.replica_id_in_sync_group
             offset = tf.reduce_sum(every[:index])
             outer = current()
-            _held.rows = Rows(local, tf.cast(offset, tf.int32), tf.cast(tf.reduce_sum(every), tf.int32), exact_losses)
+            batch = tuple(t for t in tf.nest.flatten((replica_args, replica_kwargs)) if isinstance(t, tf.Tensor))
+            _held.rows = Rows(local, tf.cast(offset, tf.int32), tf.cast(tf.reduce_sum(every), tf.int32), exact_losses,
+                              batch)
             try:
                 return fn(*replica_args, **replica_kwargs)
             finally:
@@ -125,6 +142,35 @@ def scalar_share(tf, replicas):
         return tf.math.divide_no_nan(tf.cast(rows.local * replicas, tf.float32), tf.cast(rows.total, tf.float32))
 
     return share
+
+
+def depends_on_batch(tf, tensor):
+    """Whether ``tensor``, in the replica step running in this thread, is computed from the replica's batch
+    (a walk up the step's graph, when it is traced). True where that can't be told (eagerly, outside a
+    replica step): the caller's rule for batch-derived values is the one that held before.
+
+    What it tells apart: the indices of a gather's gradient (``IndexedSlices``). One device's slices are
+    one per lookup; for a lookup per sample (token ids, from the batch) they are the replicas' slices
+    concatenated, for a lookup that is no sample's (a position embedding's ``arange(maxlen)``, the same on
+    every replica) they are the replicas' values summed under their common indices.
+    """
+    rows = current()
+    if rows is None or not rows.batch or tf.executing_eagerly() or not hasattr(tensor, "op"):
+        return True
+    batch = {t.ref() for t in rows.batch}
+    seen, stack = set(), [tensor]
+    while stack:
+        value = stack.pop()
+        if value.ref() in batch:
+            return True
+        op = value.op
+        if (op.graph, op.name) in seen:
+            continue
+        seen.add((op.graph, op.name))
+        stack.extend(op.inputs)
+        if op.type == "Placeholder":  # a value a nested graph (a loop's, a cond's body) captured: its source
+            stack.extend(outer for outer, inner in getattr(op.graph, "captures", ()) if inner is value)
+    return False
 
 
 def batch_share(tf, dtype):
@@ -317,3 +363,130 @@ def draw_like_one_device(tf):
 
     shuffle.__wrapped__ = keras_shuffle
     module.shuffle = shuffle
+
+
+def _every_metric(model):
+    """The model's metrics and the metrics inside them (a ``CompileMetrics``' own), each once."""
+    found, stack = [], list(model.metrics)
+    while stack:
+        metric = stack.pop(0)
+        if any(metric is seen for seen in found):
+            continue
+        found.append(metric)
+        inner = getattr(metric, "metrics", None)
+        stack.extend(list(inner) if isinstance(inner, (list, tuple)) else [])
+        stack.extend(getattr(metric, "_metrics", None) or [])
+    return found
+
+
+def _global_result(tf, metric):
+    """Hook ``metric.result`` so that, read inside a replica step, it is the result over every replica's
+    rows (its sync-on-read variables all-reduced as the strategy reduces them when read outside a step),
+    the same on every replica: what one device's ``result()`` is at that point. Idempotent."""
+    keras_result = metric.result
+    if getattr(keras_result, "_distkeras_global", False):
+        return
+    reduce_ops = {"sum": tf.distribute.ReduceOp.SUM, "mean": tf.distribute.ReduceOp.MEAN}
+
+    def result():
+        context = tf.distribute.get_replica_context()
+        if (current() is None or getattr(_held, "in_global_result", False) or context is None
+                or context.num_replicas_in_sync == 1):
+            return keras_result()
+        # Keras' stateless_result reads the metric's variables (its inner metrics' too) as the values given:
+        # the replicas' totals all-reduced as the strategy reduces them when read, nothing assigned.
+        values = []
+        for variable in metric.variables:
+            aggregation = getattr(variable, "aggregation", None)
+            value = tf.convert_to_tensor(variable.value)
+            values.append(context.all_reduce(reduce_ops[aggregation], value) if aggregation in reduce_ops else value)
+        _held.in_global_result = True
+        try:
+            return metric.stateless_result(values)
+        finally:
+            _held.in_global_result = False
+
+    result._distkeras_global = True
+    metric.__dict__["result"] = result
+
+
+def one_device_step_logs(tf, model, keras_model_class):
+    """For a custom ``train_step`` / ``test_step`` (Keras' own read their logs from the metric variables):
+    make what it returns one device's.
+
+    Keras averages a step's returned values over the replicas, and reads a custom step's epoch and
+    ``evaluate()`` logs from the last step's values when their names aren't exactly the model's metrics
+    (``_get_metrics_result_or_logs``). So (1) every metric's ``result()`` read inside the step is the global
+    result (:func:`_global_result`), the same on every replica; (2) each float scalar the step returns is
+    weighed by ``R * n_r / N`` (``R`` replicas, ``n_r`` of the ``N`` rows), so Keras' average is the
+    batch-share-weighted sum: a metric result stays itself, a replica's mean over its rows becomes the mean
+    over the global batch, and a replica a short batch left without rows (whose mean over no rows is NaN
+    or 0) counts for nothing.
+    """
+    from distkeras.backends import keras3
+
+    for name in ("train_step", "test_step"):
+        if getattr(type(model), name, None) is getattr(keras_model_class, name, None):
+            continue
+        step = getattr(model, name)
+
+        def one_device_step(data, _step=step):
+            for metric in _every_metric(model):
+                _global_result(tf, metric)
+            logs = _step(data)
+            rows = current()
+            context = tf.distribute.get_replica_context()
+            if rows is None or context is None or context.num_replicas_in_sync == 1:
+                return logs
+
+            def weighed(value):
+                if not isinstance(value, tf.Tensor) or value.shape.rank != 0 or not value.dtype.is_floating:
+                    return value
+                share = tf.math.divide_no_nan(tf.cast(rows.local * context.num_replicas_in_sync, value.dtype),
+                                              tf.cast(rows.total, value.dtype))
+                return tf.where(rows.local > 0, value * share, tf.zeros_like(value))
+
+            return tf.nest.map_structure(weighed, logs)
+
+        keras3.hook(model, name, one_device_step)
+
+
+def convolve_empty_batches(tf):
+    """Patch Keras' TensorFlow convolutions and poolings (``conv``, ``depthwise_conv``, ``separable_conv``,
+    ``conv_transpose``, ``max_pool``, ``average_pool`` of ``keras.src.backend.tensorflow.nn``, which
+    ``keras.ops`` and the layers call through it) so that, while a replica step runs, a batch of no rows
+    gives the output shape it should and a gradient.
+
+    TensorFlow's oneDNN kernels mishandle an empty batch: Conv2D returns the input unchanged (shape and
+    all: a 3x3 VALID conv of ``(0, 8, 8, 1)`` is ``(0, 8, 8, 1)``, and the next layer fails with "input
+    depth must be evenly divisible by filter depth"), MaxPool's gradient aborts the process. A replica
+    gets no rows when a batch is smaller than the replica count (an evaluate() or fit() tail). Such a
+    replica runs the op on one row of zeros and keeps none of it (a ``tf.cond``: a replica with rows
+    runs Keras' op, and its gradient, alone).
+    Idempotent. Private Keras API (its names are pinned by a test).
+    """
+    from keras.src.backend.tensorflow import nn
+
+    if getattr(nn, "_distkeras_empty_batches", False):
+        return
+    nn._distkeras_empty_batches = True
+
+    def guarded(name):
+        keras_fn = getattr(nn, name)
+
+        def convolve(inputs, *args, **kwargs):
+            inputs = tf.convert_to_tensor(inputs)
+            if current() is None or inputs.shape.rank is None or inputs.shape[0]:  # no replica step, or rows
+                return keras_fn(inputs, *args, **kwargs)
+            rows = tf.shape(inputs)[0]
+            one = tf.zeros(tf.concat([[1], tf.shape(inputs)[1:]], 0), inputs.dtype)
+            # The empty branch keeps ``rows`` (0) rows, not a literal 0: its static batch size stays unknown,
+            # as the other branch's may be, and the gradient of the cond takes either shape.
+            return tf.cond(rows > 0, lambda: keras_fn(inputs, *args, **kwargs),
+                           lambda: keras_fn(one, *args, **kwargs)[:rows])
+
+        convolve.__wrapped__ = keras_fn
+        setattr(nn, name, convolve)
+
+    for name in ("conv", "depthwise_conv", "separable_conv", "conv_transpose", "max_pool", "average_pool"):
+        guarded(name)
