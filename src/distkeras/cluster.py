@@ -31,6 +31,8 @@ class Cluster(
             ("local_world_size", int),
             ("coordinator", Optional[str]),
             ("source", str),
+            ("workers", Optional[Tuple[str, ...]]),
+            ("variables", Optional[Dict[str, str]]),
         ],
     )
 ):
@@ -44,6 +46,11 @@ class Cluster(
         coordinator: ``host:port`` of rank 0's rendezvous service, or None for one process.
         source: which environment it was read from (``"single"``, ``"TF_CONFIG"``, ``"torchrun"``,
             ``"jax"``, ``"keras"``, ``"mpi"``).
+        workers: every rank's ``host:port``, in rank order, where the environment tells it (TensorFlow's
+            TF_CONFIG needs one address per worker); None where it doesn't (the adapter then exchanges
+            addresses through the rendezvous the launcher made).
+        variables: the environment variables this was read from, ``{name: value}`` (for ``distkeras info``
+            and error messages); None for :data:`SINGLE`.
     """
 
     __slots__ = ()
@@ -56,6 +63,8 @@ class Cluster(
     def is_chief(self):
         return self.rank == 0
 
+
+Cluster.__new__.__defaults__ = (None, None)  # workers, variables: Python 3.6's NamedTuple has no defaults
 
 SINGLE = Cluster(rank=0, world_size=1, local_rank=0, local_world_size=1, coordinator=None, source="single")
 
