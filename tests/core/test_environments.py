@@ -417,3 +417,24 @@ def test_kubernetes_under_a_launcher_is_context():
     # ... also when the pod spec gives no world size: context, not an error.
     del env["DISTKERAS_WORLD_SIZE"]
     assert "doesn't tell its pods how many" in environments.find(env).context[0][2]
+
+
+# --- distkeras info ---------------------------------------------------------------------------------------
+
+def test_info_names_the_environment_and_its_variables():
+    from distkeras.cli import environment_report
+    env = dict(INDEXED, DISTKERAS_LAUNCHER_PID="9", RANK="5", WORLD_SIZE="6", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="train-0.workers", MASTER_PORT="29500", JAX_NUM_PROCESSES="6", JAX_PROCESS_ID="5",
+               JAX_COORDINATOR_ADDRESS="train-0.workers:29500")
+    report = environment_report(env)
+    assert report["environment"] == "distkeras" and (report["rank"], report["workers"]) == (5, 6)
+    assert report["variables"]["DISTKERAS_LAUNCHER_PID"] == "9" and report["coordinator"] == "train-0.workers:29500"
+    assert report["worker_addresses"] is None
+    assert sorted(report["also_read"]) == ["jax", "torchrun"]
+    [ignored] = report["ignored"]
+    assert ignored["environment"] == "kubernetes" and ignored["variables"]["JOB_COMPLETION_INDEX"] == "2"
+    assert ignored["why"].startswith("context under distkeras")
+    json.dumps(report)  # printable as JSON
+    assert environment_report({})["environment"] == "single"
+    assert environment_report({"RANK": "3", "WORLD_SIZE": "2"})["error"].startswith("ClusterError: Rank 3 from torchrun")
+    assert environment_report(INDEXED)["worker_addresses"][0] == "train-0.workers:29501"

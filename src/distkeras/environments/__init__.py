@@ -119,7 +119,8 @@ def check(cluster):
     # type: (Cluster) -> Cluster
     """``cluster``, or a ClusterError when its ranks are impossible."""
     if cluster.world_size < 1:
-        raise ClusterError("Expected a world size >= 1 from {}. Received: {}".format(cluster.source, cluster.world_size))
+        raise ClusterError(
+            "Expected a world size >= 1 from {}. Received: {}".format(cluster.source, cluster.world_size))
     if not 0 <= cluster.rank < cluster.world_size:
         raise ClusterError(
             "Rank {} from {} is outside 0..{} (world size {}).".format(
@@ -128,7 +129,8 @@ def check(cluster):
         )
     if not 0 <= cluster.local_rank < max(cluster.local_world_size, 1):
         raise ClusterError(
-            "Local rank {} from {} is outside 0..{}.".format(cluster.local_rank, cluster.source, cluster.local_world_size - 1)
+            "Local rank {} from {} is outside 0..{}.".format(
+                cluster.local_rank, cluster.source, cluster.local_world_size - 1)
         )
     if cluster.workers is not None and len(cluster.workers) != cluster.world_size:
         raise ClusterError("{} names {} worker addresses for a world size of {}. Received: {}".format(
