@@ -438,3 +438,43 @@ def test_info_names_the_environment_and_its_variables():
     assert environment_report({})["environment"] == "single"
     assert environment_report({"RANK": "3", "WORLD_SIZE": "2"})["error"].startswith("ClusterError: Rank 3 from torchrun")
     assert environment_report(INDEXED)["worker_addresses"][0] == "train-0.workers:29501"
+
+
+# --- MXNet and CNTK under environments they can't join -------------------------------------------------------
+
+def _cluster(source, **variables):
+    return Cluster(1, 2, 1, 2, None, source, variables=variables or {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+
+
+@pytest.mark.parametrize("source,instead", [
+    ("slurm", "srun --ntasks-per-node=1 distkeras launch --backend mxnet --nproc-per-node N script.py"),
+    ("torchrun", "start the job with `distkeras launch --backend mxnet --nproc-per-node N script.py`"),
+    ("ray", "start the job with `distkeras launch --backend mxnet"),
+    ("kubernetes", "--node-rank $JOB_COMPLETION_INDEX"),
+    ("kubeflow", "--node-rank $RANK --coordinator $MASTER_ADDR:PORT"),
+])
+def test_mxnet_refuses_an_environment_it_cant_join(source, instead):
+    from distkeras.backends import mxnet  # the adapter module imports no MXNet
+    with pytest.raises(ClusterError) as info:
+        mxnet.check_joinable(_cluster(source), {})
+    message = str(info.value)
+    assert message.startswith("This process is rank 1 of 2 ({}: SLURM_NTASKS=2, SLURM_PROCID=1), but not a worker of "
+                              "an MXNet parameter-server job: DMLC_ROLE=None.".format(source))
+    assert instead in message
+    mxnet.check_joinable(_cluster(source), {"DMLC_ROLE": "worker"})  # distkeras launch --backend mxnet's worker
+    mxnet.check_joinable(SINGLE, {})
+
+
+@pytest.mark.parametrize("source", ["slurm", "torchrun", "ray", "kubernetes", "kubeflow", "TF_CONFIG", "jax"])
+def test_cntk_refuses_an_environment_mpi_doesnt_know(source):
+    from distkeras.backends import cntk  # the adapter module imports no CNTK
+    with pytest.raises(ClusterError, match=r"rank 1 of 2 \({}: .*\), but CNTK's workers must be MPI ranks.*"
+                                           r"Instead .*mpiexec".format(source)) as info:
+        cntk.check_joinable(_cluster(source), {})
+    if source == "slurm":
+        assert "inside the allocation, run `mpiexec -n N python script.py`" in str(info.value)
+    else:
+        assert "distkeras launch --backend cntk --nproc-per-node N script.py" in str(info.value)
+    cntk.check_joinable(_cluster("mpi"), {})  # mpiexec's ranks: CNTK's MPI compares them itself
+    cntk.check_joinable(_cluster("slurm"), {"PMI_RANK": "1"})  # srun --mpi=pmi2: MPI may know Slurm's tasks
+    cntk.check_joinable(SINGLE, {})
