@@ -436,7 +436,8 @@ def test_info_names_the_environment_and_its_variables():
     assert ignored["why"].startswith("context under distkeras")
     json.dumps(report)  # printable as JSON
     assert environment_report({})["environment"] == "single"
-    assert environment_report({"RANK": "3", "WORLD_SIZE": "2"})["error"].startswith("ClusterError: Rank 3 from torchrun")
+    error = environment_report({"RANK": "3", "WORLD_SIZE": "2"})["error"]
+    assert error.startswith("ClusterError: Rank 3 from torchrun")
     assert environment_report(INDEXED)["worker_addresses"][0] == "train-0.workers:29501"
 
 
@@ -478,3 +479,42 @@ def test_cntk_refuses_an_environment_mpi_doesnt_know(source):
     cntk.check_joinable(_cluster("mpi"), {})  # mpiexec's ranks: CNTK's MPI compares them itself
     cntk.check_joinable(_cluster("slurm"), {"PMI_RANK": "1"})  # srun --mpi=pmi2: MPI may know Slurm's tasks
     cntk.check_joinable(SINGLE, {})
+
+
+# --- the GPUs of a task -----------------------------------------------------------------------------------
+
+def _task(local_rank, local_tasks):
+    return Cluster(local_rank, local_tasks, local_rank, local_tasks, "node0:29500", "slurm")
+
+
+@pytest.mark.parametrize("env,task,count,expected", [
+    # srun --ntasks-per-node=4 --gres=gpu:4: every task sees the node's 4 GPUs; each takes its own.
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, (2, 4), None, "2"),
+    # ... in the order listed, UUIDs too (a MIG or a shared node's allocation).
+    ({"CUDA_VISIBLE_DEVICES": "4,6"}, (1, 2), None, "6"),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-aa, GPU-bb"}, (0, 2), None, "GPU-aa"),
+    # 8 GPUs, 2 tasks: 4 consecutive GPUs each.
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, (1, 2), None, "4,5,6,7"),
+    # 5 GPUs, 2 tasks: 2 each, the fifth unused.
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4"}, (1, 2), None, "2,3"),
+    # srun --gpus-per-task=1 (or --gpu-bind): each task already sees its own GPU: unchanged.
+    ({"CUDA_VISIBLE_DEVICES": "3"}, (3, 4), None, "3"),
+    ({"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_GPUS_PER_TASK": "2"}, (1, 2), None, "2,3"),
+    # Alone on the node: unchanged, whatever it sees.
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, (0, 1), None, "0,1"),
+    ({}, (0, 1), 8, None),
+    # No GPUs.
+    ({"CUDA_VISIBLE_DEVICES": ""}, (1, 2), None, ""),
+    ({}, (1, 2), 0, None),
+    ({}, (1, 2), None, None),
+    # Unset, and the node has 4 GPUs: every task would see all 4.
+    ({}, (3, 4), 4, "3"),
+])
+def test_local_gpus(env, task, count, expected):
+    assert environments.local_gpus(env, _task(*task), count) == expected
+
+
+def test_local_gpus_of_every_task_on_a_node_are_disjoint():
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"}
+    picked = [environments.local_gpus(env, _task(r, 3)).split(",") for r in range(3)]
+    assert picked == [["0", "1"], ["2", "3"], ["4", "5"]]
