@@ -12,7 +12,7 @@ say:
 - **TensorFlow**: TF_CONFIG names every worker's ``host:port``. Every rank publishes a free port on its own
   routed address, and all read all, in rank order (:func:`tf_workers`).
 
-Keys live under ``distkeras/exchange/<TORCHELASTIC_RUN_ID>/<TORCHELASTIC_RESTART_COUNT>/``: the agent keeps
+Keys live under ``distkeras/<TORCHELASTIC_RUN_ID>/<TORCHELASTIC_RESTART_COUNT>/exchange/``: the agent keeps
 its store across the restarts ``--max-restarts`` makes, and a restarted job must never read the previous
 attempt's addresses. Where torchrun doesn't share its store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
 ``TORCHELASTIC_USE_AGENT_STORE=False``) MASTER_PORT is a free port meant for rank 0: JAX's coordinator takes it
@@ -53,11 +53,21 @@ def applies(cluster, environ=None):
     return cluster.coordinator == "{}:{}".format(env["MASTER_ADDR"], env["MASTER_PORT"])
 
 
+def attempt(environ=None):
+    # type: (Optional[Mapping[str, str]]) -> str
+    """The key prefix of this attempt of this torchrun job in its agent's store: ``distkeras/<run id>/<restart count>/``.
+
+    The agent keeps one store for all the attempts ``--max-restarts`` makes, so every key a worker writes there
+    (PyTorch's process group's too: Gloo's addresses) must be this attempt's, or a restarted job reads the dead
+    one's."""
+    env = os.environ if environ is None else environ
+    return "distkeras/{}/{}/".format(env.get(RUN_ID, "none"), env.get(RESTART_COUNT, "0") or "0")
+
+
 def namespace(environ=None):
     # type: (Optional[Mapping[str, str]]) -> str
-    """The key prefix of this attempt of this torchrun job: ``distkeras/exchange/<run id>/<restart count>/``."""
-    env = os.environ if environ is None else environ
-    return "distkeras/exchange/{}/{}/".format(env.get(RUN_ID, "none"), env.get(RESTART_COUNT, "0") or "0")
+    """The key prefix of the exchange: ``distkeras/<run id>/<restart count>/exchange/``."""
+    return attempt(environ) + "exchange/"
 
 
 def timeout(environ=None):

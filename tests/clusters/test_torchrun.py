@@ -1,0 +1,181 @@
+"""Real torchrun on every Keras 3 backend: two workers train what one process trains, and a SIGKILLed worker
+under ``--max-restarts 1`` is restarted by torchrun and the job resumes to the weights of an uninterrupted run.
+
+TensorFlow and JAX have no rendezvous of their own under torchrun: they exchange TF_CONFIG's worker addresses
+and jax.distributed's coordinator through the store torchrun's agent serves (distkeras.exchange); PyTorch
+joins that store directly. Every job runs ``python -m torch.distributed.run --standalone --nproc-per-node 2``
+with this interpreter, and each test's processes are stopped by PID when it ends, also on failure. This
+process imports no framework: the jobs and the one-process references set KERAS_BACKEND themselves.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOB = os.path.join(ROOT, "tests", "clusters", "torchrun_job.py")
+JOB_TIMEOUT = 300
+BACKENDS = ["tensorflow", "jax", "torch"]
+#: The framework each backend needs besides torch (torchrun itself).
+FRAMEWORK = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
+#: Variables of an enclosing launcher or of this test process that must not reach the jobs.
+_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+         "TF_CONFIG", "XLA_FLAGS")
+
+
+def needs(backend):
+    missing = [m for m in {"torch", FRAMEWORK[backend]} if importlib.util.find_spec(m) is None]
+    if missing or importlib.util.find_spec("torch.distributed.run") is None:
+        pytest.skip("torchrun on {} needs {} installed".format(backend, " and ".join(sorted(missing)) or "torch"))
+
+
+def job_env(backend):
+    env = {k: v for k, v in os.environ.items()
+           if k not in _DROP and not k.startswith(("DISTKERAS_", "TORCHELASTIC_", "JAX_", "KERAS_DISTRIBUTION_",
+                                                    "SLURM_", "OMPI_", "PMI_"))}
+    env.update(KERAS_BACKEND=backend, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]),
+               TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _descendants(pid):
+    """Every living process below ``pid`` (torchrun starts each worker in a session of its own)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/{}/stat".format(entry)) as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class Run(object):
+    """One process tree (torchrun and its workers, or a one-process reference), output in a file, stopped by PID."""
+
+    def __init__(self, command, backend, out_dir, name):
+        self.log_path = os.path.join(str(out_dir), name + ".log")
+        self.log = open(self.log_path, "w")
+        self.started = time.time()
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=job_env(backend), stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.seen = set()
+        self._watch = threading.Thread(target=self._remember_workers, daemon=True)
+        self._watch.start()
+
+    def _remember_workers(self):
+        # Workers live in sessions of their own: note their PIDs while the job runs, to stop them if it hangs.
+        while self.proc.poll() is None:
+            self.seen.update(_descendants(self.proc.pid))
+            time.sleep(0.5)
+
+    def wait(self, timeout=JOB_TIMEOUT):
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+        self.elapsed = time.time() - self.started
+        with open(self.log_path) as f:
+            self.output = f.read()
+        return self.proc.returncode
+
+    def stop(self):
+        for pid in [self.proc.pid] + _descendants(self.proc.pid) + sorted(self.seen):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.wait()
+        self.log.close()
+
+
+def torchrun(backend, out_dir, mode, *flags):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += list(flags) + [JOB, str(out_dir), mode]
+    return Run(command, backend, out_dir, "torchrun-" + mode)
+
+
+def weights(path):
+    saved = np.load(path)
+    return [saved["arr_{}".format(i)] for i in range(len(saved.files))]
+
+
+_references = {}
+
+
+def reference(backend, tmp_path_factory):
+    """The weights one plain process trains (same seed, data, global batch), once per backend (the tests
+    start their job first, so the two run side by side)."""
+    if backend not in _references:
+        out_dir = tmp_path_factory.mktemp("single-" + backend)
+        single = Run([sys.executable, JOB, str(out_dir), "single"], backend, out_dir, "single")
+        code = single.wait()
+        assert code == 0, single.output[-3000:]
+        _references[backend] = weights(os.path.join(str(out_dir), "single.npz"))
+    return _references[backend]
+
+
+def check_job(backend, out_dir, expected):
+    r0 = weights(os.path.join(str(out_dir), "rank0.npz"))
+    r1 = weights(os.path.join(str(out_dir), "rank1.npz"))
+    for a, b in zip(r0, r1):
+        np.testing.assert_array_equal(a, b)  # every rank holds the same weights, not just close ones
+    for e, a in zip(expected, r0):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+    with open(os.path.join(str(out_dir), "result.json")) as f:
+        result = json.load(f)
+    assert result["backend"] == backend
+    # The job's size as the framework counts it: two processes, one CPU device each.
+    expected_replicas = {
+        "tensorflow": {"num_replicas_in_sync": 2},
+        "jax": {"process_count": 2, "device_count": 2},
+        "torch": {"world_size": 2},
+    }[backend]
+    assert result["replicas"] == expected_replicas
+    return result
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_torchrun_workers_train_as_one_process(backend, tmp_path, tmp_path_factory):
+    needs(backend)
+    job = torchrun(backend, tmp_path, "train")
+    expected = reference(backend, tmp_path_factory)
+    code = job.wait()
+    assert code == 0, job.output[-4000:]
+    result = check_job(backend, tmp_path, expected)
+    assert result["restart_count"] == 0
+    print("torchrun {}: {:.1f} s".format(backend, job.elapsed))
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_a_sigkilled_worker_is_restarted_by_torchrun_and_the_job_resumes(backend, tmp_path, tmp_path_factory):
+    """Rank 1 SIGKILLs itself mid-epoch 3 of torchrun's first attempt; torchrun stops rank 0 and starts both
+    again (TORCHELASTIC_RESTART_COUNT=1), and BackupAndRestore resumes from the end of epoch 2. The restarted
+    job exchanges fresh addresses (the agent's store still holds the dead attempt's) and ends on the weights
+    of an uninterrupted run."""
+    needs(backend)
+    job = torchrun(backend, tmp_path, "kill", "--max-restarts", "1")
+    expected = reference(backend, tmp_path_factory)
+    code = job.wait()
+    assert code == 0, job.output[-4000:]
+    assert "exitcode: -9" in job.output, job.output[-4000:]  # torchrun saw the SIGKILL and restarted the job
+    result = check_job(backend, tmp_path, expected)
+    assert result["restart_count"] == 1
+    assert result["initial_epoch"] == 2  # resumed from the checkpoint of epoch 2, not from the start
+    print("torchrun --max-restarts 1 {}: {:.1f} s".format(backend, job.elapsed))
