@@ -55,19 +55,20 @@ def applies(cluster, environ=None):
 
 def attempt(environ=None):
     # type: (Optional[Mapping[str, str]]) -> str
-    """The key prefix of this attempt of this torchrun job in its agent's store: ``distkeras/<run id>/<restart count>/``.
+    """The key prefix of this attempt of this torchrun job in its agent's store: ``distkeras/<run id>/<restart count>``
+    (a ``torch.distributed.PrefixStore`` adds the ``/``).
 
     The agent keeps one store for all the attempts ``--max-restarts`` makes, so every key a worker writes there
     (PyTorch's process group's too: Gloo's addresses) must be this attempt's, or a restarted job reads the dead
     one's."""
     env = os.environ if environ is None else environ
-    return "distkeras/{}/{}/".format(env.get(RUN_ID, "none"), env.get(RESTART_COUNT, "0") or "0")
+    return "distkeras/{}/{}".format(env.get(RUN_ID, "none"), env.get(RESTART_COUNT, "0") or "0")
 
 
 def namespace(environ=None):
     # type: (Optional[Mapping[str, str]]) -> str
-    """The key prefix of the exchange: ``distkeras/<run id>/<restart count>/exchange/``."""
-    return attempt(environ) + "exchange/"
+    """The key prefix of the exchange: ``distkeras/<run id>/<restart count>/exchange``."""
+    return attempt(environ) + "/exchange"
 
 
 def timeout(environ=None):
@@ -82,7 +83,9 @@ def timeout(environ=None):
     except ValueError:
         seconds = 0.0
     if seconds <= 0:
-        raise ClusterError("Expected a number of seconds > 0 in {}. Received: {}={!r}".format(TIMEOUT_ENV, TIMEOUT_ENV, value))
+        raise ClusterError(
+            "Expected a number of seconds > 0 in {}. Received: {}={!r}".format(TIMEOUT_ENV, TIMEOUT_ENV, value)
+        )
     return seconds
 
 
@@ -171,7 +174,7 @@ class _Store(object):
                 "addresses TensorFlow and JAX need. Received: {}: {}. Start the job with torchrun (PyTorch >= 2.4 "
                 "shares its store with the workers), or set {} longer.".format(
                     self.where, self.cluster.rank, self.cluster.world_size, USE_AGENT_STORE,
-                    self.env.get(USE_AGENT_STORE), type(exc).__name__, exc, TIMEOUT_ENV,
+                    self.env.get(USE_AGENT_STORE), type(exc).__name__, str(exc).rstrip("."), TIMEOUT_ENV,
                 )
             )
         self.store = dist.PrefixStore(self.prefix, store)

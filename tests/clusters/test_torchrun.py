@@ -179,3 +179,29 @@ def test_a_sigkilled_worker_is_restarted_by_torchrun_and_the_job_resumes(backend
     assert result["restart_count"] == 1
     assert result["initial_epoch"] == 2  # resumed from the checkpoint of epoch 2, not from the start
     print("torchrun --max-restarts 1 {}: {:.1f} s".format(backend, job.elapsed))
+
+
+def test_the_exchange_through_a_real_store_is_per_attempt_and_bounded(tmp_path):
+    """distkeras.exchange on a real TCPStore served as torchrun's agent serves it (ranks as threads)."""
+    needs("torch")
+    run = Run([sys.executable, os.path.join(ROOT, "tests", "clusters", "torchrun_exchange.py")], "torch", tmp_path,
+              "exchange")
+    assert run.wait(timeout=120) == 0, run.output[-3000:]
+    out = json.loads(run.output.split("RESULT ", 1)[1].splitlines()[0])
+    assert out["applies"] is True
+    workers = out["tf"]["0"]
+    assert out["tf"]["1"] == workers and len(workers) == 2 and len(set(workers)) == 2
+    assert all(w.startswith("127.0.0.1:") for w in workers)  # the address that reaches MASTER_ADDR
+    assert out["jax"]["0"] == out["jax"]["1"] and out["jax"]["0"].startswith("127.0.0.1:")
+    assert out["jax"]["0"] != "127.0.0.1:{}".format(out["port"])  # not MASTER_PORT: the agent's store is there
+    # The restarted attempt exchanges afresh: the same store still holds the first attempt's addresses.
+    assert out["tf_restart"]["0"] == out["tf_restart"]["1"] and out["tf_restart"]["0"] != workers
+    assert out["keys"] == ["distkeras/run-1/0/exchange/tf/worker/0", "distkeras/run-1/1/exchange/tf/worker/0"]
+    # A rank that never comes: a ClusterError after the timeout, naming what is missing.
+    assert out["missing"]["0"].startswith("ClusterError: Waited 2 s in torchrun's store")
+    assert "still missing: tf/worker/1" in out["missing"]["0"] and out["missing"]["seconds0"] < 10
+    assert out["no_store"]["1"].startswith("ClusterError: Expected torchrun's store at MASTER_ADDR:MASTER_PORT")
+    assert out["no_store"]["seconds1"] < 30
+    # The agent's store not shared: rank 0 serves the exchange; JAX's coordinator takes MASTER_PORT itself.
+    assert out["served"]["0"] == out["served"]["1"] and len(set(out["served"]["0"])) == 2
+    assert out["jax_unshared"]["0"].startswith("127.0.0.1:")
