@@ -12,6 +12,10 @@ say:
 - **TensorFlow**: TF_CONFIG names every worker's ``host:port``. Every rank publishes a free port on its own
   routed address, and all read all, in rank order (:func:`tf_workers`).
 
+A worker on node 0 whose route to MASTER_ADDR is a loopback address (MASTER_ADDR is its own host name, which
+stock Debian and Ubuntu hosts resolve to 127.0.1.1) publishes MASTER_ADDR instead: the other nodes reached the
+store under that name (:func:`own_host`).
+
 Keys live under ``distkeras/<TORCHELASTIC_RUN_ID>/<TORCHELASTIC_RESTART_COUNT>/exchange/``: the agent keeps
 its store across the restarts ``--max-restarts`` makes, and a restarted job must never read the previous
 attempt's addresses. Where torchrun doesn't share its store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
@@ -25,6 +29,7 @@ when an exchange happens: torchrun is PyTorch's, so torch is installed wherever 
 """
 
 import datetime
+import ipaddress
 import os
 import socket
 import time
@@ -95,6 +100,35 @@ def address(host, port):
     return "[{}]:{}".format(host, port) if ":" in host else "{}:{}".format(host, port)
 
 
+def own_host(master_addr, routed):
+    # type: (str, str) -> str
+    """The host name under which the other workers reach this one.
+
+    ``routed`` is this host's address that reaches MASTER_ADDR (:func:`distkeras.network.choose`). On node 0 that
+    can be a loopback address: MASTER_ADDR is node 0's own name, which stock Debian and Ubuntu hosts resolve to
+    127.0.1.1 themselves. The other nodes reached node 0's store under that very name, so it is the one to
+    publish; a job on one host (MASTER_ADDR "localhost" or a loopback address) publishes the loopback address.
+    """
+    if _is_loopback(routed) and not _is_loopback(master_addr):
+        return master_addr
+    return routed
+
+
+def _is_loopback(host):
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _own_address(env):
+    """(the host others reach this worker at, the local address to find a free port on)."""
+    routed = network.choose(env["MASTER_ADDR"], environ=env).address
+    return own_host(env["MASTER_ADDR"], routed), routed
+
+
 def free_port(host):
     # type: (str) -> int
     """A port nothing listens on at ``host`` now (the kernel's pick; the engine binds it soon after)."""
@@ -121,8 +155,8 @@ def jax_coordinator(cluster, environ=None):
     key = "jax/coordinator"
     with _Store(cluster, env) as store:
         if cluster.rank == 0:
-            own = network.choose(env["MASTER_ADDR"], environ=env).address
-            store.set(key, address(own, free_port(own)))
+            host, local = _own_address(env)
+            store.set(key, address(host, free_port(local)))
         return store.get_all([key], "rank 0's jax.distributed coordinator address")[0]
 
 
@@ -138,10 +172,10 @@ def tf_workers(cluster, environ=None):
         NetworkError: no interface of this host reaches MASTER_ADDR.
     """
     env = os.environ if environ is None else environ
-    own = network.choose(env["MASTER_ADDR"], environ=env).address
+    host, local = _own_address(env)
     keys = ["tf/worker/{}".format(rank) for rank in range(cluster.world_size)]
     with _Store(cluster, env, serve=env.get(USE_AGENT_STORE) != "True") as store:
-        store.set(keys[cluster.rank], address(own, free_port(own)))
+        store.set(keys[cluster.rank], address(host, free_port(local)))
         return tuple(store.get_all(keys, "every rank's TensorFlow worker address"))
 
 

@@ -50,3 +50,12 @@ def test_importing_it_imports_no_framework():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_a_worker_publishes_the_address_the_others_reach_it_at():
+    assert exchange.own_host("10.0.0.1", "10.0.0.2") == "10.0.0.2"  # another node: its routed address
+    assert exchange.own_host("localhost", "127.0.0.1") == "127.0.0.1"  # one host
+    assert exchange.own_host("127.0.0.1", "127.0.0.1") == "127.0.0.1"
+    # Node 0 named by its host name, which it resolves to 127.0.1.1 itself: the others know it by that name.
+    assert exchange.own_host("node0.example", "127.0.1.1") == "node0.example"
+    assert exchange.own_host("node0.example", "::1") == "node0.example"
