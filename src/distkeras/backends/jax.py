@@ -16,8 +16,8 @@ predicts (hooks on the instance, see :func:`keras3.hook`): models on different d
 side in one process. Everything the optimizer does with gradients, and BatchNormalization's
 statistics, need nothing more: a step is one SPMD program over the global batch.
 
-Across processes (``distkeras launch``, or any launcher that sets the JAX/Keras coordinator variables),
-``jax.distributed`` starts at ``import distkeras`` (before JAX's first computation, as it must), the mesh
+Across processes (``distkeras launch``, any launcher that sets the JAX/Keras coordinator variables, or torchrun,
+whose store carries rank 0's coordinator address: :mod:`distkeras.exchange`), ``jax.distributed`` starts at ``import distkeras`` (before JAX's first computation, as it must), the mesh
 spans every process' devices, and every process is given the same data, as with TensorFlow: each
 global batch is placed with ``jax.make_array_from_callback``, so a process materialises only the
 slices its own devices hold, and every process takes the same steps whatever the data size.
@@ -91,7 +91,7 @@ class JaxAdapter(Adapter):
         from .. import exchange, network, rendezvous
 
         try:
-            if exchange.applies(cluster):
+            if exchange.applies(cluster) and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
                 # torchrun's MASTER_PORT is its agent's store: rank 0 publishes a coordinator port there instead.
                 cluster = cluster._replace(coordinator=exchange.jax_coordinator(cluster))
             route = network.choose(cluster.coordinator)

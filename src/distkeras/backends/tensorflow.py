@@ -198,7 +198,8 @@ class TensorFlowAdapter(Adapter):
         if cluster.source != "TF_CONFIG" and self._tf_config_source != cluster.source:
             raise ClusterError(
                 "This process is rank {} of {} ({} variables), but TensorFlow's MultiWorkerMirroredStrategy reads "
-                "TF_CONFIG. Start the workers with `distkeras launch`, or set TF_CONFIG on every worker.".format(
+                "TF_CONFIG. Start the workers with `distkeras launch` or torchrun, or set TF_CONFIG on every "
+                "worker.".format(
                     cluster.rank, cluster.world_size, cluster.source
                 )
             )
