@@ -2,8 +2,8 @@
 
 torchrun (torchelastic) gives every worker RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR:MASTER_PORT, the
 address of a ``torch.distributed.TCPStore``. With ``TORCHELASTIC_USE_AGENT_STORE=True`` (torchrun's default
-since PyTorch 2.4) the agent on node 0 serves that store itself and every worker connects to it as a client;
-PyTorch's ``init_process_group`` does exactly that. The other engines need something the variables don't
+with its c10d rendezvous, which ``--standalone`` uses) the agent on node 0 serves that store itself and every
+worker connects to it as a client; PyTorch's ``init_process_group`` does exactly that. The other engines need something the variables don't
 say:
 
 - **JAX**: ``jax.distributed`` runs its own coordinator service on rank 0, and MASTER_PORT is taken by the
@@ -205,8 +205,8 @@ class _Store(object):
         except Exception as exc:  # torch raises RuntimeError / DistNetworkError / DistStoreError
             raise ClusterError(
                 "Expected torchrun's store at MASTER_ADDR:MASTER_PORT={} (rank {} of {}, {}={}), to exchange the "
-                "addresses TensorFlow and JAX need. Received: {}: {}. Start the job with torchrun (PyTorch >= 2.4 "
-                "shares its store with the workers), or set {} longer.".format(
+                "addresses TensorFlow and JAX need. Received: {}: {}. Check that torchrun's agent on node 0 runs and "
+                "is reachable from this host, or set {} longer.".format(
                     self.where, self.cluster.rank, self.cluster.world_size, USE_AGENT_STORE,
                     self.env.get(USE_AGENT_STORE), type(exc).__name__, str(exc).rstrip("."), TIMEOUT_ENV,
                 )
