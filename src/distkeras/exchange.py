@@ -3,8 +3,8 @@
 torchrun (torchelastic) gives every worker RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR:MASTER_PORT, the
 address of a ``torch.distributed.TCPStore``. With ``TORCHELASTIC_USE_AGENT_STORE=True`` (torchrun's default
 with its c10d rendezvous, which ``--standalone`` uses) the agent on node 0 serves that store itself and every
-worker connects to it as a client; PyTorch's ``init_process_group`` does exactly that. The other engines need something the variables don't
-say:
+worker connects to it as a client; PyTorch's ``init_process_group`` does exactly that. The other engines need
+something the variables don't say:
 
 - **JAX**: ``jax.distributed`` runs its own coordinator service on rank 0, and MASTER_PORT is taken by the
   agent's store. Rank 0 picks a free port on its address that reaches MASTER_ADDR and publishes
@@ -50,8 +50,8 @@ USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 def applies(cluster, environ=None):
     # type: (Cluster, Optional[Mapping[str, str]]) -> bool
-    """Whether ``cluster`` is a multi-worker job torchrun started, its coordinator torchrun's MASTER_ADDR:MASTER_PORT
-    (so the engines other than PyTorch's need the exchange)."""
+    """Whether ``cluster`` is a multi-worker job torchrun started, its coordinator torchrun's
+    MASTER_ADDR:MASTER_PORT (so the engines other than PyTorch's need the exchange)."""
     env = os.environ if environ is None else environ
     if not cluster.is_multi_worker or not env.get(RUN_ID) or not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
         return False
@@ -60,8 +60,8 @@ def applies(cluster, environ=None):
 
 def attempt(environ=None):
     # type: (Optional[Mapping[str, str]]) -> str
-    """The key prefix of this attempt of this torchrun job in its agent's store: ``distkeras/<run id>/<restart count>``
-    (a ``torch.distributed.PrefixStore`` adds the ``/``).
+    """The key prefix of this attempt of this torchrun job in its agent's store:
+    ``distkeras/<run id>/<restart count>`` (a ``torch.distributed.PrefixStore`` adds the ``/``).
 
     The agent keeps one store for all the attempts ``--max-restarts`` makes, so every key a worker writes there
     (PyTorch's process group's too: Gloo's addresses) must be this attempt's, or a restarted job reads the dead

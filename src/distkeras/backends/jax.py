@@ -17,7 +17,8 @@ side in one process. Everything the optimizer does with gradients, and BatchNorm
 statistics, need nothing more: a step is one SPMD program over the global batch.
 
 Across processes (``distkeras launch``, any launcher that sets the JAX/Keras coordinator variables, or torchrun,
-whose store carries rank 0's coordinator address: :mod:`distkeras.exchange`), ``jax.distributed`` starts at ``import distkeras`` (before JAX's first computation, as it must), the mesh
+whose store carries rank 0's coordinator address: :mod:`distkeras.exchange`), ``jax.distributed`` starts at
+``import distkeras`` (before JAX's first computation, as it must), the mesh
 spans every process' devices, and every process is given the same data, as with TensorFlow: each
 global batch is placed with ``jax.make_array_from_callback``, so a process materialises only the
 slices its own devices hold, and every process takes the same steps whatever the data size.
