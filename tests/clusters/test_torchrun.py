@@ -51,22 +51,28 @@ def job_env(backend):
     return env
 
 
+def _stat(pid):
+    """(parent PID, start time in clock ticks) of a living process, or None (also for a zombie)."""
+    try:
+        with open("/proc/{}/stat".format(pid)) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else (int(fields[1]), int(fields[19]))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _descendants(pid):
-    """Every living process below ``pid`` (torchrun starts each worker in a session of its own)."""
+    """Every living process below ``pid`` as (PID, start time): torchrun starts each worker in a session of its
+    own, so a process group doesn't hold them."""
     children = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open("/proc/{}/stat".format(entry)) as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
+        stat = _stat(entry) if entry.isdigit() else None
+        if stat:
+            children.setdefault(stat[0], []).append((int(entry), stat[1]))
     found, todo = [], [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
+        for child, started in children.get(todo.pop(), []):
+            found.append((child, started))
             todo.append(child)
     return found
 
@@ -101,11 +107,16 @@ class Run(object):
         return self.proc.returncode
 
     def stop(self):
-        for pid in [self.proc.pid] + _descendants(self.proc.pid) + sorted(self.seen):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        below = set(_descendants(self.proc.pid)) | self.seen  # before the agent dies and its workers lose their parent
+        if self.proc.poll() is None:
+            self.proc.kill()
+        for pid, started in below:
+            stat = _stat(pid)
+            if stat and stat[1] == started:  # still the process seen then, not a PID used again since
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         self.proc.wait()
         self.log.close()
 
