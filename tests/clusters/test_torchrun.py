@@ -37,9 +37,10 @@ _DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "
 
 
 def needs(backend):
-    missing = [m for m in {"torch", FRAMEWORK[backend]} if importlib.util.find_spec(m) is None]
-    if missing or importlib.util.find_spec("torch.distributed.run") is None:
-        pytest.skip("torchrun on {} needs {} installed".format(backend, " and ".join(sorted(missing)) or "torch"))
+    # Top-level names only: find_spec("torch.distributed.run") would import torch into this process.
+    missing = sorted(m for m in {"torch", FRAMEWORK[backend]} if importlib.util.find_spec(m) is None)
+    if missing:
+        pytest.skip("torchrun on {} needs {} installed".format(backend, " and ".join(missing)))
 
 
 def job_env(backend):
@@ -170,6 +171,7 @@ def check_job(backend, out_dir, expected):
 @pytest.mark.parametrize("backend", PLAIN)
 def test_two_torchrun_workers_train_as_one_process(backend, tmp_path, tmp_path_factory):
     needs(backend)
+    assert not {"torch", "tensorflow", "jax"} & set(sys.modules)  # the jobs import them, never this process
     job = torchrun(backend, tmp_path, "train")
     expected = reference(backend, tmp_path_factory)
     code = job.wait()
