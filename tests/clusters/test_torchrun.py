@@ -171,7 +171,6 @@ def check_job(backend, out_dir, expected):
 @pytest.mark.parametrize("backend", PLAIN)
 def test_two_torchrun_workers_train_as_one_process(backend, tmp_path, tmp_path_factory):
     needs(backend)
-    assert not {"torch", "tensorflow", "jax"} & set(sys.modules)  # the jobs import them, never this process
     job = torchrun(backend, tmp_path, "train")
     expected = reference(backend, tmp_path_factory)
     code = job.wait()
