@@ -222,3 +222,32 @@ def test_the_exchange_through_a_real_store_is_per_attempt_and_bounded(tmp_path):
     # The agent's store not shared: rank 0 serves the exchange; JAX's coordinator takes MASTER_PORT itself.
     assert out["served"]["0"] == out["served"]["1"] and len(set(out["served"]["0"])) == 2
     assert out["jax_unshared"]["0"].startswith("127.0.0.1:")
+
+
+@pytest.mark.skipif(not ALL, reason="two namespace hosts under torchrun: DISTKERAS_TORCHRUN_TESTS=all")
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_two_hosts_under_torchrun_c10d_train_as_one_process(backend, tmp_path, tmp_path_factory):
+    """One worker on each of two network-namespace hosts, torchrun's c10d rendezvous on host 0: the workers'
+    addresses (TensorFlow) and rank 0's coordinator (JAX) cross hosts through the agent's store."""
+    from tests import netns
+
+    needs(backend)
+    if netns.unavailable():
+        pytest.skip(netns.unavailable())
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", netns.SUBNET + ".1:29400", "--rdzv-id", "two-hosts"]
+    with netns.Hosts(2) as hosts:
+        logs = [open(os.path.join(str(tmp_path), "host{}.log".format(i)), "w") for i in range(2)]
+        try:
+            jobs = [hosts.popen(i, command + ["--local-addr", "{}.{}".format(netns.SUBNET, i + 1), "--rdzv-conf",
+                                              "is_host={}".format(int(i == 0)), JOB, str(tmp_path), "train"],
+                                env=job_env(backend), cwd=ROOT, stdout=logs[i], stderr=subprocess.STDOUT)
+                    for i in range(2)]
+            expected = reference(backend, tmp_path_factory)
+            codes = [job.wait(timeout=JOB_TIMEOUT) for job in jobs]
+        finally:
+            for log in logs:
+                log.close()  # Hosts.close() kills whatever still runs in the namespaces
+        output = "".join(open(log.name).read()[-3000:] for log in logs)
+    assert codes == [0, 0], output
+    check_job(backend, tmp_path, expected)
