@@ -5,7 +5,8 @@ KERAS_BACKEND set, then tests/mxnet with the Python of the keras-mxnet environme
 scripts/mxnet-env.sh): keras-mxnet installs its own `keras`, so it can't share an environment with Keras 3.
 Then tests/cntk: its worker processes run on the real CNTK runtime, the CPython 3.6 of .venv-cntk (made by
 scripts/cntk-env.sh, with CNTK 2.7 and Keras 2.3.1) under Open MPI's mpiexec; DISTKERAS_CNTK_PYTHON names
-another such Python. Where there is none, those tests skip and say why.
+another such Python. Where there is none, those tests skip and say why. Then tests/clusters: jobs that cluster
+environments start (torchrun...) on several backends; its pytest process imports no framework.
 Prints one closing line, "tests: N passed, N failed, N skipped", and exits non-zero if any suite failed
 or errored. Extra arguments go to every pytest run (e.g. -k, -x). DISTKERAS_SUITES=a,b runs only the named
 suites; DISTKERAS_TESTS=path,path (test files or folders) runs only those, each in the suites whose paths hold
@@ -46,6 +47,7 @@ SUITES = [
         os.path.join(MXNET_VENV, "bin", "python"),
     ),
     ("cntk", {"DISTKERAS_CNTK_PYTHON": CNTK_PYTHON}, ["tests/cntk"], None),
+    ("clusters", {}, ["tests/clusters"], None),
 ]
 
 

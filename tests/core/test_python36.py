@@ -10,6 +10,7 @@ import pytest
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src", "distkeras")
 CORE = ["__init__.py", "__main__.py", "api.py", "devices.py", "cluster.py", "sharding.py", "errors.py", "shims.py",
         "launch.py", "cli.py", "network.py", "rendezvous.py",  # `distkeras launch --backend cntk` starts CNTK jobs
+        "exchange.py",  # what TF and JAX workers under torchrun exchange (imports torch only when it does)
         "backends/__init__.py", "backends/base.py",
         "backends/cntk.py", "backends/keras3.py",  # the CNTK adapter, and what it imports
         "backends/mxnet.py"]  # keras-mxnet 2.2.4.3 itself is at home on Python 3.6-3.8

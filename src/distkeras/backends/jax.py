@@ -16,8 +16,9 @@ predicts (hooks on the instance, see :func:`keras3.hook`): models on different d
 side in one process. Everything the optimizer does with gradients, and BatchNormalization's
 statistics, need nothing more: a step is one SPMD program over the global batch.
 
-Across processes (``distkeras launch``, or any launcher that sets the JAX/Keras coordinator variables),
-``jax.distributed`` starts at ``import distkeras`` (before JAX's first computation, as it must), the mesh
+Across processes (``distkeras launch``, any launcher that sets the JAX/Keras coordinator variables, or torchrun,
+whose store carries rank 0's coordinator address: :mod:`distkeras.exchange`), ``jax.distributed`` starts at
+``import distkeras`` (before JAX's first computation, as it must), the mesh
 spans every process' devices, and every process is given the same data, as with TensorFlow: each
 global batch is placed with ``jax.make_array_from_callback``, so a process materialises only the
 slices its own devices hold, and every process takes the same steps whatever the data size.
@@ -46,7 +47,7 @@ from collections.abc import Mapping
 from typing import List
 
 from ..devices import Device
-from ..errors import DistKerasError, OptionError, TooLateError
+from ..errors import ClusterError, DistKerasError, NetworkError, OptionError, TooLateError
 from . import keras3, when_imported
 from .base import COMPRESSION_HELP, Adapter, check_compression
 
@@ -88,9 +89,12 @@ class JaxAdapter(Adapter):
         inside the user's import of JAX, so a failure is kept and raised by distribute() instead."""
         import jax
 
-        from .. import network, rendezvous
+        from .. import exchange, network, rendezvous
 
         try:
+            if exchange.applies(cluster) and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+                # torchrun's MASTER_PORT is its agent's store: rank 0 publishes a coordinator port there instead.
+                cluster = cluster._replace(coordinator=exchange.jax_coordinator(cluster))
             route = network.choose(cluster.coordinator)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
             extra = {}
@@ -190,6 +194,8 @@ class JaxAdapter(Adapter):
         """Every process' devices of the chosen kind, for a mesh that spans the job."""
         import jax
 
+        if isinstance(self._multi_process_error, (ClusterError, NetworkError)):
+            raise self._multi_process_error  # the job's coordinator couldn't be found: say why, not "import earlier"
         if self._multi_process_error is not None or jax.process_count() != cluster.world_size:
             raise TooLateError(
                 "This process is worker {} of {} ({}), but jax.distributed is not running ({}). Import distkeras "

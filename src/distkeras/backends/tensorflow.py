@@ -55,11 +55,14 @@ What the adapter changes so that every step is exactly the single-device step at
 
 import functools
 import itertools
+import json
+import os
 from typing import List
 
 from .. import cluster as cluster_lib
+from .. import exchange
 from ..devices import Device
-from ..errors import ClusterError, DistKerasError, ModelError, OptionError, TooLateError
+from ..errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
 from . import keras3, tensorflow_steps, when_imported
 from .base import COMPRESSION_HELP, Adapter, check_compression
 
@@ -87,18 +90,33 @@ class TensorFlowAdapter(Adapter):
         self._multi_worker_error = None
 
     def prepare(self, cluster):
-        when_imported("tensorflow", self._start_multi_worker)
+        when_imported("tensorflow", lambda: self._start_multi_worker(cluster))
 
-    def _start_multi_worker(self):
+    def _start_multi_worker(self, cluster=None):
         """Create MultiWorkerMirroredStrategy right after TensorFlow is imported, before any op runs:
         TensorFlow configures its collectives once, at start-up. Runs inside the user's import of
         TensorFlow, so a failure is kept and raised by distribute() instead."""
         import tensorflow as tf
 
         try:
+            if cluster is not None:
+                self._write_tf_config(cluster)
             self._multi_worker = tf.distribute.MultiWorkerMirroredStrategy()
         except Exception as exc:  # raised again, with advice, by distribute()
             self._multi_worker_error = exc
+
+    def _write_tf_config(self, cluster):
+        """TF_CONFIG from every rank's address where the environment has none: the cluster's own list, or
+        (under torchrun) the addresses exchanged through torchrun's store (:mod:`distkeras.exchange`)."""
+        if os.environ.get("TF_CONFIG", "").strip() or not cluster.is_multi_worker:
+            return
+        workers = cluster.workers
+        if not workers and exchange.applies(cluster):
+            workers = exchange.tf_workers(cluster)
+        if workers:
+            os.environ["TF_CONFIG"] = json.dumps(
+                {"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": cluster.rank}}
+            )
 
     def list_devices(self):
         # type: () -> List[Device]
@@ -173,19 +191,20 @@ class TensorFlowAdapter(Adapter):
         return model
 
     def _multi_worker_strategy(self, tf, cluster, devices):
-        import os
-
-        # MultiWorkerMirroredStrategy reads TF_CONFIG; `distkeras launch` sets it (source "distkeras"), and so
-        # may the user or a cluster manager (source "TF_CONFIG").
+        if isinstance(self._multi_worker_error, (ClusterError, NetworkError)):
+            raise self._multi_worker_error  # TF_CONFIG couldn't be formed: say why, not "import earlier"
+        # MultiWorkerMirroredStrategy reads TF_CONFIG: `distkeras launch` sets it, so may the user or a cluster
+        # manager, and prepare() writes it from the environment's workers or torchrun's store.
         if not os.environ.get("TF_CONFIG", "").strip():
             raise ClusterError(
                 "This process is rank {} of {} ({} variables), but TensorFlow's MultiWorkerMirroredStrategy reads "
-                "TF_CONFIG. Start the workers with `distkeras launch`, or set TF_CONFIG on every worker.".format(
+                "TF_CONFIG. Start the workers with `distkeras launch` or torchrun, or set TF_CONFIG on every "
+                "worker.".format(
                     cluster.rank, cluster.world_size, cluster.source
                 )
             )
         if self._multi_worker is None and self._multi_worker_error is None:
-            self._start_multi_worker()
+            self._start_multi_worker(cluster)
         if self._multi_worker is None:
             raise TooLateError(
                 "This process is worker {} of {} (TF_CONFIG), and TensorFlow sets up its cross-worker collectives "

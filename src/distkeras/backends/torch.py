@@ -34,7 +34,7 @@ import socket
 import sys
 from typing import List
 
-from .. import network
+from .. import exchange, network
 from ..devices import Device
 from ..errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
 from . import keras3, when_imported
@@ -274,6 +274,10 @@ def _join(cluster, device, backend, timeout, listener=None):
         store = _serve_store(dist, host, port, cluster.world_size, wait, listener)
     else:
         store = dist.TCPStore(host, port, cluster.world_size, False, wait)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps its store across the restarts of --max-restarts: without a prefix of its
+            # own, a restarted job's Gloo reads the dead attempt's addresses and never connects.
+            store = dist.PrefixStore(exchange.attempt(), store)
     extra = {}
     if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
         extra["device_id"] = torch.device("cuda", device.index)
