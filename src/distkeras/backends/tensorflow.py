@@ -119,6 +119,18 @@ class TensorFlowAdapter(Adapter):
             return  # MultiWorkerMirroredStrategy replicates over a worker's GPUs, or its one CPU
         when_imported("tensorflow", lambda: _split_cpu(count))
 
+    def any_process(self, model, flag):
+        """The flag summed over the replicas of the model's strategy: a cross-worker collective under
+        MultiWorkerMirroredStrategy; one process (MirroredStrategy, or no strategy) needs none."""
+        import tensorflow as tf
+
+        strategy = getattr(model, "distribute_strategy", None)
+        if strategy is None or not cluster_lib.from_env().is_multi_worker:
+            return bool(flag)
+        value = int(bool(flag))
+        total = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(value)), axis=None)
+        return bool(int(total) > 0)
+
     def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True, sync_batchnorm=True,
                    compression=None):
         import tensorflow as tf
