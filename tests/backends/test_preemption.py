@@ -4,6 +4,7 @@ epoch, to the weights of an uninterrupted run."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,8 +64,8 @@ def test_one_process_sigterm_saves_the_step_and_resumes_from_it(tmp_path, shuffl
     devices = 1 if BACKEND == "torch" else 2  # torch runs several devices as processes: see the job test
     x, y = scenarios.data(96)
     backup = BackupAndRestore(tmp_path / "ckpt")
-    np.random.seed(7)
     model = distkeras.distribute(build(), devices=devices)
+    np.random.seed(7)  # as uninterrupted(): build() seeded every generator, then NumPy's is reseeded
     previous = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as stopped:
         model.fit(x, y, batch_size=12, epochs=EPOCHS, shuffle=shuffle, verbose=0, callbacks=[SignalSelf(), backup])
@@ -80,7 +81,7 @@ def test_one_process_sigterm_saves_the_step_and_resumes_from_it(tmp_path, shuffl
 
     class Count(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
-            seen.append(int(resumed.optimizer.iterations.numpy()))
+            seen.append(int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)))  # JAX: synced state
 
     resumed.fit(x, y, batch_size=12, epochs=EPOCHS, shuffle=shuffle, verbose=0, callbacks=[backup, Count()])
     assert (backup.restored_epoch, backup.restored_step) == (2, 4)
@@ -124,7 +125,8 @@ def test_a_worker_sigtermed_mid_epoch_stops_the_job_at_that_step_and_the_rerun_r
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
     assert code == EXIT_PREEMPTED, out[-3000:] + err[-3000:]
-    assert "rank 1 was preempted (exit code 75)" in err and "died" not in err, err[-3000:]
+    # Whichever rank exits first is reported; none of them died.
+    assert re.search(r"rank [01] was preempted \(exit code 75\)", err) and "died" not in err, err[-3000:]
     assert "[rank 0] distkeras: preempted (SIGTERM): saved epoch 3 step 4 of 9" in err
     assert "job preempted: exiting with status 75" in err
     with open(tmp_path / "ckpt" / MANIFEST) as f:
