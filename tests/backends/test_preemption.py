@@ -56,11 +56,12 @@ class SignalSelf(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-@pytest.mark.parametrize("shuffle", [False, True] if BACKEND in ("jax", "torch") else [False])
-def test_one_process_sigterm_saves_the_step_and_resumes_from_it(tmp_path, shuffle):
+def test_one_process_sigterm_saves_the_step_and_resumes_from_it(tmp_path):
     """In this process: SIGTERM -> checkpoint of epoch 3's first 4 steps -> SystemExit(75); the next fit()
     passes over those 4 batches and ends with the uninterrupted weights. With shuffle=True (JAX, PyTorch:
     NumPy's / torch's global generators) the resumed epoch draws the same order from the saved states."""
+    # shuffle=False is what the job test below covers; TensorFlow's array shuffle (tf.random) isn't reproduced.
+    shuffle = BACKEND != "tensorflow"
     devices = 1 if BACKEND == "torch" else 2  # torch runs several devices as processes: see the job test
     x, y = scenarios.data(96)
     backup = BackupAndRestore(tmp_path / "ckpt")
