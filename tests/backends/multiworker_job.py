@@ -9,9 +9,9 @@ mid-epoch 2), "raise" (rank 1 raises mid-epoch 2), "resume" (like train, with
 distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt), "stall"
 (like resume, but mid-epoch 2 every rank other than 0 writes OUT_DIR/stalled-rank{R} and sleeps, so rank 0
 waits in a collective: the test then takes a host away), "preempt" (like resume, but after batch 3 of epoch 2
-rank 1 writes its pid to OUT_DIR/ready and waits for OUT_DIR/sent: the test SIGTERMs it in between). Every worker is given the whole data set; every
-rank writes its final weights to OUT_DIR/rank{R}.npz and prints how many replicas the framework itself
-counts ("framework replicas N").
+rank 1 writes its pid to OUT_DIR/ready and waits for OUT_DIR/sent: the test SIGTERMs it in between). Every
+worker is given the whole data set; every rank writes its final weights to OUT_DIR/rank{R}.npz and prints how
+many replicas the framework itself counts ("framework replicas N").
 """
 
 import os
