@@ -90,7 +90,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         #: Batches of ``restored_epoch`` already trained when the run was preempted (0: it resumed at an epoch).
         self.restored_step = 0
         self._signalled = False
+        self._listening = False
         self._previous_handler = None
+        self._fit_frame = None
         self._epoch = 0
         self._random = None  # global random states at the start of the current epoch
         self._resume_random = None
@@ -203,19 +205,42 @@ class BackupAndRestore(keras.callbacks.Callback):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
     def _listen(self):
-        """Note a SIGTERM (Python runs the handler between bytecodes: the step under way finishes)."""
-        if threading.current_thread() is not threading.main_thread() or self._previous_handler is not None:
+        """Note a SIGTERM (Python runs the handler between bytecodes: the step under way finishes).
+
+        Only while this fit() runs: on_train_end hands SIGTERM back, but a fit() that raised never calls it,
+        so a SIGTERM that finds no frame of this fit() on the stack gets what SIGTERM did before."""
+        if threading.current_thread() is not threading.main_thread() or self._listening:
             return
+        fit = sys._getframe(1)  # CallbackList.on_train_begin, called by the trainer's fit()
+        for _ in range(20):
+            if fit is None or fit.f_code.co_name == "fit":
+                break
+            fit = fit.f_back
+        self._fit_frame = fit if fit is not None and fit.f_code.co_name == "fit" else None
 
         def handler(signum, frame):
+            if self._fit_frame is not None and not _on_stack(self._fit_frame, frame):
+                self._ignore()
+                os.kill(os.getpid(), signum)  # to the handler before ours (by default: the end)
+                return
             self._signalled = True
 
         self._previous_handler = signal.signal(signal.SIGTERM, handler)
+        self._listening = True
 
     def _ignore(self):
-        if self._previous_handler is not None:
+        if self._listening:
             signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+            self._listening = False
+        self._previous_handler = self._fit_frame = None
+
+
+def _on_stack(target, frame):
+    while frame is not None:
+        if frame is target:
+            return True
+        frame = frame.f_back
+    return False
 
 
 #: Seconds a preempted worker of a multi-worker job gets to exit before it ends itself.

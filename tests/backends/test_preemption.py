@@ -145,3 +145,31 @@ def test_a_worker_sigtermed_mid_epoch_stops_the_job_at_that_step_and_the_rerun_r
     for i, w in enumerate(weights):
         np.testing.assert_array_equal(w, w1["arr_{}".format(i)])
     assert_close(uninterrupted(100), weights)
+
+
+def test_a_fit_that_raised_leaves_sigterm_as_it_was(tmp_path):
+    """A fit() that raises never reaches on_train_end; a SIGTERM afterwards still does what it did before."""
+    x, y = scenarios.data(24)
+
+    class Fail(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise RuntimeError("fails mid-epoch")
+
+    got = []
+
+    def mine(signum, frame):
+        got.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        model = build()
+        with pytest.raises(RuntimeError):
+            model.fit(x, y, batch_size=12, epochs=1, verbose=0, callbacks=[BackupAndRestore(tmp_path / "c"), Fail()])
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.time() + 5
+        while not got and time.time() < deadline:
+            time.sleep(0.01)
+        assert got == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is mine  # handed back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
