@@ -12,7 +12,9 @@ a scheduler, every node one server, all of them and the workers described by the
 Every output line is prefixed with its rank; SIGINT/SIGTERM are forwarded to every worker; when a
 worker fails, the others are stopped within ``--stop-timeout`` seconds and the launcher exits with the
 failing worker's code, saying which rank (or which scheduler or server) died and how. It never waits on a
-dead job.
+dead job. A worker that exits with :data:`EXIT_PREEMPTED` (75) was preempted, not crashed: the others stop
+after the same step (``distkeras.callbacks.BackupAndRestore``), so they get ``--stop-timeout`` seconds to
+exit on their own, and the launcher exits 75 too.
 
 Part of the Python 3.6-compatible core: no framework import, standard library only.
 """
@@ -30,6 +32,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .errors import LaunchError
 from .network import INTERFACE_ENV
 
+#: The exit status of a preempted worker (and job): BSD's EX_TEMPFAIL, "try again later". A worker exits with it
+#: after a SIGTERM once its job's checkpoint of the step it stopped at is written; running the job again resumes.
+EXIT_PREEMPTED = 75
 #: Seconds between SIGTERM and SIGKILL when stopping the surviving workers.
 DEFAULT_STOP_TIMEOUT = 20.0
 STOP_TIMEOUT_ENV = "DISTKERAS_STOP_TIMEOUT"
@@ -237,6 +242,8 @@ class Launcher(object):
                     self.failure = (worker.rank, code)  # ended by the forwarded signal: let the others end too
                     if self.supervisor is not None:
                         self.supervisor.failed(worker.label, "died ({})".format(_describe_exit(code)))
+                elif code == EXIT_PREEMPTED and worker.rank is not None:
+                    self._preempted(worker)
                 elif code != 0 and (worker.rank is not None or workers_running):
                     self._fail(worker, code, "died ({})".format(_describe_exit(code)))
             if self.failure is None and self.supervisor is not None:
@@ -255,8 +262,21 @@ class Launcher(object):
                 pump.join(timeout=5)
         if self.failure is not None:
             rank, code = self.failure
+            if code == EXIT_PREEMPTED:
+                self._say("job preempted: exiting with status {}; run the same command again to resume from its "
+                          "checkpoint".format(EXIT_PREEMPTED))
             return code if code > 0 else 128 - code
         return 0
+
+    def _preempted(self, worker):
+        """A worker stopped after a SIGTERM, its job's checkpoint written: the others stop after the same step."""
+        self.failure = (worker.rank, EXIT_PREEMPTED)
+        if self.supervisor is not None:
+            self.supervisor.failed(worker.label, "was preempted (exit code {})".format(EXIT_PREEMPTED))
+        self._say("{} was preempted (exit code {}); the other workers stop after the same step".format(
+            worker.label, EXIT_PREEMPTED))
+        if self.interrupted_at is None:
+            self.interrupted_at = time.time()  # as after a forwarded signal: --stop-timeout seconds to exit
 
     def _fail(self, worker, code, how):
         self.failure = (worker.rank, code)

@@ -8,9 +8,10 @@ MODE: "train" (numpy arrays, 100 samples at global batch 12, verbose=1), "tf.dat
 mid-epoch 2), "raise" (rank 1 raises mid-epoch 2), "resume" (like train, with
 distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt), "stall"
 (like resume, but mid-epoch 2 every rank other than 0 writes OUT_DIR/stalled-rank{R} and sleeps, so rank 0
-waits in a collective: the test then takes a host away). Every worker is given the whole data set; every
-rank writes its final weights to OUT_DIR/rank{R}.npz and prints how many replicas the framework itself
-counts ("framework replicas N").
+waits in a collective: the test then takes a host away), "preempt" (like resume, but after batch 3 of epoch 2
+rank 1 writes its pid to OUT_DIR/ready and waits for OUT_DIR/sent: the test SIGTERMs it in between). Every
+worker is given the whole data set; every rank writes its final weights to OUT_DIR/rank{R}.npz and prints how
+many replicas the framework itself counts ("framework replicas N").
 """
 
 import os
@@ -58,6 +59,26 @@ class StallOthers(keras.callbacks.Callback):
             time.sleep(600)
 
 
+class AwaitSignal(keras.callbacks.Callback):
+    """After batch 3 of epoch 2, one rank tells the test its pid and waits until the test has signalled it."""
+
+    def __init__(self, out_dir, rank=1):
+        super().__init__()
+        self.out_dir, self.rank = out_dir, rank
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 2 and batch == 3 and distkeras.cluster.from_env().rank == self.rank:
+            with open(os.path.join(self.out_dir, "ready.tmp"), "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(os.path.join(self.out_dir, "ready.tmp"), os.path.join(self.out_dir, "ready"))
+            deadline = time.time() + 120
+            while not os.path.exists(os.path.join(self.out_dir, "sent")) and time.time() < deadline:
+                time.sleep(0.05)  # the SIGTERM's Python handler runs here
+
+
 def framework_replicas(model):
     """The replica count as the framework itself reports it, not distkeras."""
     backend = keras.backend.backend()
@@ -92,7 +113,9 @@ def main(out_dir, mode):
     model = distkeras.distribute(model, compression="bf16" if mode == "bf16" else None)
     x, y = scenarios.data(100)
     callbacks = []
-    if mode in ("kill", "resume", "stall"):
+    if mode == "preempt":  # first: the SIGTERM comes during this step's end, which then stops the job
+        callbacks.append(AwaitSignal(out_dir))
+    if mode in ("kill", "resume", "stall", "preempt"):
         callbacks.append(BackupAndRestore(os.path.join(out_dir, "ckpt")))
     if mode == "stall":
         callbacks.append(StallOthers(out_dir))

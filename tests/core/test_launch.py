@@ -249,3 +249,41 @@ def test_a_failed_worker_exits_although_an_exit_handler_would_wait_forever(tmp_p
     script.write_text("import distkeras, sys\nprint(sys.excepthook is sys.__excepthook__)\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
     assert done.stdout.strip() == "True", done.stderr
+
+
+def test_a_preempted_worker_lets_the_others_finish_their_step_and_the_launcher_exits_75(tmp_path):
+    """Exit status 75 (launch.EXIT_PREEMPTED) is a preemption, not a crash: the others stop after the same step
+    on their own, so they are given --stop-timeout seconds (not a SIGTERM at once), and the job exits 75."""
+    process = distkeras_launch(tmp_path, """
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: print("sigterm", flush=True))
+        time.sleep(0.5 + 2 * int(os.environ["RANK"]))  # rank 1 still writes its part when rank 0 is gone
+        print("saved", flush=True)
+        sys.exit(75)
+    """, "--nproc-per-node", "2", "--stop-timeout", "10")
+    code, out, err = finish(process)
+    assert code == launch.EXIT_PREEMPTED, (out, err)
+    assert out.count("saved") == 2 and "sigterm" not in out, (out, err)
+    assert "rank 0 was preempted (exit code 75)" in err and "died" not in err
+    assert "job preempted: exiting with status 75; run the same command again to resume" in err
+
+
+def test_a_sigterm_to_the_launcher_reaches_every_worker_and_their_75_is_the_jobs(tmp_path):
+    """Slurm's preemption (or `scancel --signal=TERM`) signals the launcher: it forwards SIGTERM, the workers
+    checkpoint and exit 75, and the launcher exits 75 too, not as a crash (143)."""
+    process = distkeras_launch(tmp_path, """
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+        print("ready", flush=True)
+        time.sleep(600)
+    """, "--nproc-per-node", "2", "--stop-timeout", "10")
+    ready = 0
+    while ready < 2:
+        line = process.stdout.readline()
+        assert line, "launcher ended early"
+        ready += "ready" in line
+    process.send_signal(signal.SIGTERM)
+    code, out, err = finish(process)
+    assert code == launch.EXIT_PREEMPTED, (out, err)
+    assert "got SIGTERM; forwarding it to every worker" in err and "died" not in err
+    assert "job preempted: exiting with status 75" in err

@@ -3,9 +3,10 @@
 import abc
 from typing import Dict, List, Optional, Sequence
 
+from .. import cluster as cluster_lib
 from ..cluster import Cluster
 from ..devices import Device
-from ..errors import OptionError
+from ..errors import ClusterError, OptionError
 
 
 #: Values of the ``compression`` option: the dtype gradients travel in during the all-reduce.
@@ -81,6 +82,28 @@ class Adapter(abc.ABC):
         ``describe()["workers"]`` is not the adapter's to decide: it is the job's processes on every backend.
         """
         return len(devices) * cluster.world_size
+
+    def any_process(self, model, flag):
+        # type: (object, bool) -> bool
+        """Whether ``flag`` is true in any process of ``model``'s job: every process calls it at the same
+        point of training (after the same step), and every process gets the same answer.
+
+        distkeras' :class:`~distkeras.callbacks.BackupAndRestore` calls it after every training step, so
+        that a SIGTERM one worker got stops every worker after the same step. A cheap collective on the
+        backend's own engine (one integer). Default: a job of one process, where ``flag`` is the answer;
+        an adapter whose jobs span processes overrides it.
+
+        Raises:
+            ClusterError: this process is one worker of several and the adapter has no collective for it.
+        """
+        cluster = cluster_lib.from_env()
+        if cluster.is_multi_worker:
+            raise ClusterError(
+                "Expected the {} backend to agree across workers on when to stop after a SIGTERM; it can't. "
+                "Received: rank {} of {} ({}). Pass save_before_preemption=False to "
+                "distkeras.callbacks.BackupAndRestore (a SIGTERM then ends the job, which resumes from the last "
+                "epoch).".format(self.name, cluster.rank, cluster.world_size, cluster.source))
+        return bool(flag)
 
     def shutdown(self):
         # type: () -> None

@@ -122,6 +122,17 @@ class JaxAdapter(Adapter):
             _set_jax_cpu_count(count)
         os.environ["XLA_FLAGS"] = _with_flag(os.environ.get("XLA_FLAGS", ""), _COUNT_FLAG, count)
 
+    def any_process(self, model, flag):
+        """Every process' flag, gathered over the job's devices (``process_allgather``, an XLA all-gather)."""
+        import jax
+
+        if jax.process_count() == 1:
+            return bool(flag)
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
+
     def distribute(self, model, devices, cluster, strategy="data", layout_map=None, model_shards=None,
                    compression=None):
         """Lay ``model`` out under a Keras distribution over exactly ``devices``, in place.

@@ -57,6 +57,7 @@ import functools
 import itertools
 import json
 import os
+import weakref
 from typing import List
 
 from .. import cluster as cluster_lib
@@ -69,6 +70,8 @@ from .base import COMPRESSION_HELP, Adapter, check_compression
 _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 #: The wire dtype of each ``compression`` (TensorFlow's names).
 _WIRE = {"bf16": "bfloat16", "fp16": "float16"}
+#: Strategy -> its traced any_process collective.
+_agreements = weakref.WeakKeyDictionary()
 _strategy_serial = itertools.count(1)  # 0 stays the base of strategies made without distkeras
 
 
@@ -136,6 +139,24 @@ class TensorFlowAdapter(Adapter):
         if cluster_lib.from_env().is_multi_worker:
             return  # MultiWorkerMirroredStrategy replicates over a worker's GPUs, or its one CPU
         when_imported("tensorflow", lambda: _split_cpu(count))
+
+    def any_process(self, model, flag):
+        """The flag summed over the replicas of the model's strategy: a cross-worker collective under
+        MultiWorkerMirroredStrategy; one process (MirroredStrategy, or no strategy) needs none."""
+        import tensorflow as tf
+
+        strategy = getattr(model, "distribute_strategy", None)
+        if strategy is None or not cluster_lib.from_env().is_multi_worker:
+            return bool(flag)
+        agree = _agreements.get(strategy)
+        if agree is None:  # traced once per strategy: 3.5 ms a call on 2 CPU workers, eager strategy.run 9 ms
+
+            @tf.function
+            def agree(value):
+                return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(tf.identity, (value,)), axis=None)
+
+            _agreements[strategy] = agree
+        return bool(int(agree(tf.constant(int(bool(flag))))) > 0)
 
     def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True, sync_batchnorm=True,
                    compression=None):

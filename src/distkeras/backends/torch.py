@@ -112,6 +112,18 @@ class TorchAdapter(Adapter):
         a plain process starts one per device itself."""
         return len(devices) * max(1, cluster.world_size // max(1, cluster.local_world_size))
 
+    def any_process(self, model, flag):
+        """One integer all-reduced (max) on the job's own process group: gloo on CPU, NCCL on GPU."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return bool(flag)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        value = torch.tensor([int(bool(flag))], dtype=torch.int32, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
     def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None, sync_batchnorm=True,
                    compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB):
         import torch

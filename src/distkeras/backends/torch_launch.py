@@ -16,7 +16,8 @@ The lifetimes are tied both ways, within bounded time:
   gives the parent :data:`GRACE` seconds to fail by itself (a collective with the dead rank fails at
   once, and ``fit()`` then raises :class:`~distkeras.LaunchError` naming the rank) before ending it.
 - When the parent's script ends, it waits for its children (at most the job's timeout) and exits
-  non-zero if one of them failed.
+  non-zero if one of them failed. A child that exits with ``EXIT_PREEMPTED`` (75) was preempted, which
+  is no failure: every process of the job stops after the same step, and rank 0 exits 75 itself.
 
 What can't be re-run — an interactive interpreter, a notebook, a program read from standard input, a test
 run — gets a :class:`~distkeras.LaunchError` saying to start the job with ``distkeras launch`` or
@@ -32,7 +33,7 @@ import threading
 import time
 
 from ..errors import LaunchError
-from ..launch import orphan_proof
+from ..launch import EXIT_PREEMPTED, orphan_proof
 
 #: Set in every child to its parent's pid.
 PARENT_ENV = "DISTKERAS_LAUNCHED_BY"
@@ -147,11 +148,12 @@ class Watcher(threading.Thread):
     def run(self):
         while not self._finishing:
             codes = {rank: child.poll() for rank, child in sorted(self.children.items())}
-            failed = [rank for rank, code in codes.items() if code not in (None, 0)]
+            # A preempted child (distkeras.callbacks.BackupAndRestore) stopped after the step rank 0 stops after too.
+            failed = [rank for rank, code in codes.items() if code not in (None, 0, EXIT_PREEMPTED)]
             if failed:
                 self._fail(failed[0], codes[failed[0]])
                 return
-            if all(code == 0 for code in codes.values()):
+            if all(code in (0, EXIT_PREEMPTED) for code in codes.values()):
                 return
             time.sleep(_POLL)
 
@@ -184,7 +186,7 @@ class Watcher(threading.Thread):
                 problems.append("worker rank {} (pid {}) did not finish within {:.0f} s of rank 0".format(
                     rank, child.pid, self.timeout))
                 continue
-            if code != 0:
+            if code not in (0, EXIT_PREEMPTED):
                 problems.append(_describe_exit(rank, child, code))
         _stop(self.children)
         if problems and not self._failure:  # a failure the watcher saw is reported already
