@@ -1,5 +1,6 @@
 """The modules a CNTK user imports must run on CPython 3.6 (CNTK 2.7's last Python)."""
 
+import glob
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ SCRIPTS = [os.path.join(os.path.dirname(os.path.dirname(SRC)), "examples", "mnis
 def files():
     found = [os.path.join(SRC, f) for f in CORE] + SCRIPTS
     found += [os.path.join(SRC, f) for f in OPTIONAL if os.path.exists(os.path.join(SRC, f))]
+    found += sorted(glob.glob(os.path.join(SRC, "environments", "*.py")))  # every cluster environment, as it is added
     return found
 
 

@@ -173,7 +173,11 @@ class TensorFlowAdapter(Adapter):
         return model
 
     def _multi_worker_strategy(self, tf, cluster, devices):
-        if cluster.source != "TF_CONFIG":
+        import os
+
+        # MultiWorkerMirroredStrategy reads TF_CONFIG; `distkeras launch` sets it (source "distkeras"), and so
+        # may the user or a cluster manager (source "TF_CONFIG").
+        if not os.environ.get("TF_CONFIG", "").strip():
             raise ClusterError(
                 "This process is rank {} of {} ({} variables), but TensorFlow's MultiWorkerMirroredStrategy reads "
                 "TF_CONFIG. Start the workers with `distkeras launch`, or set TF_CONFIG on every worker.".format(

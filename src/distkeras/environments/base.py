@@ -7,9 +7,10 @@ Part of the Python 3.6-compatible core.
 """
 
 import abc
-from typing import Mapping
+from typing import Dict, Iterable, Mapping, Optional
 
 from ..cluster import Cluster
+from ..errors import ClusterError
 
 
 class Environment(abc.ABC):
@@ -21,6 +22,8 @@ class Environment(abc.ABC):
     #: and a scheduler are both present the launcher's variables describe the workers, the scheduler's the
     #: launchers. Two launchers, or two schedulers, that disagree are an error.
     launcher = True
+    #: What :meth:`detect` looks for, for error messages ("RANK and WORLD_SIZE").
+    requires = ""
 
     @staticmethod
     @abc.abstractmethod
@@ -28,8 +31,45 @@ class Environment(abc.ABC):
         # type: (Mapping[str, str]) -> bool
         """Whether this environment's variables are present in ``env``."""
 
+    @staticmethod
+    def generic(env):
+        # type: (Mapping[str, str]) -> bool
+        """Whether ``env`` shows this environment only through variables other launchers set too (plain
+        RANK / WORLD_SIZE / MASTER_ADDR): then a launcher that names itself describes the workers instead."""
+        return False
+
     @abc.abstractmethod
     def read(self, env):
         # type: (Mapping[str, str]) -> Cluster
         """This process' place in the job. Raises ClusterError, naming the variables, when they are malformed
         or describe a job distkeras can't join (it never trains alone when the scheduler says N > 1)."""
+
+
+def integer(env, name, source):
+    # type: (Mapping[str, str], str, str) -> int
+    """``env[name]`` as an int, or a ClusterError naming the variable and who set it."""
+    value = env[name]
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ClusterError("Expected an integer in {} (set by {}). Received: {}={!r}".format(name, source, name, value))
+
+
+def optional_integer(env, name, source, default):
+    # type: (Mapping[str, str], str, str, int) -> int
+    """``env[name]`` as an int when it is set and not empty, else ``default``."""
+    return integer(env, name, source) if env.get(name, "") != "" else default
+
+
+def picked(env, names=(), prefixes=()):
+    # type: (Mapping[str, str], Iterable[str], Iterable[str]) -> Dict[str, str]
+    """The variables of ``env`` among ``names`` or starting with one of ``prefixes``, sorted by name."""
+    names = set(names)
+    prefixes = tuple(prefixes)
+    return {k: env[k] for k in sorted(env) if k in names or (prefixes and k.startswith(prefixes))}
+
+
+def address(host, port):
+    # type: (Optional[str], object) -> Optional[str]
+    """``host:port``, or None without a host."""
+    return "{}:{}".format(host, port) if host else None

@@ -1,0 +1,39 @@
+"""jax.distributed's own variables: ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``
+(what ``jax.distributed.initialize()`` reads when called without arguments).
+
+They say nothing about hosts, so the local rank is taken to be the rank, on one host (as before).
+Part of the Python 3.6-compatible core.
+"""
+
+from typing import Mapping
+
+from ..cluster import Cluster
+from .base import Environment, integer, picked
+
+COORDINATOR, COUNT, INDEX = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+
+
+def read_counted(env, source, coordinator_var, count_var, index_var):
+    # type: (Mapping[str, str], str, str, str, str) -> Cluster
+    world = integer(env, count_var, source)
+    rank = integer(env, index_var, source)
+    coordinator = env.get(coordinator_var, "").split(",")[0].strip() or None
+    return Cluster(rank, world, rank, world, coordinator, source,
+                   variables=picked(env, (coordinator_var, count_var, index_var)))
+
+
+class JAX(Environment):
+    """JAX_NUM_PROCESSES and JAX_PROCESS_ID set; the coordinator from JAX_COORDINATOR_ADDRESS."""
+
+    name = "jax"
+    launcher = True
+    requires = "JAX_NUM_PROCESSES and JAX_PROCESS_ID"
+
+    @staticmethod
+    def detect(env):
+        # type: (Mapping[str, str]) -> bool
+        return COUNT in env and INDEX in env
+
+    def read(self, env):
+        # type: (Mapping[str, str]) -> Cluster
+        return read_counted(env, self.name, COORDINATOR, COUNT, INDEX)
