@@ -279,3 +279,15 @@ class SlurmCluster(object):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def cluster_fixture():
+    """A pytest session fixture body: one cluster for every test, or a skip saying why there can be none."""
+    import pytest
+
+    reason = unavailable()
+    if reason:
+        print("skipping the Slurm tests: " + reason)
+        pytest.skip(reason)
+    with SlurmCluster() as cluster:
+        yield cluster

@@ -87,6 +87,7 @@ class TensorFlowAdapter(Adapter):
         self._multi_worker_error = None
 
     def prepare(self, cluster):
+        write_tf_config(cluster)
         when_imported("tensorflow", self._start_multi_worker)
 
     def _start_multi_worker(self):
@@ -176,11 +177,15 @@ class TensorFlowAdapter(Adapter):
         import os
 
         # MultiWorkerMirroredStrategy reads TF_CONFIG; `distkeras launch` sets it (source "distkeras"), and so
-        # may the user or a cluster manager (source "TF_CONFIG").
+        # may the user or a cluster manager (source "TF_CONFIG"); from an environment's worker addresses (Slurm)
+        # prepare() wrote it, or it is written here (while the strategy hasn't started yet).
+        if self._multi_worker is None and self._multi_worker_error is None:
+            write_tf_config(cluster)
         if not os.environ.get("TF_CONFIG", "").strip():
             raise ClusterError(
                 "This process is rank {} of {} ({} variables), but TensorFlow's MultiWorkerMirroredStrategy reads "
-                "TF_CONFIG. Start the workers with `distkeras launch`, or set TF_CONFIG on every worker.".format(
+                "TF_CONFIG, and that environment names no worker addresses to write it from. Start the workers "
+                "with `distkeras launch`, or set TF_CONFIG on every worker.".format(
                     cluster.rank, cluster.world_size, cluster.source
                 )
             )
@@ -203,6 +208,25 @@ class TensorFlowAdapter(Adapter):
                 )
             )
         return self._multi_worker
+
+
+def write_tf_config(cluster, environ=None):
+    """Describe ``cluster`` in TF_CONFIG, which MultiWorkerMirroredStrategy reads when it starts, where the
+    environment gave every worker's address but no TF_CONFIG (Slurm's tasks: ``cluster.workers`` from the host
+    list). A TF_CONFIG already there (the user's, a cluster manager's, ``distkeras launch``'s) is left alone.
+
+    Returns:
+        Whether it wrote TF_CONFIG.
+    """
+    import json
+    import os
+
+    env = os.environ if environ is None else environ
+    if not cluster.is_multi_worker or not cluster.workers or env.get("TF_CONFIG", "").strip():
+        return False
+    env["TF_CONFIG"] = json.dumps(
+        {"cluster": {"worker": list(cluster.workers)}, "task": {"type": "worker", "index": cluster.rank}})
+    return True
 
 
 def _local_task_prefix():
