@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Dict, Mapping, Optional
 
 from .errors import DistKerasError
 
@@ -50,6 +51,33 @@ def _launch(args):
     return launch.Launcher(commands, envs, ranks, stop_timeout=args.stop_timeout or launch.DEFAULT_STOP_TIMEOUT).run()
 
 
+def environment_report(environ=None):
+    # type: (Optional[Mapping[str, str]]) -> Dict[str, object]
+    """The cluster environment as ``distkeras info`` shows it: the one found, the variables it read, the other
+    environments that agreed, and those present but ignored as scheduler context (with why); or the error."""
+    from . import cluster, environments
+
+    try:
+        found = environments.find(environ)
+    except DistKerasError as exc:
+        return {"error": "{}: {}".format(type(exc).__name__, exc)}
+    report = {
+        "environment": found.cluster.source,
+        "variables": found.cluster.variables or {},
+        "coordinator": found.cluster.coordinator,
+    }
+    report.update(cluster.describe(found.cluster))  # rank, workers (the count), local_rank, source
+    report["worker_addresses"] = list(found.cluster.workers) if found.cluster.workers is not None else None
+    if found.agreeing[1:]:
+        report["also_read"] = {c.source: c.variables or {} for c in found.agreeing[1:]}
+    if found.context:
+        report["ignored"] = [{"environment": name, "variables": variables, "why": why}
+                             for name, variables, why in found.context]
+    if environments.missing():
+        report["not_installed"] = environments.missing()
+    return report
+
+
 def _info(args):
     import distkeras
     from . import backends
@@ -60,7 +88,7 @@ def _info(args):
         "distkeras": distkeras.__version__,
         "backend": name,
         "devices": [str(d) for d in adapter.list_devices()],
-        "cluster": distkeras.cluster.describe(distkeras.cluster.from_env()),
+        "cluster": environment_report(),
     }, indent=2))
     return 0
 

@@ -104,4 +104,5 @@ def from_env(environ=None):
 def describe(cluster):
     # type: (Cluster) -> Dict[str, object]
     """The cluster as a plain dict (for :func:`distkeras.describe`)."""
-    return {"rank": cluster.rank, "workers": cluster.world_size, "local_rank": cluster.local_rank, "source": cluster.source}
+    return {"rank": cluster.rank, "workers": cluster.world_size, "local_rank": cluster.local_rank,
+            "source": cluster.source}

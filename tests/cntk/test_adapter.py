@@ -128,7 +128,8 @@ def test_a_launch_environment_cntk_disagrees_with_is_a_cluster_error(tmp_path):
         from distkeras import backends, cluster
         from tests.cntk import toy
         adapter = backends.get("cntk")
-        claimed = cluster.Cluster(rank=1, world_size=2, local_rank=1, local_world_size=2, coordinator=None, source="torchrun")
+        # An MPI rank CNTK's MPI disagrees with (other environments are refused before MPI starts: test_environments)
+        claimed = cluster.Cluster(rank=1, world_size=2, local_rank=1, local_world_size=2, coordinator=None, source="mpi")
         try:
             adapter.distribute(toy.model(seed=1), adapter.list_devices(), claimed)
         except distkeras.ClusterError as exc:
@@ -136,7 +137,27 @@ def test_a_launch_environment_cntk_disagrees_with_is_a_cluster_error(tmp_path):
     """
     job = run(tmp_path, body)
     assert job.returncode == 0, job
-    assert job.results[0]["error"].startswith("The launch environment (torchrun) says rank 1 of 2, but CNTK's MPI says rank 0 of 1.")
+    assert job.results[0]["error"].startswith("The launch environment (mpi) says rank 1 of 2, but CNTK's MPI says rank 0 of 1.")
+
+
+def test_a_scheduler_mpi_doesnt_know_is_refused_before_mpi_starts(tmp_path):
+    # Pod 1 of 2 of a Kubernetes Indexed Job (what Kubernetes and the pod spec set): no MPI rank, so CNTK's
+    # MPI would make it a job of one. distribute() says what to run instead, on CPython 3.6.
+    body = """
+        import distkeras
+        from tests.cntk import toy
+        try:
+            distkeras.distribute(toy.model(seed=1))
+        except distkeras.ClusterError as exc:
+            toy.report(error=str(exc))
+    """
+    job = run(tmp_path, body, JOB_COMPLETION_INDEX=1, HOSTNAME="train-1", DISTKERAS_WORLD_SIZE=2,
+              DISTKERAS_SERVICE="svc")
+    assert job.returncode == 0, job
+    error = job.results[0]["error"]
+    assert error.startswith("This process is rank 1 of 2 (kubernetes: DISTKERAS_SERVICE=svc, DISTKERAS_WORLD_SIZE=2, "
+                            "HOSTNAME=train-1, JOB_COMPLETION_INDEX=1), but CNTK's workers must be MPI ranks"), error
+    assert "distkeras launch --backend cntk --nproc-per-node N script.py" in error
 
 
 def test_the_device_is_the_one_cntk_uses(tmp_path):

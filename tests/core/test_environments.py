@@ -295,3 +295,226 @@ def test_cluster_from_env_reads_os_environ(monkeypatch):
     monkeypatch.setenv("PMI_RANK", "0")
     monkeypatch.setenv("PMI_SIZE", "2")
     assert from_env().source == "mpi"
+
+
+# --- Kubeflow ---------------------------------------------------------------------------------------------
+
+#: training-operator v1 (pkg/controller.v1/pytorch/envvar.go, master.go): a PyTorchJob "mnist" with a Master
+#: and 2 Workers, nprocPerNode unset ("auto"), the default port 23456; this is worker 1's pod.
+KUBEFLOW_V1 = {"PYTHONUNBUFFERED": "0", "MASTER_PORT": "23456", "MASTER_ADDR": "mnist-master-0", "WORLD_SIZE": "3",
+               "RANK": "2", "PET_NPROC_PER_NODE": "auto", "PET_NODE_RANK": "2", "PET_NNODES": "3"}
+#: Kubeflow Trainer v2 torch plugin: a TrainJob "mnist" of 2 nodes; this is node 1 (a JobSet pod).
+KUBEFLOW_V2 = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1",
+               "PET_MASTER_ADDR": "mnist-node-0-0.mnist", "PET_MASTER_PORT": "29400", "JOB_COMPLETION_INDEX": "1"}
+#: training-operator v1 elastic.go: a PyTorchJob with elasticPolicy (no Master: no RANK / WORLD_SIZE).
+KUBEFLOW_ELASTIC = {"PYTHONUNBUFFERED": "0", "PET_RDZV_ENDPOINT": "mnist-worker-0:23456", "PET_RDZV_BACKEND": "c10d",
+                    "PET_NNODES": "1:3", "PET_MAX_RESTARTS": "3", "PET_NPROC_PER_NODE": "1"}
+
+
+def test_kubeflow_pytorchjob_plain_process_per_pod():
+    found = environments.find(KUBEFLOW_V1)
+    c = found.cluster
+    assert (c.rank, c.world_size, c.local_rank, c.local_world_size) == (2, 3, 0, 1)
+    assert (c.source, c.coordinator) == ("kubeflow", "mnist-master-0:23456")
+    assert c.variables == KUBEFLOW_V1
+    assert [a.source for a in found.agreeing] == ["kubeflow", "torchrun"]  # the plain RANK variables agree
+    # Before nprocPerNode (training-operator < 1.7): only the torch variables; read as torchrun's.
+    old = {k: v for k, v in KUBEFLOW_V1.items() if not k.startswith("PET_")}
+    assert from_env(old)[:6] == (2, 3, 2, 3, "mnist-master-0:23456", "torchrun")
+
+
+def test_kubeflow_pytorchjob_with_several_processes_per_pod_needs_torchrun():
+    # nprocPerNode: "2": WORLD_SIZE counts 6 processes, RANK is the pod's.
+    env = dict(KUBEFLOW_V1, WORLD_SIZE="6", PET_NPROC_PER_NODE="2")
+    with pytest.raises(ClusterError, match=r"runs 2 processes per pod .*WORLD_SIZE=6.*RANK=2.*Run torchrun"):
+        from_env(env)
+    # torchrun in the pod read PET_* and set its own ranks: torchrun describes the workers.
+    inner = dict(env, RANK="5", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="mnist",
+                 MASTER_ADDR="mnist-master-0", MASTER_PORT="23456")
+    c = from_env(inner)
+    assert (c.rank, c.world_size, c.local_rank, c.source) == (5, 6, 1, "torchrun")
+
+
+def test_kubeflow_trainer_v2():
+    found = environments.find(KUBEFLOW_V2)
+    c = found.cluster
+    assert (c.rank, c.world_size, c.coordinator, c.source) == (1, 2, "mnist-node-0-0.mnist:29400", "kubeflow")
+    assert [name for name, _, _ in found.context] == ["kubernetes"]  # the JobSet pod's index: context
+    with pytest.raises(ClusterError, match=r"PET_NPROC_PER_NODE='auto'.*Run torchrun"):
+        from_env(dict(KUBEFLOW_V2, PET_NPROC_PER_NODE="auto"))
+
+
+def test_kubeflow_elastic_job_needs_torchrun():
+    with pytest.raises(ClusterError, match=r"only torchrun can join its rendezvous at "
+                                           r"PET_RDZV_ENDPOINT=mnist-worker-0:23456"):
+        from_env(KUBEFLOW_ELASTIC)
+    # Under `distkeras launch` in the pod, the PET_* variables are no longer the workers'.
+    env = dict(KUBEFLOW_ELASTIC, DISTKERAS_LAUNCHER_PID="7", RANK="1", WORLD_SIZE="2")
+    assert from_env(env).source == "distkeras"
+
+
+# --- Kubernetes Indexed Job / JobSet ----------------------------------------------------------------------
+
+#: An Indexed Job "train" (completions: 3, subdomain: workers); pod 2. Kubernetes sets JOB_COMPLETION_INDEX
+#: and the hostname train-2; the pod spec sets DISTKERAS_WORLD_SIZE and DISTKERAS_SERVICE.
+INDEXED = {"JOB_COMPLETION_INDEX": "2", "HOSTNAME": "train-2", "DISTKERAS_WORLD_SIZE": "3",
+           "DISTKERAS_SERVICE": "workers", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+#: A JobSet "js" with one replicated job "w" of 2 Jobs x 2 pods; pod 1 of Job 1. The JobSet annotations are
+#: exposed by the downward API (fieldPath: metadata.annotations['jobset.sigs.k8s.io/...']).
+JOBSET = {"JOB_COMPLETION_INDEX": "1", "HOSTNAME": "js-w-1-1", "JOBSET_NAME": "js", "REPLICATED_JOB_NAME": "w",
+          "JOB_INDEX": "1", "REPLICATED_JOB_REPLICAS": "2", "DISTKERAS_WORLD_SIZE": "4"}
+
+
+def test_kubernetes_indexed_job():
+    c = from_env(INDEXED)
+    assert (c.rank, c.world_size, c.local_rank, c.local_world_size, c.source) == (2, 3, 0, 1, "kubernetes")
+    assert c.coordinator == "train-0.workers:29500"
+    assert c.workers == ("train-0.workers:29501", "train-1.workers:29501", "train-2.workers:29501")
+    assert "KUBERNETES_SERVICE_HOST" not in c.variables and c.variables["JOB_COMPLETION_INDEX"] == "2"
+    c = from_env(dict(INDEXED, DISTKERAS_COORDINATOR_PORT="4000"))
+    assert (c.coordinator, c.workers[1]) == ("train-0.workers:4000", "train-1.workers:4001")
+    c = from_env(dict(INDEXED, DISTKERAS_COORDINATOR="10.0.0.5"))
+    assert c.coordinator == "10.0.0.5:29500"
+
+
+def test_kubernetes_jobset():
+    c = from_env(JOBSET)
+    assert (c.rank, c.world_size, c.source, c.coordinator) == (3, 4, "kubernetes", "js-w-0-0.js:29500")
+    assert c.workers == ("js-w-0-0.js:29501", "js-w-0-1.js:29501", "js-w-1-0.js:29501", "js-w-1-1.js:29501")
+    assert from_env(dict(JOBSET, DISTKERAS_SERVICE="net")).coordinator == "js-w-0-0.net:29500"
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"DISTKERAS_WORLD_SIZE": None}, r"index 2 of a Kubernetes Indexed Job, which doesn't tell its pods how many"),
+    ({"DISTKERAS_SERVICE": None}, r"can't name rank 0's pod: set DISTKERAS_SERVICE"),
+    ({"DISTKERAS_WORLD_SIZE": "2"}, r"rank 2 \(JOB_COMPLETION_INDEX=2\), outside the DISTKERAS_WORLD_SIZE=2 pods"),
+    ({"JOBSET_NAME": "js"}, r"needs REPLICATED_JOB_NAME from the downward API"),
+])
+def test_kubernetes_without_what_it_needs(change, match):
+    env = dict(INDEXED)
+    for name, value in change.items():
+        if value is None:
+            del env[name]
+        else:
+            env[name] = value
+    with pytest.raises(ClusterError, match=match):
+        from_env(env)
+
+
+def test_kubernetes_pods_that_train_alone_say_so():
+    assert from_env(dict(INDEXED, DISTKERAS_ENVIRONMENT="single")).world_size == 1
+    c = from_env({"JOB_COMPLETION_INDEX": "0", "DISTKERAS_WORLD_SIZE": "1"})
+    assert (c.world_size, c.coordinator, c.source) == (1, None, "kubernetes")
+
+
+def test_kubernetes_under_a_launcher_is_context():
+    # distkeras launch --nproc-per-node 2 in pod 2 of the Indexed Job (the launch gets nnodes from the user).
+    env = dict(INDEXED, DISTKERAS_LAUNCHER_PID="9", RANK="5", WORLD_SIZE="6", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="train-0.workers", MASTER_PORT="29500")
+    found = environments.find(env)
+    assert (found.cluster.rank, found.cluster.world_size, found.cluster.source) == (5, 6, "distkeras")
+    assert [(name, vars_["JOB_COMPLETION_INDEX"]) for name, vars_, _ in found.context] == [("kubernetes", "2")]
+    # ... also when the pod spec gives no world size: context, not an error.
+    del env["DISTKERAS_WORLD_SIZE"]
+    assert "doesn't tell its pods how many" in environments.find(env).context[0][2]
+
+
+# --- distkeras info ---------------------------------------------------------------------------------------
+
+def test_info_names_the_environment_and_its_variables():
+    from distkeras.cli import environment_report
+    env = dict(INDEXED, DISTKERAS_LAUNCHER_PID="9", RANK="5", WORLD_SIZE="6", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="train-0.workers", MASTER_PORT="29500", JAX_NUM_PROCESSES="6", JAX_PROCESS_ID="5",
+               JAX_COORDINATOR_ADDRESS="train-0.workers:29500")
+    report = environment_report(env)
+    assert report["environment"] == "distkeras" and (report["rank"], report["workers"]) == (5, 6)
+    assert report["variables"]["DISTKERAS_LAUNCHER_PID"] == "9" and report["coordinator"] == "train-0.workers:29500"
+    assert report["worker_addresses"] is None
+    assert sorted(report["also_read"]) == ["jax", "torchrun"]
+    [ignored] = report["ignored"]
+    assert ignored["environment"] == "kubernetes" and ignored["variables"]["JOB_COMPLETION_INDEX"] == "2"
+    assert ignored["why"].startswith("context under distkeras")
+    json.dumps(report)  # printable as JSON
+    assert environment_report({})["environment"] == "single"
+    error = environment_report({"RANK": "3", "WORLD_SIZE": "2"})["error"]
+    assert error.startswith("ClusterError: Rank 3 from torchrun")
+    assert environment_report(INDEXED)["worker_addresses"][0] == "train-0.workers:29501"
+
+
+# --- MXNet and CNTK under environments they can't join -------------------------------------------------------
+
+def _cluster(source, **variables):
+    return Cluster(1, 2, 1, 2, None, source, variables=variables or {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+
+
+@pytest.mark.parametrize("source,instead", [
+    ("slurm", "srun --ntasks-per-node=1 distkeras launch --backend mxnet --nproc-per-node N script.py"),
+    ("torchrun", "start the job with `distkeras launch --backend mxnet --nproc-per-node N script.py`"),
+    ("ray", "start the job with `distkeras launch --backend mxnet"),
+    ("kubernetes", "--node-rank $JOB_COMPLETION_INDEX"),
+    ("kubeflow", "--node-rank $RANK --coordinator $MASTER_ADDR:PORT"),
+])
+def test_mxnet_refuses_an_environment_it_cant_join(source, instead):
+    from distkeras.backends import mxnet  # the adapter module imports no MXNet
+    with pytest.raises(ClusterError) as info:
+        mxnet.check_joinable(_cluster(source), {})
+    message = str(info.value)
+    assert message.startswith("This process is rank 1 of 2 ({}: SLURM_NTASKS=2, SLURM_PROCID=1), but not a worker of "
+                              "an MXNet parameter-server job: DMLC_ROLE=None.".format(source))
+    assert instead in message
+    mxnet.check_joinable(_cluster(source), {"DMLC_ROLE": "worker"})  # distkeras launch --backend mxnet's worker
+    mxnet.check_joinable(SINGLE, {})
+
+
+@pytest.mark.parametrize("source", ["slurm", "torchrun", "ray", "kubernetes", "kubeflow", "TF_CONFIG", "jax"])
+def test_cntk_refuses_an_environment_mpi_doesnt_know(source):
+    from distkeras.backends import cntk  # the adapter module imports no CNTK
+    with pytest.raises(ClusterError, match=r"rank 1 of 2 \({}: .*\), but CNTK's workers must be MPI ranks.*"
+                                           r"Instead .*mpiexec".format(source)) as info:
+        cntk.check_joinable(_cluster(source), {})
+    if source == "slurm":
+        assert "inside the allocation, run `mpiexec -n N python script.py`" in str(info.value)
+    else:
+        assert "distkeras launch --backend cntk --nproc-per-node N script.py" in str(info.value)
+    cntk.check_joinable(_cluster("mpi"), {})  # mpiexec's ranks: CNTK's MPI compares them itself
+    cntk.check_joinable(_cluster("slurm"), {"PMI_RANK": "1"})  # srun --mpi=pmi2: MPI may know Slurm's tasks
+    cntk.check_joinable(SINGLE, {})
+
+
+# --- the GPUs of a task -----------------------------------------------------------------------------------
+
+def _task(local_rank, local_tasks):
+    return Cluster(local_rank, local_tasks, local_rank, local_tasks, "node0:29500", "slurm")
+
+
+@pytest.mark.parametrize("env,task,count,expected", [
+    # srun --ntasks-per-node=4 --gres=gpu:4: every task sees the node's 4 GPUs; each takes its own.
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, (2, 4), None, "2"),
+    # ... in the order listed, UUIDs too (a MIG or a shared node's allocation).
+    ({"CUDA_VISIBLE_DEVICES": "4,6"}, (1, 2), None, "6"),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-aa, GPU-bb"}, (0, 2), None, "GPU-aa"),
+    # 8 GPUs, 2 tasks: 4 consecutive GPUs each.
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, (1, 2), None, "4,5,6,7"),
+    # 5 GPUs, 2 tasks: 2 each, the fifth unused.
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4"}, (1, 2), None, "2,3"),
+    # srun --gpus-per-task=1 (or --gpu-bind): each task already sees its own GPU: unchanged.
+    ({"CUDA_VISIBLE_DEVICES": "3"}, (3, 4), None, "3"),
+    ({"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_GPUS_PER_TASK": "2"}, (1, 2), None, "2,3"),
+    # Alone on the node: unchanged, whatever it sees.
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, (0, 1), None, "0,1"),
+    ({}, (0, 1), 8, None),
+    # No GPUs.
+    ({"CUDA_VISIBLE_DEVICES": ""}, (1, 2), None, ""),
+    ({}, (1, 2), 0, None),
+    ({}, (1, 2), None, None),
+    # Unset, and the node has 4 GPUs: every task would see all 4.
+    ({}, (3, 4), 4, "3"),
+])
+def test_local_gpus(env, task, count, expected):
+    assert environments.local_gpus(env, _task(*task), count) == expected
+
+
+def test_local_gpus_of_every_task_on_a_node_are_disjoint():
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"}
+    picked = [environments.local_gpus(env, _task(r, 3)).split(",") for r in range(3)]
+    assert picked == [["0", "1"], ["2", "3"], ["4", "5"]]

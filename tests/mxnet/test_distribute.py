@@ -374,6 +374,20 @@ def test_a_worker_outside_an_mxnet_job_is_told_how_to_start_one(monkeypatch):
         distkeras.distribute(build(), devices=2)
 
 
+def test_a_scheduler_mxnet_cant_join_is_a_cluster_error_saying_what_to_run(monkeypatch):
+    # Pod 1 of 2 of a Kubernetes Indexed Job (what Kubernetes and the pod spec set): no MXNet scheduler or
+    # servers exist, so distribute() stops at once with what to run in each pod instead.
+    for name in ("RANK", "WORLD_SIZE", "DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (("JOB_COMPLETION_INDEX", "1"), ("HOSTNAME", "train-1"), ("DISTKERAS_WORLD_SIZE", "2"),
+                        ("DISTKERAS_SERVICE", "svc")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(distkeras.ClusterError, match=r"rank 1 of 2 \(kubernetes: .*JOB_COMPLETION_INDEX=1\), but not a "
+                                                     r"worker of an MXNet parameter-server job.*distkeras launch "
+                                                     r"--backend mxnet --nnodes PODS --node-rank \$JOB_COMPLETION_INDEX"):
+        distkeras.distribute(build(), devices=2)
+
+
 def test_an_unreachable_scheduler_is_a_clear_error(monkeypatch):
     from distkeras.launch import free_port
 

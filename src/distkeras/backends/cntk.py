@@ -29,8 +29,11 @@ Python 3.6 compatible: CNTK 2.7 runs on CPython 3.5/3.6 only.
 import atexit
 import functools
 import logging
+import os
+from typing import Mapping
 
 from .. import sharding
+from ..cluster import Cluster
 from ..devices import Device
 from ..errors import ClusterError, DeviceSpecError, ModelError, OptionError, ShardError
 from . import keras3
@@ -41,6 +44,29 @@ logger = logging.getLogger("distkeras")
 #: How CNTK 2.7 refuses quantization without 1-bit SGD: ``QuantizedMPICommunicator``'s LogicError,
 #: which its SWIG layer raises as RuntimeError.
 _NO_QUANTIZATION = ("1BitSGD", "not supported for this build")
+
+
+def check_joinable(cluster, env):
+    # type: (Cluster, Mapping[str, str]) -> None
+    """Raise ClusterError when this process is one of several workers that MPI doesn't know: CNTK's
+    distributed learner all-reduces through MPI, so its workers must be MPI ranks (mpiexec, which
+    ``distkeras launch --backend cntk`` runs). Slurm's tasks pass where srun gave them MPI ranks (``--mpi``:
+    PMI_RANK / PMIX_RANK); CNTK's MPI then checks the ranks agree. Pure: tests pass the environment."""
+    if not cluster.is_multi_worker or cluster.source == "mpi":
+        return
+    if cluster.source == "slurm" and any(name in env for name in ("PMI_RANK", "PMIX_RANK")):
+        return
+    where = ("inside the allocation, run `mpiexec -n N python script.py` (Open MPI reads Slurm's allocation) "
+             "or, on one node, `distkeras launch --backend cntk --nproc-per-node N script.py`."
+             if cluster.source == "slurm" else
+             "start the workers with `distkeras launch --backend cntk --nproc-per-node N script.py` on one "
+             "host, or `mpiexec -n N --hostfile hosts python script.py` across hosts.")
+    raise ClusterError(
+        "This process is rank {} of {} ({}: {}), but CNTK's workers must be MPI ranks: its distributed learner "
+        "all-reduces through MPI, which {} doesn't start. Instead {}".format(
+            cluster.rank, cluster.world_size, cluster.source,
+            ", ".join("{}={}".format(k, v) for k, v in sorted((cluster.variables or {}).items())) or "no variables",
+            cluster.source, where))
 
 
 class CNTKAdapter(Adapter):
@@ -92,6 +118,7 @@ class CNTKAdapter(Adapter):
             ClusterError: CNTK's MPI disagrees with the launch environment about rank or size.
             ModelError: the model has nothing to train.
         """
+        check_joinable(cluster, os.environ)
         num_quantization_bits = _quantization_bits(compression, num_quantization_bits)
         _check_options(num_quantization_bits, distributed_after)
         from cntk.train.distributed import Communicator

@@ -78,8 +78,10 @@ import functools
 import os
 import socket
 import time
+from typing import Mapping
 
 from .. import sharding
+from ..cluster import Cluster
 from ..devices import Device
 from ..errors import ClusterError, DistKerasError, NetworkError, OptionError, ShardError
 from . import keras3
@@ -94,6 +96,39 @@ SCHEDULER_TIMEOUT = 60.0
 #: MXNet hyper-parameters that keras-mxnet's optimizers take but leave out of get_config()
 #: (``clipnorm`` becomes ``clip_gradient``; ``wd`` and the rest come in through ``**kwargs``).
 _OPTIMIZER_EXTRAS = ("clip_gradient", "wd", "rescale_grad", "multi_precision")
+
+
+def check_joinable(cluster, env):
+    # type: (Cluster, Mapping[str, str]) -> None
+    """Raise ClusterError when this process is one of several workers but no worker of an MXNet
+    parameter-server job -- started by Slurm's srun, torchrun, Ray, MPI, Kubernetes... which start workers
+    but not MXNet's scheduler and servers, nor give the ``DMLC_*`` variables ps-lite reads. It would
+    otherwise train alone, or wait for a scheduler nobody started. Pure: tests pass the environment."""
+    if not cluster.is_multi_worker or env.get("DMLC_ROLE") == "worker":
+        return
+    instead = _MXNET_INSTEAD.get(cluster.source, _MXNET_INSTEAD[""])
+    raise ClusterError(
+        "This process is rank {} of {} ({}: {}), but not a worker of an MXNet parameter-server job: DMLC_ROLE={!r}. "
+        "MXNet's workers need its scheduler and servers, which only `distkeras launch --backend mxnet` starts "
+        "alongside them; {} can't. Instead {}".format(
+            cluster.rank, cluster.world_size, cluster.source, _shown(cluster.variables), env.get("DMLC_ROLE"),
+            cluster.source, instead))
+
+
+def _shown(variables):
+    return ", ".join("{}={}".format(k, v) for k, v in sorted((variables or {}).items())) or "no variables"
+
+
+_MXNET_INSTEAD = {
+    "slurm": "start one launcher per node inside the allocation: srun --ntasks-per-node=1 distkeras launch "
+             "--backend mxnet --nproc-per-node N script.py.",
+    "kubernetes": "run `distkeras launch --backend mxnet --nnodes PODS --node-rank $JOB_COMPLETION_INDEX "
+                  "--coordinator <pod 0's host>:PORT --nproc-per-node N script.py` in every pod.",
+    "kubeflow": "run `distkeras launch --backend mxnet --nnodes PODS --node-rank $RANK --coordinator "
+                "$MASTER_ADDR:PORT --nproc-per-node N script.py` in every pod.",
+    "": "start the job with `distkeras launch --backend mxnet --nproc-per-node N script.py` (across hosts "
+        "with --nnodes, --node-rank and --coordinator on every host).",
+}
 
 
 class MXNetAdapter(Adapter):
@@ -151,6 +186,7 @@ class MXNetAdapter(Adapter):
         import mxnet as mx
 
         if cluster.is_multi_worker:
+            check_joinable(cluster, os.environ)
             return self._distribute_in_job(model, devices, cluster, kvstore or "dist_sync", compression)
         kvstore = kvstore or "device"
         if str(kvstore).startswith("dist"):

@@ -119,7 +119,8 @@ def check(cluster):
     # type: (Cluster) -> Cluster
     """``cluster``, or a ClusterError when its ranks are impossible."""
     if cluster.world_size < 1:
-        raise ClusterError("Expected a world size >= 1 from {}. Received: {}".format(cluster.source, cluster.world_size))
+        raise ClusterError(
+            "Expected a world size >= 1 from {}. Received: {}".format(cluster.source, cluster.world_size))
     if not 0 <= cluster.rank < cluster.world_size:
         raise ClusterError(
             "Rank {} from {} is outside 0..{} (world size {}).".format(
@@ -128,7 +129,8 @@ def check(cluster):
         )
     if not 0 <= cluster.local_rank < max(cluster.local_world_size, 1):
         raise ClusterError(
-            "Local rank {} from {} is outside 0..{}.".format(cluster.local_rank, cluster.source, cluster.local_world_size - 1)
+            "Local rank {} from {} is outside 0..{}.".format(
+                cluster.local_rank, cluster.source, cluster.local_world_size - 1)
         )
     if cluster.workers is not None and len(cluster.workers) != cluster.world_size:
         raise ClusterError("{} names {} worker addresses for a world size of {}. Received: {}".format(
@@ -228,3 +230,56 @@ def find(environ=None):
         if lent_workers:
             first = first._replace(workers=lent_workers[0])
     return Found(first, agreeing, context)
+
+
+#: The variable CUDA reads, and Slurm's sign that it bound GPUs to each task itself (``srun --gpus-per-task``).
+CUDA_ENV = "CUDA_VISIBLE_DEVICES"
+BOUND_PER_TASK = ("SLURM_GPUS_PER_TASK",)
+
+
+def local_gpus(env, cluster, count=None):
+    # type: (Mapping[str, str], Cluster, Optional[int]) -> Optional[str]
+    """The ``CUDA_VISIBLE_DEVICES`` value this task should run with, when several tasks share a node.
+
+    A scheduler that starts several tasks per node (``srun --ntasks-per-node=4 --gres=gpu:4``, an MPI
+    launcher) often lets every task see every GPU of the node; then each task takes its share by local rank,
+    in the order CUDA_VISIBLE_DEVICES lists them (indices or UUIDs): one GPU per task when the node has as
+    many GPUs as tasks, ``gpus // tasks`` consecutive GPUs otherwise. Unchanged (the value in ``env``, None if
+    unset) when the task is alone on its node, when the scheduler already bound GPUs to each task
+    (``SLURM_GPUS_PER_TASK``, or fewer GPUs visible than tasks on the node: one GPU each, as ``srun
+    --gpus-per-task=1`` or ``--gpu-bind`` give), or when there are no GPUs.
+
+    Args:
+        env: the task's environment (CUDA_VISIBLE_DEVICES, SLURM_GPUS_PER_TASK).
+        cluster: the task's place: ``local_rank`` and ``local_world_size`` (Slurm's SLURM_LOCALID and tasks
+            on the node, torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, ...).
+        count: the node's GPUs, for a task whose CUDA_VISIBLE_DEVICES is unset (``len(os.listdir(
+            "/proc/driver/nvidia/gpus"))`` tells without a framework); None or 0 leaves it unset.
+
+    Returns:
+        The value to set, or None to leave CUDA_VISIBLE_DEVICES unset.
+
+    Example:
+        >>> task = Cluster(5, 8, 1, 4, "node0:29500", "slurm")
+        >>> local_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, task)
+        '1'
+        >>> local_gpus({"CUDA_VISIBLE_DEVICES": "2"}, task)  # srun --gpus-per-task=1 bound it already
+        '2'
+    """
+    current = env.get(CUDA_ENV)
+    tasks = cluster.local_world_size
+    if tasks <= 1 or any(name in env for name in BOUND_PER_TASK):
+        return current
+    if current is None:
+        if not count:
+            return None
+        visible = [str(i) for i in range(count)]
+    else:
+        visible = [v.strip() for v in current.split(",") if v.strip()]
+    if len(visible) < tasks:
+        return current
+    if not 0 <= cluster.local_rank < tasks:
+        raise ClusterError("Expected a local rank in 0..{} to pick this task's GPUs. Received: local rank {} from {}"
+                           .format(tasks - 1, cluster.local_rank, cluster.source))
+    share = len(visible) // tasks
+    return ",".join(visible[cluster.local_rank * share:(cluster.local_rank + 1) * share])

@@ -79,4 +79,5 @@ class MPI(Environment):
                 local_size = optional_integer(env, local_size_var, self.name, world)
                 names += [local_var, local_size_var]
                 break
-        return Cluster(rank, world, local_rank, local_size, None, self.name, variables=picked(env, tuple(names) + CONTEXT))
+        return Cluster(rank, world, local_rank, local_size, None, self.name,
+                       variables=picked(env, tuple(names) + CONTEXT))

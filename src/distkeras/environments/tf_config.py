@@ -32,7 +32,8 @@ def parse(text):
     cluster = config["cluster"]
     task = config.get("task")
     if not isinstance(task, dict) or "type" not in task or "index" not in task:
-        raise ClusterError('TF_CONFIG needs "task": {{"type": ..., "index": ...}}. Received: TF_CONFIG={!r}'.format(text))
+        raise ClusterError(
+            'TF_CONFIG needs "task": {{"type": ..., "index": ...}}. Received: TF_CONFIG={!r}'.format(text))
     unknown = sorted(set(cluster) - {"chief", "worker", "evaluator", "ps"})
     if unknown:
         raise ClusterError("TF_CONFIG names unknown job types {}. Known: chief, worker, evaluator, ps.".format(unknown))
@@ -43,7 +44,8 @@ def parse(text):
         )
     for job in ("chief", "worker"):
         if not isinstance(cluster.get(job, []), list):
-            raise ClusterError("TF_CONFIG cluster.{} must be a list of 'host:port'. Received: {!r}".format(job, cluster[job]))
+            raise ClusterError(
+                "TF_CONFIG cluster.{} must be a list of 'host:port'. Received: {!r}".format(job, cluster[job]))
     chiefs = cluster.get("chief", [])  # type: List[str]
     workers = cluster.get("worker", [])  # type: List[str]
     if len(chiefs) > 1:
