@@ -227,3 +227,35 @@ def test_launch_arguments_inside_an_allocation():
     with pytest.raises(ClusterError, match="one `distkeras launch` per node"):
         slurm.launch_arguments(N2_PER_NODE2_RANK3)
     assert slurm.launch_arguments(SALLOC_SHELL) == {}  # outside a step: nothing to take
+
+
+def test_tasks_sharing_a_node_take_their_gpus_by_local_rank(tmp_path):
+    # srun --ntasks-per-node=2 --gres=gpu:4: both tasks see the node's 4 GPUs; TF and JAX would each take all.
+    from distkeras.backends.base import pin_local_gpus
+
+    gpus = tmp_path / "gpus"
+    for i in range(4):
+        (gpus / "0000:0{}:00.0".format(i)).mkdir(parents=True)
+    task = Slurm().read(N2_PER_NODE2_RANK3)  # local rank 1 of 2
+    env = dict(N2_PER_NODE2_RANK3, CUDA_VISIBLE_DEVICES="0,1,2,3")
+    assert pin_local_gpus(task, env, str(gpus)) == "2,3" and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    env = dict(N2_PER_NODE2_RANK3)  # unset: the driver's count
+    assert pin_local_gpus(task, env, str(gpus)) == "2,3"
+    env = dict(N2_PER_NODE2_RANK3, CUDA_VISIBLE_DEVICES="5", SLURM_GPUS_PER_TASK="1")  # srun bound it already
+    assert pin_local_gpus(task, env, str(gpus)) is None and env["CUDA_VISIBLE_DEVICES"] == "5"
+    env = dict(N2_PER_NODE2_RANK3)  # no NVIDIA driver: nothing to pin
+    assert pin_local_gpus(task, env, str(tmp_path / "none")) is None and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_tensorflow_config_from_the_slurm_host_list():
+    # What the TensorFlow adapter's prepare() writes before MultiWorkerMirroredStrategy starts (no TF import).
+    import json
+
+    from distkeras.backends.tensorflow import write_tf_config
+
+    task = Slurm().read(N2_N2_RANK1)
+    env = {}
+    assert write_tf_config(task, env)
+    assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": list(task.workers)},
+                                            "task": {"type": "worker", "index": 1}}
+    assert not write_tf_config(task, {"TF_CONFIG": "{}"})  # the user's own is kept

@@ -61,7 +61,7 @@ from .. import cluster as cluster_lib
 from ..devices import Device
 from ..errors import ClusterError, DistKerasError, ModelError, OptionError, TooLateError
 from . import keras3, tensorflow_steps, when_imported
-from .base import COMPRESSION_HELP, Adapter, check_compression
+from .base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
 
 _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 #: The wire dtype of each ``compression`` (TensorFlow's names).
@@ -87,6 +87,7 @@ class TensorFlowAdapter(Adapter):
         self._multi_worker_error = None
 
     def prepare(self, cluster):
+        pin_local_gpus(cluster)  # before TensorFlow lists its GPUs: MultiWorkerMirroredStrategy takes all it sees
         write_tf_config(cluster)
         when_imported("tensorflow", self._start_multi_worker)
 
