@@ -9,7 +9,7 @@
 - an sbatch script that runs ``python train.py`` for 2 tasks, without srun, stops with a ClusterError;
 - the hostlist expander agrees with ``scontrol show hostnames``, and every task reads its place as srun set it.
 
-The reference is one device's training at the same global batch: SGD with momentum on the job's own initial
+Besides the srun matrix the jobs run on JAX, whose processes start quickest. The reference is one device's training at the same global batch: SGD with momentum on the job's own initial
 weights (tests.clusters.slurm_job saves them), computed here with numpy; test_the_reference_is_one_keras_process
 checks it against a real single Keras process. This pytest process imports no framework; each job sets
 KERAS_BACKEND. Skipped, saying why, where Slurm can't be installed or namespaces can't be made (not root).
@@ -144,7 +144,7 @@ def test_srun_trains_as_one_process(cluster, tmp_path, backend, layout):
 
 def test_a_killed_task_ends_the_step(cluster, tmp_path):
     done, seconds = run(cluster, ["srun", "-N2", "-n2", "--kill-on-bad-exit=1", sys.executable] + JOB +
-                        [str(tmp_path), "kill"], job_env(cluster, "torch"), timeout=180)
+                        [str(tmp_path), "kill"], job_env(cluster, "jax"), timeout=180)
     ended = time.time()
     assert done.returncode != 0
     killed_at = float(open(os.path.join(str(tmp_path), "killed-at")).read())
@@ -174,7 +174,7 @@ def test_a_requeued_job_resumes(cluster, tmp_path):
     script = tmp_path / "train.sbatch"
     script.write_text("#!/bin/sh\nexec srun --kill-on-bad-exit=1 {} {} {} requeue\n".format(
         sys.executable, " ".join(JOB), out))
-    env = job_env(cluster, "torch")
+    env = job_env(cluster, "jax")
     done = cluster.run(["sbatch", "--parsable", "--requeue", "-N2", "-n2", "--open-mode=append",
                         "-o", os.path.join(out, "job.out"), str(script)], timeout=30, env=env, cwd=ROOT)
     job = done.stdout.strip().split(";")[0]
@@ -196,7 +196,7 @@ def test_a_requeued_job_resumes(cluster, tmp_path):
 def test_distkeras_launch_inside_an_allocation(cluster, tmp_path):
     command = ["srun", "-N2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", sys.executable, "-m", "distkeras",
                "launch", "--nproc-per-node", "2", "--stop-timeout", "10"] + JOB + [str(tmp_path), "train"]
-    done, seconds = run(cluster, command, job_env(cluster, "torch"))
+    done, seconds = run(cluster, command, job_env(cluster, "jax"))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
     reports = check_trained_as_one_process(str(tmp_path), 4, output)
@@ -211,7 +211,7 @@ def test_a_batch_script_without_srun_is_an_error(cluster, tmp_path):
     script = tmp_path / "train.sbatch"
     script.write_text("#!/bin/sh\n{} {} {} train\n".format(sys.executable, " ".join(JOB), out))
     done = cluster.run(["sbatch", "--parsable", "--wait", "-N2", "--ntasks", "2", "-o", os.path.join(out, "job.out"),
-                        str(script)], timeout=TIMEOUT, env=job_env(cluster, "torch"), cwd=ROOT, check=False)
+                        str(script)], timeout=TIMEOUT, env=job_env(cluster, "jax"), cwd=ROOT, check=False)
     log = open(os.path.join(out, "job.out")).read()
     assert done.returncode != 0, log
     assert "ClusterError" in log and "run it with srun" in log and "SLURM_NTASKS=2" in log, log[-3000:]
@@ -220,12 +220,25 @@ def test_a_batch_script_without_srun_is_an_error(cluster, tmp_path):
 
 
 def test_the_reference_is_one_keras_process(tmp_path):
-    # The numpy reference above against real Keras training in one process (torch: the quickest to start).
+    # The numpy reference above against real Keras training in one process.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DISTKERAS_")) and k != "XLA_FLAGS"}
-    env.update(KERAS_BACKEND="torch", PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]))
+    env.update(KERAS_BACKEND="jax", PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]))
     done = subprocess.run([sys.executable] + JOB + [str(tmp_path), "single"], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     expected = reference(load(os.path.join(str(tmp_path), "init.npz")))
     for e, a in zip(expected, load(os.path.join(str(tmp_path), "single.npz"))):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_the_slurm_example_trains(cluster, tmp_path):
+    # examples/slurm/train.py as train.sbatch runs it (srun python train.py), on CPUs and with little data.
+    out = str(tmp_path)
+    command = ["srun", "-N2", "-n2", "--kill-on-bad-exit=1", sys.executable, os.path.join(ROOT, "examples", "slurm",
+               "train.py"), "--epochs", "2", "--samples", "512", "--batch-size", "64", "--backup",
+               os.path.join(out, "backup"), "--out", os.path.join(out, "model.keras")]
+    done, seconds = run(cluster, command, job_env(cluster, "jax"))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    assert "'replicas': 2" in done.stdout and "'workers': 2" in done.stdout, done.stdout[-3000:]
+    assert os.path.exists(os.path.join(out, "model.keras")) and done.stdout.count("saved ") == 1
+    print("examples/slurm/train.py on 2 nodes: {:.1f} s".format(seconds))
