@@ -31,6 +31,7 @@ from distkeras.environments.slurm import expand_hostlist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = ["-m", "tests.clusters.slurm_job"]
 TIMEOUT = 300
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 @pytest.fixture(scope="session")
@@ -183,7 +184,7 @@ def test_a_requeued_job_resumes(cluster, tmp_path):
     # Slurm makes a requeued job eligible 120 s later; this test doesn't wait for that.
     wait_for(lambda: job_state(cluster, job)[0] == "PENDING", 60, "requeued job pending", cluster)
     cluster.run(["scontrol", "update", "JobId=" + job, "StartTime=now"], timeout=30)
-    wait_for(lambda: job_state(cluster, job)[0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), TIMEOUT,
+    wait_for(lambda: job_state(cluster, job)[0] in ENDED, TIMEOUT,
              "end of the requeued job", cluster)
     log = open(os.path.join(out, "job.out")).read()
     assert job_state(cluster, job) == ("COMPLETED", "1", "0:0"), log[-5000:]
@@ -210,10 +211,13 @@ def test_a_batch_script_without_srun_is_an_error(cluster, tmp_path):
     out = str(tmp_path)
     script = tmp_path / "train.sbatch"
     script.write_text("#!/bin/sh\n{} {} {} train\n".format(sys.executable, " ".join(JOB), out))
-    done = cluster.run(["sbatch", "--parsable", "--wait", "-N2", "--ntasks", "2", "-o", os.path.join(out, "job.out"),
-                        str(script)], timeout=TIMEOUT, env=job_env(cluster, "jax"), cwd=ROOT, check=False)
+    done = cluster.run(["sbatch", "--parsable", "-N2", "--ntasks", "2", "-o", os.path.join(out, "job.out"),
+                        str(script)], timeout=30, env=job_env(cluster, "jax"), cwd=ROOT)
+    job = done.stdout.strip().split(";")[0]
+    # polled here: sbatch --wait checks back only every few tens of seconds
+    wait_for(lambda: job_state(cluster, job)[0] in ENDED, TIMEOUT, "end of the batch job", cluster)
     log = open(os.path.join(out, "job.out")).read()
-    assert done.returncode != 0, log
+    assert job_state(cluster, job)[0] == "FAILED", log
     assert "ClusterError" in log and "run it with srun" in log and "SLURM_NTASKS=2" in log, log[-3000:]
     assert "DISTKERAS_ENVIRONMENT=single" in log
     assert not [f for f in os.listdir(out) if f.startswith("rank")]  # it trained nothing, alone or not
