@@ -7,10 +7,10 @@ Debian's ``slurm-wlm`` and ``munge`` (Slurm 22.05), installed with apt-get when 
 as root (:func:`ensure_installed`; :func:`unavailable` says why not, for a skip reason). Nothing of the
 machine's own Slurm or munge set-up is used or touched: one munge key, socket and log, one ``slurm.conf``, the
 controller's state and every node's spool directory live in a temporary folder. Every daemon runs in the
-foreground as a child of this process (no systemd): ``munged`` in the machine's namespace (it speaks over a
-Unix socket, which every namespace reaches through the shared file system), ``slurmctld`` and node ``n0``'s
-``slurmd`` on host 0, node ``n1``'s ``slurmd`` on host 1 (:class:`tests.netns.Hosts`). Commands (``srun``,
-``sbatch``, ``sinfo``...) run on host 0 with ``SLURM_CONF`` pointing at the private configuration, as root.
+foreground as a child of this process (no systemd): ``munged`` (its Unix socket reaches every namespace
+through the shared file system), ``slurmctld`` and node ``n0``'s ``slurmd`` on host 0, node ``n1``'s
+``slurmd`` on host 1 (:class:`tests.netns.Hosts`). Commands (``srun``, ``sbatch``, ``sinfo``...) run on host 0
+with ``SLURM_CONF`` pointing at the private configuration, as root.
 
 Everything runs in its host's network namespace and a mount namespace of its own, where a private hosts file
 (the machine's, plus ``10.47.0.<i+1> n<i>``) is bind-mounted over /etc/hosts, so node names resolve as on a
@@ -20,6 +20,7 @@ insists on finding (even with ``proctrack/linuxproc``); ``nsenter --net`` plus `
 Slurm as a single machine without cgroups runs it: ``proctrack/linuxproc``, ``task/none``, no accounting,
 ``select/cons_tres`` with CPUs as the consumable. Each node declares :data:`CPUS_PER_NODE` CPUs whatever the
 machine has (``SlurmdParameters=config_overrides``): the tests place 2 tasks per node on a 2-core machine.
+DISTKERAS_KEEP_SLURM=1 keeps the temporary folder (logs, state) after the cluster stops, for debugging.
 """
 
 import os
@@ -163,35 +164,42 @@ class SlurmCluster(object):
         with open(key, "wb") as sink:
             sink.write(os.urandom(1024))
         os.chmod(key, 0o400)
-        self.munged = subprocess.Popen(
-            ["munged", "--foreground", "--force", "--socket", self.munge_socket, "--key-file", key,
-             "--pid-file", os.path.join(munge, "munged.pid"), "--log-file", os.path.join(munge, "munged.log"),
-             "--seed-file", os.path.join(munge, "munged.seed")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self._wait(lambda: os.path.exists(self.munge_socket), 20, "munged's socket", self.munged)
-
         self.hosts = netns.Hosts(len(self.nodes))
+        self.hosts_file = os.path.join(self.root, "hosts")
         names = "".join("{} {}\n".format(a, n) for a, n in zip(self.hosts.addresses, self.nodes))
         with open("/etc/hosts") as source:
             machine = source.read()
-        self.hosts_file = os.path.join(self.root, "hosts")
         with open(self.hosts_file, "w") as sink:
             sink.write(machine.rstrip("\n") + "\n" + names)
+        # munged on host 0 too (its Unix socket serves every namespace): a test run killed before it could
+        # clean up leaves no daemon behind, as the next Hosts deletes its namespaces with what runs in them.
+        self.munged = self._daemon(0, "munged", [
+            "munged", "--foreground", "--force", "--socket", self.munge_socket, "--key-file", key, "--pid-file",
+            os.path.join(munge, "munged.pid"), "--log-file", os.path.join(munge, "munged.log"), "--seed-file",
+            os.path.join(munge, "munged.seed")])
+        self._wait(lambda: os.path.exists(self.munge_socket), 20, "munged's socket", self.munged)
 
         node_lines = "\n".join(
             "NodeName={} NodeAddr={} CPUs={} RealMemory=1000 State=UNKNOWN".format(n, a, CPUS_PER_NODE)
             for n, a in zip(self.nodes, self.hosts.addresses))
         with open(self.conf, "w") as sink:
             # slurmctld only runs where gethostname() is a SlurmctldHost (the UTS namespace is the machine's)
-            sink.write(CONFIG.format(controller=socket.gethostname().split(".")[0], controller_address=self.hosts.addresses[0],
-                                     munge_socket=self.munge_socket, root=self.root, nodes=node_lines))
-        env = self.env()
-        daemons = [(0, ["slurmctld", "-D", "-i", "-f", self.conf])]
-        daemons += [(i, ["slurmd", "-D", "-N", node, "-f", self.conf]) for i, node in enumerate(self.nodes)]
-        for host, command in daemons:
-            self.daemons.append(subprocess.Popen(self.command(host, command), env=env, stdout=subprocess.DEVNULL,
-                                                 stderr=subprocess.PIPE, text=True))
+            sink.write(CONFIG.format(controller=socket.gethostname().split(".")[0],
+                                     controller_address=self.hosts.addresses[0], munge_socket=self.munge_socket,
+                                     root=self.root, nodes=node_lines))
+        self.daemons.append(self._daemon(0, "slurmctld", ["slurmctld", "-D", "-i", "-f", self.conf]))
+        for i, node in enumerate(self.nodes):
+            self.daemons.append(self._daemon(i, "slurmd." + node, ["slurmd", "-D", "-N", node, "-f", self.conf]))
         self._wait(self._all_idle, start_timeout, "every node idle in sinfo", *self.daemons)
+
+    def _daemon(self, host, name, command):
+        """Start a daemon in the foreground on host ``host``; its stderr goes to ``<root>/<name>.stderr`` (a pipe
+        nobody reads would fill up and block it)."""
+        with open(os.path.join(self.root, name + ".stderr"), "w") as sink:
+            process = subprocess.Popen(self.command(host, command), env=self.env(), stdout=subprocess.DEVNULL,
+                                       stderr=sink)
+        process.name = name
+        return process
 
     def _all_idle(self):
         done = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=20, check=False)
@@ -203,10 +211,10 @@ class SlurmCluster(object):
         while time.time() < deadline:
             for process in processes:
                 if process.poll() is not None:
+                    with open(os.path.join(self.root, process.name + ".stderr"), errors="replace") as source:
+                        stderr = source.read()[-2000:]
                     raise RuntimeError("{} exited ({}) before {}: {}\n{}".format(
-                        next((a for a in process.args if a in ("munged", "slurmctld", "slurmd")), process.args[0]),
-                        process.returncode, what,
-                        process.stderr.read()[-2000:], self.logs()))
+                        process.name, process.returncode, what, stderr, self.logs()))
             if ready():
                 return
             time.sleep(0.3)
@@ -266,11 +274,11 @@ class SlurmCluster(object):
             for process in reversed(self.daemons):  # the slurmds first, then slurmctld
                 _stop(process)
             self.daemons = []
+            _stop(self.munged)
+            self.munged = None
             if self.hosts is not None:
                 self.hosts.close()  # kills whatever still runs in the namespaces (slurmstepd, tasks)
                 self.hosts = None
-            _stop(self.munged)
-            self.munged = None
             if self.root and os.environ.get("DISTKERAS_KEEP_SLURM") != "1":
                 shutil.rmtree(self.root, ignore_errors=True)
 

@@ -9,15 +9,15 @@
 - an sbatch script that runs ``python train.py`` for 2 tasks, without srun, stops with a ClusterError;
 - the hostlist expander agrees with ``scontrol show hostnames``, and every task reads its place as srun set it.
 
-Besides the srun matrix the jobs run on JAX, whose processes start quickest. The reference is one device's training at the same global batch: SGD with momentum on the job's own initial
-weights (tests.clusters.slurm_job saves them), computed here with numpy; test_the_reference_is_one_keras_process
-checks it against a real single Keras process. This pytest process imports no framework; each job sets
+Besides the srun matrix the jobs run on JAX, whose processes start quickest. The reference is one device's
+training at the same global batch: SGD with momentum on the job's own initial weights (tests.clusters.slurm_job
+saves them), computed here with numpy; test_the_reference_is_one_keras_process checks it against a real single
+Keras process. This pytest process imports no framework; each job sets
 KERAS_BACKEND. Skipped, saying why, where Slurm can't be installed or namespaces can't be made (not root).
 """
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -50,7 +50,8 @@ def job_env(cluster, backend, **extra):
     """The environment srun passes on to every task (--export=ALL): one CPU device per task."""
     env = cluster.env(KERAS_BACKEND=backend, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]),
                       PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
-    for name in [n for n in env if n.startswith("DISTKERAS_") or n in ("XLA_FLAGS", "TF_CONFIG", "CUDA_VISIBLE_DEVICES")]:
+    unwanted = ("XLA_FLAGS", "TF_CONFIG", "CUDA_VISIBLE_DEVICES")
+    for name in [n for n in env if n.startswith("DISTKERAS_") or n in unwanted]:
         del env[name]
     env.update(extra)
     return env

@@ -189,7 +189,8 @@ def coordinator_port(env):
     if env.get(PORT_ENV, "").strip():
         text = env[PORT_ENV].strip()
         if not text.isdigit() or not 0 < int(text) < 65536:
-            raise ClusterError("Expected {} to be a port in 1..65535. Received: {}={!r}".format(PORT_ENV, PORT_ENV, text))
+            raise ClusterError(
+                "Expected {} to be a port in 1..65535. Received: {}={!r}".format(PORT_ENV, PORT_ENV, text))
         return int(text)
     numbers = []
     for names in (("SLURM_JOB_ID", "SLURM_JOBID"), ("SLURM_RESTART_COUNT",), _STEP_VARIABLES):
