@@ -129,7 +129,8 @@ def test_a_launch_environment_cntk_disagrees_with_is_a_cluster_error(tmp_path):
         from tests.cntk import toy
         adapter = backends.get("cntk")
         # An MPI rank CNTK's MPI disagrees with (other environments are refused before MPI starts: test_environments)
-        claimed = cluster.Cluster(rank=1, world_size=2, local_rank=1, local_world_size=2, coordinator=None, source="mpi")
+        claimed = cluster.Cluster(rank=1, world_size=2, local_rank=1, local_world_size=2, coordinator=None,
+                                  source="mpi")
         try:
             adapter.distribute(toy.model(seed=1), adapter.list_devices(), claimed)
         except distkeras.ClusterError as exc:
@@ -137,7 +138,8 @@ def test_a_launch_environment_cntk_disagrees_with_is_a_cluster_error(tmp_path):
     """
     job = run(tmp_path, body)
     assert job.returncode == 0, job
-    assert job.results[0]["error"].startswith("The launch environment (mpi) says rank 1 of 2, but CNTK's MPI says rank 0 of 1.")
+    assert job.results[0]["error"].startswith(
+        "The launch environment (mpi) says rank 1 of 2, but CNTK's MPI says rank 0 of 1.")
 
 
 def test_a_scheduler_mpi_doesnt_know_is_refused_before_mpi_starts(tmp_path):

@@ -26,6 +26,11 @@ def test_registry_order_is_the_documented_one():
         assert cls.launcher == (cls.__module__.rpartition(".")[2] not in ("kubernetes", "slurm")), cls
 
 
+def test_get_finds_an_environment_by_name():
+    assert environments.get("TF_CONFIG") is environments.get("tf_config") is tf_config.TFConfig
+    assert environments.get("MPI") is mpi.MPI and environments.get("pbs") is None
+
+
 def test_a_module_missing_from_the_install_is_skipped(monkeypatch):
     monkeypatch.setattr(environments, "REGISTRY", ["no_such_module:Nothing"] + environments.REGISTRY)
     assert environments.missing()[0] == "no_such_module:Nothing"

@@ -382,9 +382,9 @@ def test_a_scheduler_mxnet_cant_join_is_a_cluster_error_saying_what_to_run(monke
     for name, value in (("JOB_COMPLETION_INDEX", "1"), ("HOSTNAME", "train-1"), ("DISTKERAS_WORLD_SIZE", "2"),
                         ("DISTKERAS_SERVICE", "svc")):
         monkeypatch.setenv(name, value)
-    with pytest.raises(distkeras.ClusterError, match=r"rank 1 of 2 \(kubernetes: .*JOB_COMPLETION_INDEX=1\), but not a "
-                                                     r"worker of an MXNet parameter-server job.*distkeras launch "
-                                                     r"--backend mxnet --nnodes PODS --node-rank \$JOB_COMPLETION_INDEX"):
+    expected = (r"rank 1 of 2 \(kubernetes: .*JOB_COMPLETION_INDEX=1\), but not a worker of an MXNet parameter-server "
+                r"job.*distkeras launch --backend mxnet --nnodes PODS --node-rank \$JOB_COMPLETION_INDEX")
+    with pytest.raises(distkeras.ClusterError, match=expected):
         distkeras.distribute(build(), devices=2)
 
 

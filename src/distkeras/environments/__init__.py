@@ -92,6 +92,16 @@ def missing():
     return [entry for entry in REGISTRY if _load(entry) is None]
 
 
+def get(name):
+    # type: (str) -> Optional[type]
+    """The environment class named ``name`` (its ``name``, e.g. "slurm", "TF_CONFIG", or its module's, e.g.
+    "tf_config"; any case), or None when there is none in this install."""
+    for cls in available():
+        if name.lower() in (cls.name.lower(), cls.__module__.rpartition(".")[2]):
+            return cls
+    return None
+
+
 class Found(
     typing.NamedTuple(
         "Found",
@@ -155,14 +165,12 @@ def _forced(name, env):
     # type: (str, Mapping[str, str]) -> Found
     if name.lower() == "single":
         return Found(SINGLE._replace(variables={FORCE_ENV: name}), [], [])
-    classes = available()
-    chosen = [cls for cls in classes if name.lower() in (cls.name.lower(), cls.__module__.rpartition(".")[2])]
-    if not chosen:
+    cls = get(name)
+    if cls is None:
         absent = missing()
         raise ClusterError("Expected {} to name a cluster environment: {} or single{}. Received: {}={!r}".format(
-            FORCE_ENV, ", ".join(cls.name for cls in classes),
+            FORCE_ENV, ", ".join(c.name for c in available()),
             " ({} not in this install)".format(", ".join(absent)) if absent else "", FORCE_ENV, name))
-    cls = chosen[0]
     if not cls.detect(env):
         raise ClusterError(
             "{}={} asks for the {} environment, but its variables are absent: expected {}. Unset {} to let "
