@@ -261,6 +261,7 @@ class Slurm(Environment):
 
     name = "slurm"
     launcher = False
+    requires = "SLURM_JOB_ID"
 
     @staticmethod
     def detect(env):
