@@ -259,3 +259,15 @@ def test_tensorflow_config_from_the_slurm_host_list():
     assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": list(task.workers)},
                                             "task": {"type": "worker", "index": 1}}
     assert not write_tf_config(task, {"TF_CONFIG": "{}"})  # the user's own is kept
+
+
+def test_distkeras_launch_fills_in_what_wasnt_given_from_slurm():
+    from distkeras import launch
+
+    port = coordinator_port(N2_N2_RANK1)
+    assert launch.from_scheduler(environ=N2_N2_RANK1) == (2, 1, "n0:{}".format(port))
+    assert launch.from_scheduler(nnodes=2, node_rank=1, coordinator="10.0.0.1:29500", environ=N2_N2_RANK1) == (
+        2, 1, "10.0.0.1:29500")  # given: kept
+    assert launch.from_scheduler(environ={}) == (1, 0, None)  # no Slurm: one node
+    with pytest.raises(ClusterError, match="one `distkeras launch` per node"):
+        launch.from_scheduler(environ=N2_PER_NODE2_RANK3)
