@@ -445,6 +445,8 @@ def from_scheduler(nnodes=None, node_rank=None, coordinator=None, environ=None):
     """
     from .environments import slurm
 
+    if nnodes is not None and node_rank is not None and coordinator is not None:
+        return nnodes, node_rank, coordinator  # all given: Slurm's variables aren't even read
     taken = slurm.launch_arguments(os.environ if environ is None else environ)
     return (nnodes if nnodes is not None else int(taken.get("nnodes", 1)),  # type: ignore
             node_rank if node_rank is not None else int(taken.get("node_rank", 0)),  # type: ignore

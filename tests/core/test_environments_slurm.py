@@ -271,3 +271,4 @@ def test_distkeras_launch_fills_in_what_wasnt_given_from_slurm():
     assert launch.from_scheduler(environ={}) == (1, 0, None)  # no Slurm: one node
     with pytest.raises(ClusterError, match="one `distkeras launch` per node"):
         launch.from_scheduler(environ=N2_PER_NODE2_RANK3)
+    assert launch.from_scheduler(4, 3, "n0:29500", environ=N2_PER_NODE2_RANK3) == (4, 3, "n0:29500")
