@@ -35,15 +35,15 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def slurm_cluster():
     yield from slurm_cluster_lib.cluster_fixture()
 
 
 @pytest.fixture(autouse=True)
 def no_job_left(request):
     yield
-    if "cluster" in request.fixturenames:
-        request.getfixturevalue("cluster").cancel_all()
+    if "slurm_cluster" in request.fixturenames:
+        request.getfixturevalue("slurm_cluster").cancel_all()
 
 
 def job_env(cluster, backend, **extra):
@@ -104,7 +104,8 @@ def check_trained_as_one_process(out_dir, world, output):
     return reports
 
 
-def test_hostlists_expand_as_scontrol_shows_them(cluster):
+def test_hostlists_expand_as_scontrol_shows_them(slurm_cluster):
+    cluster = slurm_cluster
     cases = ["gpu-a[01-04,07],gpu-b3", "n[8-11]", "n[008-011]", "a[1-2]b[3-4]", "a[1-2]-[5-6],z[1,3]",
              "rack1-n[1-2]", "n[01-3]", "n[1-03]", "n1[2-3]", "x[9-10],y", "n[2,1]", "n[0-3],n[2-5]", "n0 n1",
              "a[1,2]b[3]c[4-5]", "node[1-100]"]
@@ -113,7 +114,8 @@ def test_hostlists_expand_as_scontrol_shows_them(cluster):
         assert expand_hostlist(text) == shown, text
 
 
-def test_every_task_reads_its_place_as_srun_set_it(cluster, tmp_path):
+def test_every_task_reads_its_place_as_srun_set_it(slurm_cluster, tmp_path):
+    cluster = slurm_cluster
     code = ("import json, os; from distkeras import cluster; c = cluster.from_env(); "
             "print(json.dumps([c.rank, c.world_size, c.local_rank, c.local_world_size, c.coordinator, c.source, "
             "list(c.workers), os.environ['SLURMD_NODENAME']]))")
@@ -131,7 +133,8 @@ def test_every_task_reads_its_place_as_srun_set_it(cluster, tmp_path):
     ("torch", ["-N2", "-n2"]),
     ("jax", ["-N2", "--ntasks-per-node=2"]),
 ], ids=["tensorflow-N2n2", "jax-N2n2", "torch-N2n2", "jax-N2-2pernode"])
-def test_srun_trains_as_one_process(cluster, tmp_path, backend, layout):
+def test_srun_trains_as_one_process(slurm_cluster, tmp_path, backend, layout):
+    cluster = slurm_cluster
     done, seconds = run(cluster, ["srun"] + layout + ["--kill-on-bad-exit=1", sys.executable] + JOB +
                         [str(tmp_path), "train"], job_env(cluster, backend))
     output = done.stdout + done.stderr
@@ -144,7 +147,8 @@ def test_srun_trains_as_one_process(cluster, tmp_path, backend, layout):
     print("{} {}: {:.1f} s".format(backend, " ".join(layout), seconds))
 
 
-def test_a_killed_task_ends_the_step(cluster, tmp_path):
+def test_a_killed_task_ends_the_step(slurm_cluster, tmp_path):
+    cluster = slurm_cluster
     done, seconds = run(cluster, ["srun", "-N2", "-n2", "--kill-on-bad-exit=1", sys.executable] + JOB +
                         [str(tmp_path), "kill"], job_env(cluster, "jax"), timeout=180)
     ended = time.time()
@@ -171,7 +175,8 @@ def wait_for(condition, timeout, what, cluster):
     raise AssertionError("no {} after {} s\n{}".format(what, timeout, cluster.logs()))
 
 
-def test_a_requeued_job_resumes(cluster, tmp_path):
+def test_a_requeued_job_resumes(slurm_cluster, tmp_path):
+    cluster = slurm_cluster
     out = str(tmp_path)
     script = tmp_path / "train.sbatch"
     script.write_text("#!/bin/sh\nexec srun --kill-on-bad-exit=1 {} {} {} requeue\n".format(
@@ -195,7 +200,8 @@ def test_a_requeued_job_resumes(cluster, tmp_path):
     assert [(r["restart"], r["epochs"]) for r in reports] == [("1", [2, 3])] * 2
 
 
-def test_distkeras_launch_inside_an_allocation(cluster, tmp_path):
+def test_distkeras_launch_inside_an_allocation(slurm_cluster, tmp_path):
+    cluster = slurm_cluster
     command = ["srun", "-N2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", sys.executable, "-m", "distkeras",
                "launch", "--nproc-per-node", "2", "--stop-timeout", "10"] + JOB + [str(tmp_path), "train"]
     done, seconds = run(cluster, command, job_env(cluster, "jax"))
@@ -208,7 +214,8 @@ def test_distkeras_launch_inside_an_allocation(cluster, tmp_path):
     print("srun + distkeras launch, 2 nodes x 2 workers: {:.1f} s".format(seconds))
 
 
-def test_a_batch_script_without_srun_is_an_error(cluster, tmp_path):
+def test_a_batch_script_without_srun_is_an_error(slurm_cluster, tmp_path):
+    cluster = slurm_cluster
     out = str(tmp_path)
     script = tmp_path / "train.sbatch"
     script.write_text("#!/bin/sh\n{} {} {} train\n".format(sys.executable, " ".join(JOB), out))
@@ -236,7 +243,8 @@ def test_the_reference_is_one_keras_process(tmp_path):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
 
 
-def test_the_slurm_example_trains(cluster, tmp_path):
+def test_the_slurm_example_trains(slurm_cluster, tmp_path):
+    cluster = slurm_cluster
     # examples/slurm/train.py as train.sbatch runs it (srun python train.py), on CPUs and with little data.
     out = str(tmp_path)
     command = ["srun", "-N2", "-n2", "--kill-on-bad-exit=1", sys.executable, os.path.join(ROOT, "examples", "slurm",
