@@ -20,6 +20,7 @@ def _launch(args):
     from . import backends, launch
 
     backend = args.backend or backends.active_name()
+    args.nnodes, args.node_rank, args.coordinator = launch.from_scheduler(args.nnodes, args.node_rank, args.coordinator)
     script = list(args.script)
     if script and script[0] == "--":
         script = script[1:]
@@ -109,10 +110,13 @@ def build_parser():
         description="Start N workers of SCRIPT on this host with the variables the backend's own distributed engine "
                     "reads; prefix their output with the rank; stop them all when one fails.")
     launch.add_argument("--nproc-per-node", type=int, required=True, help="workers on this host (one per device)")
-    launch.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default 1)")
-    launch.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
+    launch.add_argument("--nnodes", type=int, default=None,
+                        help="hosts in the job (default 1; inside `srun --ntasks-per-node=1`: the step's nodes)")
+    launch.add_argument("--node-rank", type=int, default=None,
+                        help="this host's index, 0..nnodes-1 (default 0; inside srun: SLURM_PROCID)")
     launch.add_argument("--coordinator", default=None,
-                        help="HOST:PORT of node rank 0, the same on every host. One host: the engine's rendezvous "
+                        help="HOST:PORT of node rank 0, the same on every host (inside srun: the step's first node "
+                             "and a port derived from the job, or DISTKERAS_COORDINATOR_PORT). One host: the engine's rendezvous "
                              "(default 127.0.0.1 and a free port). Several hosts: the launchers meet at PORT and the "
                              "engines use PORT+1 (TensorFlow's workers PORT+1..PORT+nproc-per-node on every host)")
     launch.add_argument("--hosts", default=None,

@@ -451,6 +451,28 @@ def _bracket(host):
     return "[{}]".format(host) if ":" in host else host
 
 
+def from_scheduler(nnodes=None, node_rank=None, coordinator=None, environ=None):
+    # type: (Optional[int], Optional[int], Optional[str], Optional[Dict[str, str]]) -> Tuple[int, int, Optional[str]]
+    """``--nnodes``, ``--node-rank`` and ``--coordinator``, those not given taken from the scheduler.
+
+    Inside a Slurm step (``srun --ntasks-per-node=1 distkeras launch --nproc-per-node N ...``) every task is
+    one node's launcher: the step's tasks are the nodes, ``SLURM_PROCID`` the node rank and the step's first
+    node the coordinator (:func:`distkeras.environments.slurm.launch_arguments`). Elsewhere: one node, rank 0,
+    no coordinator.
+
+    Raises:
+        ClusterError: a Slurm step with several tasks on a node, or Slurm variables that disagree.
+    """
+    from .environments import slurm
+
+    if nnodes is not None and node_rank is not None and coordinator is not None:
+        return nnodes, node_rank, coordinator  # all given: Slurm's variables aren't even read
+    taken = slurm.launch_arguments(os.environ if environ is None else environ)
+    return (nnodes if nnodes is not None else int(taken.get("nnodes", 1)),  # type: ignore
+            node_rank if node_rank is not None else int(taken.get("node_rank", 0)),  # type: ignore
+            coordinator if coordinator is not None else taken.get("coordinator"))  # type: ignore
+
+
 def run_job(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None, backend="tensorflow",
             hosts=None, interface=None, stop_timeout=None, join_timeout=None, peer_timeout=None, environ=None):
     # type: (List[str], int, int, int, Optional[str], str, Optional[List[str]], Optional[str], Optional[float], Optional[float], Optional[float], Optional[Dict[str, str]]) -> int

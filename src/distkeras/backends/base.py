@@ -28,6 +28,37 @@ def check_compression(value):
     return name
 
 
+#: Where the NVIDIA driver lists the node's GPUs, one folder each: counted without a framework.
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def pin_local_gpus(cluster, environ=None, gpus_dir=NVIDIA_GPUS):
+    # type: (Cluster, Optional[Dict[str, str]], str) -> Optional[str]
+    """Give this task its share of the node's GPUs by local rank, in ``CUDA_VISIBLE_DEVICES``, before the
+    framework starts (:func:`distkeras.environments.local_gpus` decides; a scheduler's binding is kept).
+
+    For engines that use every GPU a process sees (TensorFlow's MultiWorkerMirroredStrategy, JAX): several
+    tasks on a node that all see every GPU (``srun --ntasks-per-node=4 --gres=gpu:4``) would each take all.
+
+    Returns:
+        The value set, or None where nothing changed.
+    """
+    import os
+
+    from .. import environments
+
+    env = os.environ if environ is None else environ
+    try:
+        count = len(os.listdir(gpus_dir))
+    except OSError:  # no NVIDIA driver here
+        count = 0
+    value = environments.local_gpus(env, cluster, count)
+    if value is None or value == env.get(environments.CUDA_ENV):
+        return None
+    env[environments.CUDA_ENV] = value
+    return value
+
+
 class Adapter(abc.ABC):
     """What distkeras needs from a backend: its devices, and a way to make a model data-parallel.
 

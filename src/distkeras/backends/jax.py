@@ -49,7 +49,7 @@ from typing import List
 from ..devices import Device
 from ..errors import ClusterError, DistKerasError, NetworkError, OptionError, TooLateError
 from . import keras3, when_imported
-from .base import COMPRESSION_HELP, Adapter, check_compression
+from .base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
 
 logger = logging.getLogger("distkeras")
 
@@ -82,6 +82,7 @@ class JaxAdapter(Adapter):
         self._multi_process_error = None
 
     def prepare(self, cluster):
+        pin_local_gpus(cluster)  # before JAX starts its GPU client: a process uses every GPU it sees
         when_imported("jax", lambda: self._start_multi_process(cluster))
 
     def _start_multi_process(self, cluster):

@@ -65,7 +65,7 @@ from .. import exchange
 from ..devices import Device
 from ..errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
 from . import keras3, tensorflow_steps, when_imported
-from .base import COMPRESSION_HELP, Adapter, check_compression
+from .base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
 
 _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 #: The wire dtype of each ``compression`` (TensorFlow's names).
@@ -93,6 +93,7 @@ class TensorFlowAdapter(Adapter):
         self._multi_worker_error = None
 
     def prepare(self, cluster):
+        pin_local_gpus(cluster)  # before TensorFlow lists its GPUs: MultiWorkerMirroredStrategy takes all it sees
         when_imported("tensorflow", lambda: self._start_multi_worker(cluster))
 
     def _start_multi_worker(self, cluster=None):
@@ -103,23 +104,10 @@ class TensorFlowAdapter(Adapter):
 
         try:
             if cluster is not None:
-                self._write_tf_config(cluster)
+                write_tf_config(cluster)
             self._multi_worker = tf.distribute.MultiWorkerMirroredStrategy()
         except Exception as exc:  # raised again, with advice, by distribute()
             self._multi_worker_error = exc
-
-    def _write_tf_config(self, cluster):
-        """TF_CONFIG from every rank's address where the environment has none: the cluster's own list, or
-        (under torchrun) the addresses exchanged through torchrun's store (:mod:`distkeras.exchange`)."""
-        if os.environ.get("TF_CONFIG", "").strip() or not cluster.is_multi_worker:
-            return
-        workers = cluster.workers
-        if not workers and exchange.applies(cluster):
-            workers = exchange.tf_workers(cluster)
-        if workers:
-            os.environ["TF_CONFIG"] = json.dumps(
-                {"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": cluster.rank}}
-            )
 
     def list_devices(self):
         # type: () -> List[Device]
@@ -212,20 +200,20 @@ class TensorFlowAdapter(Adapter):
         return model
 
     def _multi_worker_strategy(self, tf, cluster, devices):
+        if self._multi_worker is None and self._multi_worker_error is None:
+            self._start_multi_worker(cluster)  # writes TF_CONFIG where the environment gives the workers
         if isinstance(self._multi_worker_error, (ClusterError, NetworkError)):
             raise self._multi_worker_error  # TF_CONFIG couldn't be formed: say why, not "import earlier"
         # MultiWorkerMirroredStrategy reads TF_CONFIG: `distkeras launch` sets it, so may the user or a cluster
-        # manager, and prepare() writes it from the environment's workers or torchrun's store.
+        # manager, and write_tf_config() writes it from the environment's workers (Slurm) or torchrun's store.
         if not os.environ.get("TF_CONFIG", "").strip():
             raise ClusterError(
                 "This process is rank {} of {} ({} variables), but TensorFlow's MultiWorkerMirroredStrategy reads "
-                "TF_CONFIG. Start the workers with `distkeras launch` or torchrun, or set TF_CONFIG on every "
-                "worker.".format(
+                "TF_CONFIG, and that environment names no worker addresses to write it from. Start the workers "
+                "with `distkeras launch` or torchrun, or set TF_CONFIG on every worker.".format(
                     cluster.rank, cluster.world_size, cluster.source
                 )
             )
-        if self._multi_worker is None and self._multi_worker_error is None:
-            self._start_multi_worker(cluster)
         if self._multi_worker is None:
             raise TooLateError(
                 "This process is worker {} of {} (TF_CONFIG), and TensorFlow sets up its cross-worker collectives "
@@ -243,6 +231,30 @@ class TensorFlowAdapter(Adapter):
                 )
             )
         return self._multi_worker
+
+
+def write_tf_config(cluster, environ=None):
+    """Describe ``cluster`` in TF_CONFIG, which MultiWorkerMirroredStrategy reads when it starts, where the
+    environment gave every worker's address but no TF_CONFIG (Slurm's tasks: ``cluster.workers`` from the host
+    list), or torchrun's store gives them (:mod:`distkeras.exchange`). A TF_CONFIG already there (the user's, a cluster manager's, ``distkeras launch``'s) is left alone.
+
+    Returns:
+        Whether it wrote TF_CONFIG.
+    """
+    import json
+    import os
+
+    env = os.environ if environ is None else environ
+    if not cluster.is_multi_worker or env.get("TF_CONFIG", "").strip():
+        return False
+    workers = cluster.workers
+    if not workers and environ is None and exchange.applies(cluster):
+        workers = exchange.tf_workers(cluster)  # torchrun: every rank's address through its store
+    if not workers:
+        return False
+    env["TF_CONFIG"] = json.dumps(
+        {"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": cluster.rank}})
+    return True
 
 
 def _local_task_prefix():
