@@ -142,7 +142,7 @@ def test_srun_trains_as_one_process(slurm_cluster, tmp_path, backend, layout):
     world = 2 if "-n2" in layout else 4
     reports = check_trained_as_one_process(str(tmp_path), world, output)
     assert [r["local_rank"] for r in reports] == ([0, 0] if world == 2 else [0, 1, 0, 1])
-    assert {r["source"] for r in reports} == {"TF_CONFIG" if backend == "tensorflow" else "slurm"}
+    assert {r["source"] for r in reports} == {"slurm"}  # also on TensorFlow, whose TF_CONFIG distkeras wrote
     assert "Epoch 4/4" in done.stdout and done.stdout.count("Epoch 4/4") == 1  # rank 0 speaks, alone
     print("{} {}: {:.1f} s".format(backend, " ".join(layout), seconds))
 

@@ -259,6 +259,12 @@ def test_tensorflow_config_from_the_slurm_host_list():
     assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": list(task.workers)},
                                             "task": {"type": "worker", "index": 1}}
     assert not write_tf_config(task, {"TF_CONFIG": "{}"})  # the user's own is kept
+    # The TF_CONFIG distkeras wrote is no environment of its own: the job is still Slurm's.
+    from distkeras import cluster as cluster_lib
+
+    env.update(N2_N2_RANK1)
+    assert cluster_lib.from_env(env).source == "slurm"
+    assert cluster_lib.from_env(dict(N2_N2_RANK1, TF_CONFIG=env["TF_CONFIG"])).source == "TF_CONFIG"
 
 
 def test_distkeras_launch_fills_in_what_wasnt_given_from_slurm():

@@ -62,6 +62,7 @@ from typing import List
 
 from .. import cluster as cluster_lib
 from .. import exchange
+from ..environments import tf_config
 from ..devices import Device
 from ..errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
 from . import keras3, tensorflow_steps, when_imported
@@ -252,7 +253,7 @@ def write_tf_config(cluster, environ=None):
         workers = exchange.tf_workers(cluster)  # torchrun: every rank's address through its store
     if not workers:
         return False
-    env["TF_CONFIG"] = json.dumps(
+    env["TF_CONFIG"] = env[tf_config.WRITTEN] = json.dumps(
         {"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": cluster.rank}})
     return True
 

@@ -14,6 +14,9 @@ from ..errors import ClusterError
 from .base import Environment
 
 VARIABLE = "TF_CONFIG"
+#: Holds the TF_CONFIG distkeras' TensorFlow adapter wrote itself, from another environment's description of
+#: the job (Slurm's host list, torchrun's store): that TF_CONFIG is a consequence, not an environment.
+WRITTEN = "DISTKERAS_WROTE_TF_CONFIG"
 
 
 def parse(text):
@@ -80,7 +83,8 @@ class TFConfig(Environment):
     @staticmethod
     def detect(env):
         # type: (Mapping[str, str]) -> bool
-        return bool(env.get(VARIABLE, "").strip())
+        text = env.get(VARIABLE, "").strip()
+        return bool(text) and text != env.get(WRITTEN, "").strip()
 
     def read(self, env):
         # type: (Mapping[str, str]) -> Cluster
