@@ -35,6 +35,8 @@ from .network import INTERFACE_ENV
 #: The exit status of a preempted worker (and job): BSD's EX_TEMPFAIL, "try again later". A worker exits with it
 #: after a SIGTERM once its job's checkpoint of the step it stopped at is written; running the job again resumes.
 EXIT_PREEMPTED = 75
+#: How a launcher names a preempted worker, to the user and to the other hosts' launchers.
+_PREEMPTED = "was preempted (exit code {})".format(EXIT_PREEMPTED)
 #: Seconds between SIGTERM and SIGKILL when stopping the surviving workers.
 DEFAULT_STOP_TIMEOUT = 20.0
 STOP_TIMEOUT_ENV = "DISTKERAS_STOP_TIMEOUT"
@@ -241,7 +243,8 @@ class Launcher(object):
                 elif code != 0 and (worker.rank is not None or workers_running) and self.interrupted_at is not None:
                     self.failure = (worker.rank, code)  # ended by the forwarded signal: let the others end too
                     if self.supervisor is not None:
-                        self.supervisor.failed(worker.label, "died ({})".format(_describe_exit(code)))
+                        self.supervisor.failed(worker.label, _PREEMPTED if code == EXIT_PREEMPTED else
+                                               "died ({})".format(_describe_exit(code)))
                 elif code == EXIT_PREEMPTED and worker.rank is not None:
                     self._preempted(worker)
                 elif code != 0 and (worker.rank is not None or workers_running):
@@ -272,9 +275,8 @@ class Launcher(object):
         """A worker stopped after a SIGTERM, its job's checkpoint written: the others stop after the same step."""
         self.failure = (worker.rank, EXIT_PREEMPTED)
         if self.supervisor is not None:
-            self.supervisor.failed(worker.label, "was preempted (exit code {})".format(EXIT_PREEMPTED))
-        self._say("{} was preempted (exit code {}); the other workers stop after the same step".format(
-            worker.label, EXIT_PREEMPTED))
+            self.supervisor.failed(worker.label, _PREEMPTED)
+        self._say("{} {}; the other workers stop after the same step".format(worker.label, _PREEMPTED))
         if self.interrupted_at is None:
             self.interrupted_at = time.time()  # as after a forwarded signal: --stop-timeout seconds to exit
 
@@ -298,7 +300,15 @@ class Launcher(object):
             self.stop_all()
 
     def _remote_failure(self, verdict):
-        """Another host failed or was lost: stop this host's workers, exit 1 naming what happened."""
+        """Another host failed or was lost: stop this host's workers, exit 1 naming what happened. A worker of
+        another host that was preempted is no failure: this host's workers stop after the same step on their
+        own (they agree on it), so they get ``--stop-timeout`` seconds, and the launcher exits 75 too."""
+        if _PREEMPTED in verdict:
+            self.failure = (None, EXIT_PREEMPTED)
+            self._say("{}; this host's workers stop after the same step".format(verdict))
+            if self.interrupted_at is None:
+                self.interrupted_at = time.time()
+            return
         self.failure = (None, 1)
         started = time.time()
         self._say("{}; stopping this host's workers".format(verdict))

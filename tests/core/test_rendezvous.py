@@ -22,7 +22,12 @@ with open("pid-{}".format(os.environ["RANK"]), "w") as f:
     f.write(str(os.getpid()))
 if os.environ["RANK"] == os.environ.get("FAIL_RANK"):
     time.sleep(1)
-    sys.exit(3)
+    sys.exit(int(os.environ.get("FAIL_CODE", "3")))
+if os.environ.get("FAIL_CODE") == "75":  # a preemption: every rank stops after the same step, exit 75
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: print("sigterm", flush=True))
+    time.sleep(3)
+    sys.exit(75)
 time.sleep(float(os.environ.get("SLEEP", "0.5")))
 """
 
@@ -120,3 +125,13 @@ def test_a_lost_host_ends_the_job_within_the_peer_timeout(tmp_path, how):
             time.sleep(0.1)
         assert not alive(worker1)
     assert code0 == 1
+
+
+def test_a_preempted_worker_on_one_host_ends_every_host_with_75_not_as_a_crash(tmp_path):
+    """Exit 75 (a worker stopped after a SIGTERM, its checkpoint written) on node 1: node 0's launcher is told,
+    lets its workers stop after the same step on their own (no SIGTERM), and exits 75 as well."""
+    node0, node1, _ = two_hosts(tmp_path, "--backend", "torch", env={"FAIL_RANK": "1", "FAIL_CODE": "75"})
+    (code0, out0, err0), (code1, out1, err1) = finish(node0), finish(node1)
+    assert code1 == launch.EXIT_PREEMPTED and code0 == launch.EXIT_PREEMPTED, err0 + err1
+    assert "rank 1 was preempted (exit code 75)" in err1 and "died" not in err0 + err1
+    assert "this host's workers stop after the same step" in err0 and "sigterm" not in out0
