@@ -46,6 +46,7 @@ SUITES = [
         os.path.join(MXNET_VENV, "bin", "python"),
     ),
     ("cntk", {"DISTKERAS_CNTK_PYTHON": CNTK_PYTHON}, ["tests/cntk"], None),
+    ("clusters", {}, ["tests/clusters"], None),
 ]
 
 

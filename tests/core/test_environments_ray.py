@@ -102,9 +102,9 @@ def test_tf_config_not_written_by_ray_is_an_error(config):
         RayTrain().read(env)
 
 
-def test_jax_variables_outside_ray_train_is_an_error():
+def test_prepare_jax_outside_ray_train_is_an_error():
     pytest.importorskip("ray")
-    from distkeras.environments.ray import jax_variables
+    from distkeras.environments.ray import prepare_jax
 
     with pytest.raises(ClusterError, match="inside a Ray Train worker"):
-        jax_variables()
+        prepare_jax()

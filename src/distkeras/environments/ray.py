@@ -14,9 +14,9 @@ the train loop runs:
   only points ``tf.keras`` at tf_keras).
 
 A Ray worker with neither is a plain Ray task or actor (one process), or a JaxTrainer worker, for which Ray
-sets no variable at all: there :func:`jax_variables` gives distkeras' JAX environment what it reads, from a
-``DataParallelTrainer`` loop (see its docstring). Part of the Python 3.6-compatible core: Ray is imported
-only by :func:`jax_variables`, inside a Ray Train worker.
+sets no variable at all: there :func:`prepare_jax` gives distkeras' JAX environment what it reads, from a ``DataParallelTrainer``
+loop (see its docstring). Part of the Python 3.6-compatible core: Ray is imported only by
+:func:`prepare_jax`, inside a Ray Train worker.
 """
 
 import json
@@ -114,36 +114,42 @@ class RayTrain(Environment):
                        workers=tuple(members), variables=_picked(env, RAY_WORKER + TENSORFLOW))
 
 
-def jax_variables():
+def prepare_jax():
     # type: () -> Dict[str, str]
-    """``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` for this Ray Train worker.
+    """Form a JAX job out of a Ray Train ``DataParallelTrainer``'s workers; call it first in the train loop.
 
     Ray's JaxTrainer starts ``jax.distributed`` itself, without the CPU collectives distkeras sets up, and
-    sets no variable a process could read its rank from. Use a plain ``DataParallelTrainer`` instead, and
-    give distkeras' JAX environment its variables before importing distkeras::
+    sets no variable a process could read its place from. With a plain ``DataParallelTrainer`` instead, this
+    gives distkeras' JAX environment its variables, ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` /
+    ``JAX_PROCESS_ID``, in ``os.environ``, and lets distkeras start ``jax.distributed`` with them, as
+    ``import distkeras`` does in a job that had them from the start. Every worker must call it (a
+    collective), before JAX's first computation::
 
         def train_loop(config):
-            from distkeras.environments.ray import jax_variables
-            os.environ.update(jax_variables())   # rank 0 picks the coordinator's port; all ranks learn it
+            from distkeras.environments.ray import prepare_jax
+            prepare_jax()
             import distkeras, keras
             ...
 
         DataParallelTrainer(train_loop, scaling_config=ScalingConfig(num_workers=2)).fit()
 
     Rank 0 chooses a free port on its node's address (Ray's ``get_node_ip_address``); Ray Train's
-    ``broadcast_from_rank_zero`` hands it to every worker. Every worker must call it (a collective).
+    ``broadcast_from_rank_zero`` hands it to every worker.
 
     Returns:
-        The three variables, as strings.
+        The three variables set, as strings.
 
     Raises:
         ClusterError: not inside a Ray Train worker's train loop.
     """
+    import os
     import socket
 
     import ray.train
     import ray.util
     from ray.train.collective import broadcast_from_rank_zero
+
+    from .. import api
 
     try:
         context = ray.train.get_context()
@@ -162,4 +168,8 @@ def jax_variables():
             probe.close()
         coordinator = "[{}]:{}".format(host, port) if ":" in host else "{}:{}".format(host, port)
     coordinator = broadcast_from_rank_zero(coordinator)
-    return {"JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": str(world), "JAX_PROCESS_ID": str(rank)}
+    variables = {"JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": str(world), "JAX_PROCESS_ID": str(rank)}
+    os.environ.update(variables)
+    # ``import distkeras`` (this module's own import included) read the environment before these were set.
+    api.prepare_multi_worker()
+    return variables
