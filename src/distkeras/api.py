@@ -13,7 +13,7 @@ import weakref
 from typing import Dict, List, Optional
 
 from . import backends, cluster as cluster_lib, devices as devices_lib, sharding
-from .errors import DeviceSpecError, ModelError, TooLateError
+from .errors import ClusterError, DeviceSpecError, ModelError, TooLateError
 
 logger = logging.getLogger("distkeras")
 
@@ -94,6 +94,24 @@ def apply_env_cpu_devices():
         use_cpu_devices(int(value))
     except Exception as exc:  # import must not fail; _env_cpu_devices() re-raises it where it matters
         logger.debug("DISTKERAS_CPU_DEVICES=%s not applied at import: %s", value, exc)
+
+
+def _check_no_jax_job_of_its_own():
+    """No launch environment says this process is one of several, yet jax.distributed runs several: someone
+    started it without variables distkeras reads (Ray Train's JaxTrainer does). Training alone would be silent."""
+    jax = sys.modules.get("jax")
+    is_initialized = getattr(getattr(jax, "distributed", None), "is_initialized", None)  # JAX >= 0.4.31
+    if is_initialized is None or not is_initialized() or jax.process_count() < 2:
+        return
+    raise ClusterError(
+        "Expected a launch environment for this JAX process, which jax.distributed already joined to {} "
+        "processes (as process {}); none was found, and distkeras would train alone on this process' devices. "
+        "Received: no distkeras, torchrun, Ray Train (TorchTrainer / TensorflowTrainer), MPI, TF_CONFIG, JAX_* or "
+        "Slurm variables. Under Ray, use a DataParallelTrainer whose train loop calls "
+        "distkeras.environments.ray.prepare_jax() first, not JaxTrainer; elsewhere, set JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES and JAX_PROCESS_ID and let distkeras start jax.distributed.".format(
+            jax.process_count(), jax.process_index())
+    )
 
 
 def prepare_multi_worker():
@@ -239,6 +257,8 @@ def distribute(model, devices=None, **options):
                 adapter.name, type(model).__name__)
         )
     cluster = cluster_lib.from_env()
+    if not cluster.is_multi_worker and adapter.name == "jax":
+        _check_no_jax_job_of_its_own()
     available = adapter.list_devices()
     if not cluster.is_multi_worker:
         _check_virtual_cpus(available, adapter.name)

@@ -38,6 +38,20 @@ def framework_facts(model):
     return {"replicas": torch.distributed.get_world_size(), "rank": torch.distributed.get_rank()}
 
 
+def build(keras):
+    """The equivalence model of tests/backends/scenarios.py, its initial weights drawn from seeded initializers:
+    keras.utils.set_random_seed would import TensorFlow (tens of seconds per worker) in torch and JAX workers."""
+    init = keras.initializers.GlorotUniform
+
+    model = keras.Sequential([
+        keras.Input((5,)),
+        keras.layers.Dense(16, activation="tanh", kernel_initializer=init(seed=1)),
+        keras.layers.Dense(3, kernel_initializer=init(seed=2)),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="mse")
+    return model
+
+
 def train_loop(config):
     """One Ray Train worker: build, distribute, fit, save."""
     started = time.time()
@@ -65,8 +79,7 @@ def train_loop(config):
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    model = scenarios.build(keras)
-    model = distkeras.distribute(model)
+    model = distkeras.distribute(build(keras))
     x, y = scenarios.data(SAMPLES)
     callbacks = []
     if mode == "kill":
@@ -74,7 +87,8 @@ def train_loop(config):
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
     np.savez(os.path.join(out_dir, "rank{}.npz".format(rank)), *model.get_weights())
     facts = framework_facts(model)
-    facts.update(source=distkeras.cluster.from_env().source, killed=os.path.exists(marker))
+    facts.update(source=distkeras.cluster.from_env().source, killed=os.path.exists(marker),
+                 tensorflow_imported="tensorflow" in sys.modules)
     from distkeras.environments.ray import RayTrain
 
     if RayTrain.detect(os.environ):  # distkeras' Ray environment, on the variables Ray really set here
@@ -93,7 +107,7 @@ def single_process(out_dir):
 
     from tests.backends import scenarios
 
-    model = scenarios.build(keras)
+    model = build(keras)
     x, y = scenarios.data(SAMPLES)
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     np.savez(os.path.join(out_dir, "single.npz"), *model.get_weights())
