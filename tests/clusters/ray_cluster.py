@@ -86,7 +86,8 @@ class RayCluster(object):
 
     def _wait_for_nodes(self, count):
         probe = ("import ray, time\nray.init(address={!r}, log_to_driver=False)\n"
-                 "while len([n for n in ray.nodes() if n['Alive']]) < {}: time.sleep(0.5)\n").format(self.address, count)
+                 "while len([n for n in ray.nodes() if n['Alive']]) < {}: time.sleep(0.5)\n"
+                 ).format(self.address, count)
         deadline = time.time() + START_TIMEOUT
         while True:
             for node in self._nodes:

@@ -3,11 +3,12 @@
     python -m tests.clusters.ray_job ADDRESS OUT_DIR FRAMEWORK MODE
 
 ADDRESS: the head's ``host:port``. FRAMEWORK: "torch" (TorchTrainer), "tensorflow" (TensorflowTrainer) or
-"jax" (a DataParallelTrainer whose workers take JAX_* from distkeras.environments.ray.prepare_jax()). MODE: "train" (2 workers, one per node), "kill" (like train, with FailureConfig(max_failures=1)
-and distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt; on the first attempt rank 1 SIGKILLs itself
-mid-epoch 2). Every worker writes its final weights to OUT_DIR/rank{R}.npz and what its framework counts
-(replicas, rank) to OUT_DIR/rank{R}.json; the driver itself then trains the same model alone at the same global
-batch (KERAS_BACKEND=FRAMEWORK) and writes OUT_DIR/single.npz.
+"jax" (a DataParallelTrainer whose workers take JAX_* from distkeras.environments.ray.prepare_jax()).
+MODE: "train" (2 workers, one per node), "kill" (like train, with FailureConfig(max_failures=1) and
+distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt; on the first attempt rank 1 SIGKILLs itself mid-epoch 2).
+Every worker writes its final weights to OUT_DIR/rank{R}.npz and what its framework counts (replicas, rank),
+its node and what distkeras' RayTrain environment reads there to OUT_DIR/rank{R}.json; the driver itself then
+trains the same model alone at the same global batch (KERAS_BACKEND=FRAMEWORK) and writes OUT_DIR/single.npz.
 """
 
 import json
@@ -136,8 +137,8 @@ def main(address, out_dir, framework, mode):
     scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}, placement_strategy="STRICT_SPREAD")
     run = RunConfig(storage_path=os.path.join(out_dir, "ray"), name="job",
                     failure_config=FailureConfig(max_failures=1 if mode == "kill" else 0))
-    trainer = Trainer(train_loop, train_loop_config={"out_dir": out_dir, "mode": mode, "framework": framework}, scaling_config=scaling,
-                      run_config=run)
+    config = {"out_dir": out_dir, "mode": mode, "framework": framework}
+    trainer = Trainer(train_loop, train_loop_config=config, scaling_config=scaling, run_config=run)
     started = time.time()
     result = trainer.fit()
     print("fit took {:.1f} s".format(time.time() - started))

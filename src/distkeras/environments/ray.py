@@ -14,8 +14,8 @@ the train loop runs:
   only points ``tf.keras`` at tf_keras).
 
 A Ray worker with neither is a plain Ray task or actor (one process), or a JaxTrainer worker, for which Ray
-sets no variable at all: there :func:`prepare_jax` gives distkeras' JAX environment what it reads, from a ``DataParallelTrainer``
-loop (see its docstring). Part of the Python 3.6-compatible core: Ray is imported only by
+sets no variable at all: there :func:`prepare_jax` gives distkeras' JAX environment what it reads, from a
+``DataParallelTrainer`` loop (see its docstring). Part of the Python 3.6-compatible core: Ray is imported only by
 :func:`prepare_jax`, inside a Ray Train worker.
 """
 
