@@ -3,10 +3,11 @@
     with RayCluster() as cluster:                 # head on 10.47.0.1:6379, a worker node on 10.47.0.2
         done = cluster.driver(["-m", "tests.clusters.ray_job", ...], timeout=300)
 
-Each node is ``ray start --block`` in its own namespace: one CPU, a small object store, no dashboard, a
-temporary directory of its own; the driver runs in the head's namespace. :meth:`RayCluster.close` (also on an
-exception) stops each ``ray start`` by its process group, then the namespaces go with every process left in
-them (raylets, workers). ``ray stop`` is never used: it finds Ray's processes by name machine-wide.
+Each node is ``ray start --block`` in its own namespace: ``cpus`` CPUs (one per job that runs at once), a
+small object store, no dashboard, a temporary directory of its own; drivers run in the head's namespace.
+:meth:`RayCluster.close` (also on an exception) stops each ``ray start`` by its process group, then the
+namespaces go with every process left in them (drivers, raylets, workers). ``ray stop`` is never used: it
+finds Ray's processes by name, machine-wide.
 """
 
 import os
@@ -47,11 +48,12 @@ class RayCluster(object):
     #: The nodes' addresses (netns.Hosts' first two).
     ADDRESSES = ("{}.1".format(netns.SUBNET), "{}.2".format(netns.SUBNET))
 
-    def __init__(self, env=None):
+    def __init__(self, cpus=1, env=None):
         self.hosts = netns.Hosts(2)
         self.address = "{}:{}".format(self.hosts.addresses[0], PORT)
         self._nodes = []
         self._dirs = []
+        self.cpus = cpus
         self.env = dict(os.environ if env is None else env)
         self.env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), RAY_USAGE_STATS_ENABLED="0",
                         JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
@@ -72,7 +74,7 @@ class RayCluster(object):
         temp = tempfile.mkdtemp(prefix="dkray")  # short: Ray's socket paths live under it
         self._dirs.append(temp)
         address = self.hosts.addresses[host]
-        args = _ray_command() + ["start", "--block", "--node-ip-address", address, "--num-cpus", "1",
+        args = _ray_command() + ["start", "--block", "--node-ip-address", address, "--num-cpus", str(self.cpus),
                                  "--object-store-memory", str(80 * 1024 * 1024), "--temp-dir", temp,
                                  "--disable-usage-stats"]
         if host == 0:
@@ -120,6 +122,12 @@ class RayCluster(object):
         full = dict(self.env)
         full.update(env or {})
         return self.hosts.run(0, [sys.executable] + list(args), env=full, cwd=ROOT, timeout=timeout, **kwargs)
+
+    def start_driver(self, args, env=None, **kwargs):
+        """Start ``python ARGS`` in the head's namespace (a :class:`subprocess.Popen`); :meth:`close` ends it."""
+        full = dict(self.env)
+        full.update(env or {})
+        return self.hosts.popen(0, [sys.executable] + list(args), env=full, cwd=ROOT, **kwargs)
 
     def close(self):
         """Stop every node by its process group, then delete the namespaces (and what still runs there)."""

@@ -3,7 +3,8 @@
     python -m tests.clusters.ray_job ADDRESS OUT_DIR FRAMEWORK MODE
 
 ADDRESS: the head's ``host:port``. FRAMEWORK: "torch" (TorchTrainer), "tensorflow" (TensorflowTrainer) or
-"jax" (a DataParallelTrainer whose workers take JAX_* from distkeras.environments.ray.prepare_jax()).
+"jax" (a DataParallelTrainer whose workers take JAX_* from distkeras.environments.ray.prepare_jax()), or
+"jaxtrainer" (Ray's JaxTrainer, which distribute() refuses with a ClusterError).
 MODE: "train" (2 workers, one per node), "kill" (like train, with FailureConfig(max_failures=1) and
 distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt; on the first attempt rank 1 SIGKILLs itself mid-epoch 2).
 Every worker writes its final weights to OUT_DIR/rank{R}.npz and what its framework counts (replicas, rank),
@@ -118,7 +119,7 @@ def main(address, out_dir, framework, mode):
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
-    variables = {"KERAS_BACKEND": framework}
+    variables = {"KERAS_BACKEND": "jax" if framework == "jaxtrainer" else framework}
     if framework == "torch":
         # Ray forms the torch.distributed group itself, before the train loop (and distkeras) runs, and gloo
         # advertises the address the host name resolves to: a loopback one on these hosts (as on stock
@@ -131,8 +132,10 @@ def main(address, out_dir, framework, mode):
         from ray.train.tensorflow import TensorflowTrainer as Trainer
     elif framework == "jax":  # JaxTrainer starts jax.distributed itself: a plain DataParallelTrainer instead
         from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer as Trainer
+    elif framework == "jaxtrainer":  # what distkeras refuses with a ClusterError (see api.distribute)
+        from ray.train.v2.jax import JaxTrainer as Trainer
     else:
-        raise SystemExit("Expected a framework in torch, tensorflow, jax. Received: {!r}".format(framework))
+        raise SystemExit("Expected a framework in torch, tensorflow, jax, jaxtrainer. Received: {!r}".format(framework))
     # One worker per node: STRICT_SPREAD places the two workers' bundles on different nodes.
     scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}, placement_strategy="STRICT_SPREAD")
     run = RunConfig(storage_path=os.path.join(out_dir, "ray"), name="job",

@@ -4,12 +4,15 @@ distkeras.distribute(), with one worker per node. Each trains what one process t
 with FailureConfig(max_failures=1), a worker that SIGKILLs itself mid-training is restarted by Ray and the job
 resumes (distkeras.callbacks.BackupAndRestore in a shared folder) to the same weights.
 
-This pytest process imports no framework: the driver (tests/clusters/ray_job.py) is a subprocess in the head's
-namespace, and it also trains the one-process reference."""
+This pytest process imports no framework: the drivers (tests/clusters/ray_job.py) are subprocesses in the head's
+namespace, and they also train the one-process references. A Ray run costs a minute or more here (worker
+processes, framework imports), so the session fixture starts the three jobs at once on one cluster, and each
+test waits for its own."""
 
 import json
 import os
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -18,23 +21,45 @@ from tests.clusters import ray_cluster
 
 REASON = ray_cluster.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-JOB_TIMEOUT = 420
+JOB_TIMEOUT = 480
+#: name -> (framework, ray_job mode)
+JOBS = {"tensorflow": ("tensorflow", "train"), "jax": ("jax", "train"), "torch-kill": ("torch", "kill")}
 
 
 @pytest.fixture(scope="session")
-def cluster():
-    with ray_cluster.RayCluster() as made:
-        yield made
+def jobs(tmp_path_factory):
+    """Every job of :data:`JOBS`, started at once: ``{name: (driver Popen, out dir, log path, start time)}``."""
+    with ray_cluster.RayCluster(cpus=len(JOBS)) as cluster:
+        started = {}
+        try:
+            for name, (framework, mode) in JOBS.items():
+                out = tmp_path_factory.mktemp(name)
+                log_path = os.path.join(str(out), "driver.log")
+                with open(log_path, "w") as log:
+                    driver = cluster.start_driver(
+                        ["-m", "tests.clusters.ray_job", cluster.address, str(out), framework, mode],
+                        stdout=log, stderr=subprocess.STDOUT)
+                started[name] = (driver, out, log_path, time.time())
+            yield started
+        finally:
+            for driver, _, _, _ in started.values():
+                if driver.poll() is None:
+                    driver.kill()
+                driver.wait()
 
 
-def run(cluster, out_dir, framework, mode="train"):
-    """Run the driver; return every rank's facts and weights, and the one-process weights."""
+def result(jobs, name):
+    """Wait for job ``name``; return every rank's facts and weights, and the one-process weights."""
+    driver, out_dir, log_path, started = jobs[name]
     try:
-        done = cluster.driver(["-m", "tests.clusters.ray_job", cluster.address, str(out_dir), framework, mode],
-                              timeout=JOB_TIMEOUT, capture_output=True, text=True)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail("the Ray job did not finish in {} s:\n{}".format(JOB_TIMEOUT, (exc.stdout or b"")[-4000:]))
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+        driver.wait(timeout=max(1, started + JOB_TIMEOUT - time.time()))
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        driver.wait()
+    with open(log_path) as f:
+        log = f.read()
+    assert driver.returncode == 0, "driver exit {} (killed after {} s if -9):\n{}".format(
+        driver.returncode, JOB_TIMEOUT, log[-8000:])
     facts, weights = [], []
     for rank in (0, 1):
         with open(os.path.join(str(out_dir), "rank{}.json".format(rank))) as f:
@@ -59,38 +84,40 @@ def check_one_job(facts, weights, single):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 
-def check_ray_environment(facts, coordinator_is_rank0_worker):
+def check_ray_environment(facts, tensorflow):
     """distkeras' RayTrain environment, on the variables Ray set in the worker, says what the framework says."""
     for rank, fact in enumerate(facts):
         found = fact.get("ray_environment")
         assert found, fact
         assert (found["source"], found["rank"], found["world_size"]) == ("ray", rank, 2)
         assert (found["local_rank"], found["local_world_size"]) == (0, 1)
-        if coordinator_is_rank0_worker:
+        assert found["coordinator"].split(":")[0] in ray_cluster.RayCluster.ADDRESSES
+        if tensorflow:
             assert found["workers"][0] == found["coordinator"]
             assert found["workers"][rank].split(":")[0] == fact["node"]
+        else:
+            assert found["workers"] is None and found["variables"]["RANK"] == str(rank)
 
 
-def test_tensorflow_trainer(cluster, tmp_path):
-    facts, weights, single = run(cluster, tmp_path, "tensorflow")
+def test_tensorflow_trainer(jobs):
+    facts, weights, single = result(jobs, "tensorflow")
     check_one_job(facts, weights, single)
-    check_ray_environment(facts, coordinator_is_rank0_worker=True)
+    check_ray_environment(facts, tensorflow=True)
 
 
-def test_jax_data_parallel_trainer(cluster, tmp_path):
-    facts, weights, single = run(cluster, tmp_path, "jax")
+def test_jax_data_parallel_trainer(jobs):
+    facts, weights, single = result(jobs, "jax")
     check_one_job(facts, weights, single)
     assert [fact["source"] for fact in facts] == ["jax", "jax"]  # prepare_jax() gave distkeras JAX_*
     assert not any(fact["tensorflow_imported"] for fact in facts)
 
 
-def test_torch_trainer_resumes_a_killed_worker_under_failure_config(cluster, tmp_path):
-    """One run for both TorchTrainer claims (a Ray run costs a minute or more here): Ray restarts the worker
-    group after rank 1's SIGKILL, and the resumed job ends where one process at the same global batch does,
-    which is where the uninterrupted two-worker run ends (tests/backends/test_multiworker.py)."""
-    facts, weights, single = run(cluster, tmp_path, "torch", "kill")
+def test_torch_trainer_resumes_a_killed_worker_under_failure_config(jobs):
+    """One run for both TorchTrainer claims: Ray restarts the worker group after rank 1's SIGKILL, and the
+    resumed job ends where one process at the same global batch does, which is where the uninterrupted
+    two-worker run ends (tests/backends/test_multiworker.py)."""
+    facts, weights, single = result(jobs, "torch-kill")
     assert all(fact["killed"] for fact in facts)  # the second attempt finished, after rank 1's SIGKILL
     check_one_job(facts, weights, single)
-    check_ray_environment(facts, coordinator_is_rank0_worker=False)
-    assert facts[0]["ray_environment"]["coordinator"].split(":")[0] in ray_cluster.RayCluster.ADDRESSES
+    check_ray_environment(facts, tensorflow=False)
     assert not any(fact["tensorflow_imported"] for fact in facts)
