@@ -96,9 +96,23 @@ def apply_env_cpu_devices():
         logger.debug("DISTKERAS_CPU_DEVICES=%s not applied at import: %s", value, exc)
 
 
-def _check_no_jax_job_of_its_own():
-    """No launch environment says this process is one of several, yet jax.distributed runs several: someone
-    started it without variables distkeras reads (Ray Train's JaxTrainer does). Training alone would be silent."""
+def _check_not_an_unread_job(backend):
+    """No launch environment says this process is one of several, yet it is: a Ray Train worker whose trainer
+    set no variables (JaxTrainer, DataParallelTrainer), or a process whose jax.distributed someone else started
+    with several processes (JaxTrainer on GPUs and TPUs). Training alone would be silent: a ClusterError."""
+    from .environments import ray as ray_environment
+
+    found = ray_environment.unread_train_worker(os.environ)
+    if found is not None:
+        raise ClusterError(
+            "Expected variables distkeras reads in this Ray Train worker, which is worker {} of {}; Ray's trainer "
+            "set none (JaxTrainer and a plain DataParallelTrainer don't), and distkeras would train alone. "
+            "Received: RAY_RAYLET_PID with no RANK / WORLD_SIZE and no TF_CONFIG. For JAX, call "
+            "distkeras.environments.ray.prepare_jax() first in a DataParallelTrainer's train loop; for PyTorch "
+            "and TensorFlow use TorchTrainer or TensorflowTrainer.".format(found[0], found[1])
+        )
+    if backend != "jax":
+        return
     jax = sys.modules.get("jax")
     is_initialized = getattr(getattr(jax, "distributed", None), "is_initialized", None)  # JAX >= 0.4.31
     if is_initialized is None or not is_initialized() or jax.process_count() < 2:
@@ -257,8 +271,8 @@ def distribute(model, devices=None, **options):
                 adapter.name, type(model).__name__)
         )
     cluster = cluster_lib.from_env()
-    if not cluster.is_multi_worker and adapter.name == "jax":
-        _check_no_jax_job_of_its_own()
+    if not cluster.is_multi_worker:
+        _check_not_an_unread_job(adapter.name)
     available = adapter.list_devices()
     if not cluster.is_multi_worker:
         _check_virtual_cpus(available, adapter.name)

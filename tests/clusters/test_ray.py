@@ -2,7 +2,8 @@
 network-namespace host): TorchTrainer, TensorflowTrainer and a JAX DataParallelTrainer, whose train loops call
 distkeras.distribute(), with one worker per node. Each trains what one process trains at the same global batch;
 with FailureConfig(max_failures=1), a worker that SIGKILLs itself mid-training is restarted by Ray and the job
-resumes (distkeras.callbacks.BackupAndRestore in a shared folder) to the same weights.
+resumes (distkeras.callbacks.BackupAndRestore in a shared folder) to the same weights. Ray's JaxTrainer, which
+sets nothing distkeras can read, gets a ClusterError instead of workers that each train alone.
 
 This pytest process imports no framework: the drivers (tests/clusters/ray_job.py) are subprocesses in the head's
 namespace, and they also train the one-process references. A Ray run costs a minute or more here (worker
@@ -23,7 +24,8 @@ REASON = ray_cluster.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 JOB_TIMEOUT = 480
 #: name -> (framework, ray_job mode)
-JOBS = {"tensorflow": ("tensorflow", "train"), "jax": ("jax", "train"), "torch-kill": ("torch", "kill")}
+JOBS = {"tensorflow": ("tensorflow", "train"), "jax": ("jax", "train"), "torch-kill": ("torch", "kill"),
+        "jaxtrainer": ("jaxtrainer", "train")}
 
 
 @pytest.fixture(scope="session")
@@ -48,18 +50,24 @@ def jobs(tmp_path_factory):
                 driver.wait()
 
 
-def result(jobs, name):
-    """Wait for job ``name``; return every rank's facts and weights, and the one-process weights."""
-    driver, out_dir, log_path, started = jobs[name]
+def finished(jobs, name):
+    """Wait for job ``name`` (killed after JOB_TIMEOUT); return its exit status and log."""
+    driver, _, log_path, started = jobs[name]
     try:
         driver.wait(timeout=max(1, started + JOB_TIMEOUT - time.time()))
     except subprocess.TimeoutExpired:
         driver.kill()
         driver.wait()
     with open(log_path) as f:
-        log = f.read()
-    assert driver.returncode == 0, "driver exit {} (killed after {} s if -9):\n{}".format(
-        driver.returncode, JOB_TIMEOUT, log[-8000:])
+        return driver.returncode, f.read()
+
+
+def result(jobs, name):
+    """Wait for job ``name``; return every rank's facts and weights, and the one-process weights."""
+    _, out_dir, _, _ = jobs[name]
+    returncode, log = finished(jobs, name)
+    assert returncode == 0, "driver exit {} (killed after {} s if -9):\n{}".format(
+        returncode, JOB_TIMEOUT, log[-8000:])
     facts, weights = [], []
     for rank in (0, 1):
         with open(os.path.join(str(out_dir), "rank{}.json".format(rank))) as f:
@@ -121,3 +129,14 @@ def test_torch_trainer_resumes_a_killed_worker_under_failure_config(jobs):
     check_one_job(facts, weights, single)
     check_ray_environment(facts, tensorflow=False)
     assert not any(fact["tensorflow_imported"] for fact in facts)
+
+
+def test_jax_trainer_is_a_cluster_error(jobs):
+    """Ray's JaxTrainer on CPUs starts no jax.distributed and sets no variable: each worker would train alone.
+    distribute() raises instead, naming prepare_jax()."""
+    returncode, log = finished(jobs, "jaxtrainer")
+    assert returncode == 1, log[-8000:]
+    assert "Expected variables distkeras reads in this Ray Train worker, which is worker" in log, log[-8000:]
+    assert "prepare_jax()" in log
+    _, out_dir, _, _ = jobs["jaxtrainer"]
+    assert not os.path.exists(os.path.join(str(out_dir), "rank0.npz"))

@@ -3,6 +3,7 @@ TensorflowTrainer's backends, ray/train/torch/config.py and ray/train/tensorflow
 raylet's RAY_RAYLET_PID / RAY_JOB_ID)."""
 
 import json
+import sys
 
 import pytest
 
@@ -108,3 +109,49 @@ def test_prepare_jax_outside_ray_train_is_an_error():
 
     with pytest.raises(ClusterError, match="inside a Ray Train worker"):
         prepare_jax()
+
+
+class _Context(object):
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    def get_world_rank(self):
+        return self.rank
+
+    def get_world_size(self):
+        return self.world
+
+
+class _RayTrain(object):
+    """Stands in for ``ray.train`` in sys.modules: only its get_context() is asked (inside a train loop Ray
+    returns the worker's context; outside one it raises)."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def get_context(self):
+        if self.context is None:
+            raise RuntimeError("`get_context` can only be called inside a Ray Train worker")
+        return self.context
+
+
+@pytest.mark.parametrize("context, env, expected", [
+    (_Context(1, 2), RAY_WORKER, (1, 2)),  # JaxTrainer on CPU, a plain DataParallelTrainer: nothing set
+    (_Context(0, 1), RAY_WORKER, None),  # one worker: training alone is what was asked
+    (None, RAY_WORKER, None),  # a plain Ray task or actor
+    (_Context(1, 2), torch_worker(1), None),  # TorchTrainer: RayTrain reads it
+    (_Context(1, 2), {"PATH": "/bin"}, None),  # not a Ray worker process
+])
+def test_unread_train_worker(monkeypatch, context, env, expected):
+    from distkeras.environments.ray import unread_train_worker
+
+    monkeypatch.setitem(sys.modules, "ray.train", _RayTrain(context))
+    assert unread_train_worker(env) == expected
+
+
+def test_unread_train_worker_imports_nothing(monkeypatch):
+    from distkeras.environments.ray import unread_train_worker
+
+    monkeypatch.delitem(sys.modules, "ray.train", raising=False)
+    assert unread_train_worker(RAY_WORKER) is None
+    assert "ray.train" not in sys.modules

@@ -20,7 +20,8 @@ sets no variable at all: there :func:`prepare_jax` gives distkeras' JAX environm
 """
 
 import json
-from typing import Dict, List, Mapping, Tuple
+import sys
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from ..cluster import Cluster
 from ..errors import ClusterError
@@ -112,6 +113,28 @@ class RayTrain(Environment):
         local = [i for i, m in enumerate(members) if m.rsplit(":", 1)[0] == host]
         return Cluster(rank, len(members), local.index(rank), len(local), members[0], self.name,
                        workers=tuple(members), variables=_picked(env, RAY_WORKER + TENSORFLOW))
+
+
+def unread_train_worker(env):
+    # type: (Mapping[str, str]) -> Optional[Tuple[int, int]]
+    """``(rank, world size)`` of a Ray Train worker of several that set no variable distkeras reads, else None.
+
+    Ray's JaxTrainer on CPU starts nothing and sets nothing (it starts ``jax.distributed`` for TPUs and GPUs
+    only), and a plain ``DataParallelTrainer`` sets nothing: each worker would train alone. Only Ray Train's
+    own context (``ray.train.get_context()``, in the train loop) knows; it is asked only where Ray Train is
+    already imported in a Ray worker process, so this imports nothing.
+    """
+    if not all(env.get(name, "") != "" for name in RAY_WORKER) or RayTrain.detect(env):
+        return None
+    train = sys.modules.get("ray.train")
+    if train is None:
+        return None
+    try:
+        context = train.get_context()
+        rank, world = int(context.get_world_rank()), int(context.get_world_size())
+    except Exception:  # not inside a train loop: a plain Ray task or actor
+        return None
+    return (rank, world) if world > 1 else None
 
 
 def prepare_jax():
