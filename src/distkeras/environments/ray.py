@@ -13,10 +13,11 @@ the train loop runs:
   worker's "ip:port"]}, "task": {"type": "worker", "index": rank}}`` (and ``TF_USE_LEGACY_KERAS=1``, which
   only points ``tf.keras`` at tf_keras).
 
-A Ray worker with neither is a plain Ray task or actor (one process), or a JaxTrainer worker, for which Ray
-sets no variable at all: there :func:`prepare_jax` gives distkeras' JAX environment what it reads, from a
-``DataParallelTrainer`` loop (see its docstring). Part of the Python 3.6-compatible core: Ray is imported only by
-:func:`prepare_jax`, inside a Ray Train worker.
+A Ray worker with neither is a plain Ray task or actor (one process), or a worker of a trainer that sets no
+variable at all (JaxTrainer: on CPUs it doesn't even start jax.distributed; a plain ``DataParallelTrainer``).
+:func:`prepare_jax` gives distkeras' JAX environment what it reads from a ``DataParallelTrainer`` loop, and
+:func:`unread_train_worker` lets distribute() refuse the rest, rather than train alone. Part of the Python
+3.6-compatible core: Ray is imported only by :func:`prepare_jax`, inside a Ray Train worker.
 """
 
 import json
@@ -141,8 +142,8 @@ def prepare_jax():
     # type: () -> Dict[str, str]
     """Form a JAX job out of a Ray Train ``DataParallelTrainer``'s workers; call it first in the train loop.
 
-    Ray's JaxTrainer starts ``jax.distributed`` itself, without the CPU collectives distkeras sets up, and
-    sets no variable a process could read its place from. With a plain ``DataParallelTrainer`` instead, this
+    Ray's JaxTrainer starts ``jax.distributed`` itself on GPUs and TPUs only (on CPUs, not at all), and sets
+    no variable a process could read its place from. With a plain ``DataParallelTrainer`` instead, this
     gives distkeras' JAX environment its variables, ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` /
     ``JAX_PROCESS_ID``, in ``os.environ``, and lets distkeras start ``jax.distributed`` with them, as
     ``import distkeras`` does in a job that had them from the start. Every worker must call it (a
