@@ -47,7 +47,7 @@ SUITES = [
         os.path.join(MXNET_VENV, "bin", "python"),
     ),
     ("cntk", {"DISTKERAS_CNTK_PYTHON": CNTK_PYTHON}, ["tests/cntk"], None),
-    # Real clusters (Slurm, ...) for every Keras 3 backend: the pytest process imports no framework, each job
+    # Real clusters (Slurm, Ray, torchrun) for every Keras 3 backend: the pytest process imports no framework, each job
     # sets KERAS_BACKEND itself.
     ("clusters", {}, ["tests/clusters"], None),
 ]

@@ -13,7 +13,7 @@ import weakref
 from typing import Dict, List, Optional
 
 from . import backends, cluster as cluster_lib, devices as devices_lib, sharding
-from .errors import DeviceSpecError, ModelError, TooLateError
+from .errors import ClusterError, DeviceSpecError, ModelError, TooLateError
 
 logger = logging.getLogger("distkeras")
 
@@ -94,6 +94,38 @@ def apply_env_cpu_devices():
         use_cpu_devices(int(value))
     except Exception as exc:  # import must not fail; _env_cpu_devices() re-raises it where it matters
         logger.debug("DISTKERAS_CPU_DEVICES=%s not applied at import: %s", value, exc)
+
+
+def _check_not_an_unread_job(backend):
+    """No launch environment says this process is one of several, yet it is: a Ray Train worker whose trainer
+    set no variables (JaxTrainer, DataParallelTrainer), or a process whose jax.distributed someone else started
+    with several processes (JaxTrainer on GPUs and TPUs). Training alone would be silent: a ClusterError."""
+    from .environments import ray as ray_environment
+
+    found = ray_environment.unread_train_worker(os.environ)
+    if found is not None:
+        raise ClusterError(
+            "Expected variables distkeras reads in this Ray Train worker, which is worker {} of {}; Ray's trainer "
+            "set none (JaxTrainer and a plain DataParallelTrainer don't), and distkeras would train alone. "
+            "Received: RAY_RAYLET_PID with no RANK / WORLD_SIZE and no TF_CONFIG. For JAX, call "
+            "distkeras.environments.ray.prepare_jax() first in a DataParallelTrainer's train loop; for PyTorch "
+            "and TensorFlow use TorchTrainer or TensorflowTrainer.".format(found[0], found[1])
+        )
+    if backend != "jax":
+        return
+    jax = sys.modules.get("jax")
+    is_initialized = getattr(getattr(jax, "distributed", None), "is_initialized", None)  # JAX >= 0.4.31
+    if is_initialized is None or not is_initialized() or jax.process_count() < 2:
+        return
+    raise ClusterError(
+        "Expected a launch environment for this JAX process, which jax.distributed already joined to {} "
+        "processes (as process {}); none was found, and distkeras would train alone on this process' devices. "
+        "Received: no distkeras, torchrun, Ray Train (TorchTrainer / TensorflowTrainer), MPI, TF_CONFIG, JAX_* or "
+        "Slurm variables. Under Ray, use a DataParallelTrainer whose train loop calls "
+        "distkeras.environments.ray.prepare_jax() first, not JaxTrainer; elsewhere, set JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES and JAX_PROCESS_ID and let distkeras start jax.distributed.".format(
+            jax.process_count(), jax.process_index())
+    )
 
 
 def prepare_multi_worker():
@@ -239,6 +271,8 @@ def distribute(model, devices=None, **options):
                 adapter.name, type(model).__name__)
         )
     cluster = cluster_lib.from_env()
+    if not cluster.is_multi_worker:
+        _check_not_an_unread_job(adapter.name)
     available = adapter.list_devices()
     if not cluster.is_multi_worker:
         _check_virtual_cpus(available, adapter.name)
