@@ -23,22 +23,9 @@ import keras
 import numpy as np
 
 from tests.backends import scenarios
+from tests.backends.multiworker_job import framework_replicas  # the replica count as the framework reports it
 
 EPOCHS = 4
-
-
-def framework_replicas(model):
-    """The replica count as the framework itself reports it, not distkeras."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        return model.distribute_strategy.num_replicas_in_sync
-    if backend == "jax":
-        import jax
-
-        return jax.device_count()
-    import torch.distributed
-
-    return torch.distributed.get_world_size()
 
 
 class Events(keras.callbacks.Callback):
