@@ -96,10 +96,10 @@ def apply_env_cpu_devices():
         logger.debug("DISTKERAS_CPU_DEVICES=%s not applied at import: %s", value, exc)
 
 
-def _check_not_an_unread_job(backend):
+def _check_not_an_unread_job(adapter):
     """No launch environment says this process is one of several, yet it is: a Ray Train worker whose trainer
-    set no variables (JaxTrainer, DataParallelTrainer), or a process whose jax.distributed someone else started
-    with several processes (JaxTrainer on GPUs and TPUs). Training alone would be silent: a ClusterError."""
+    set no variables (JaxTrainer, DataParallelTrainer), or (the adapter asks its framework) a process whose
+    engine someone else joined to several processes. Training alone would be silent: a ClusterError."""
     from .environments import ray as ray_environment
 
     found = ray_environment.unread_train_worker(os.environ)
@@ -111,21 +111,7 @@ def _check_not_an_unread_job(backend):
             "distkeras.environments.ray.prepare_jax() first in a DataParallelTrainer's train loop; for PyTorch "
             "and TensorFlow use TorchTrainer or TensorflowTrainer.".format(found[0], found[1])
         )
-    if backend != "jax":
-        return
-    jax = sys.modules.get("jax")
-    is_initialized = getattr(getattr(jax, "distributed", None), "is_initialized", None)  # JAX >= 0.4.31
-    if is_initialized is None or not is_initialized() or jax.process_count() < 2:
-        return
-    raise ClusterError(
-        "Expected a launch environment for this JAX process, which jax.distributed already joined to {} "
-        "processes (as process {}); none was found, and distkeras would train alone on this process' devices. "
-        "Received: no distkeras, torchrun, Ray Train (TorchTrainer / TensorflowTrainer), MPI, TF_CONFIG, JAX_* or "
-        "Slurm variables. Under Ray, use a DataParallelTrainer whose train loop calls "
-        "distkeras.environments.ray.prepare_jax() first, not JaxTrainer; elsewhere, set JAX_COORDINATOR_ADDRESS, "
-        "JAX_NUM_PROCESSES and JAX_PROCESS_ID and let distkeras start jax.distributed.".format(
-            jax.process_count(), jax.process_index())
-    )
+    adapter.check_alone()
 
 
 def prepare_multi_worker():
@@ -272,7 +258,7 @@ def distribute(model, devices=None, **options):
         )
     cluster = cluster_lib.from_env()
     if not cluster.is_multi_worker:
-        _check_not_an_unread_job(adapter.name)
+        _check_not_an_unread_job(adapter)
     available = adapter.list_devices()
     if not cluster.is_multi_worker:
         _check_virtual_cpus(available, adapter.name)

@@ -145,11 +145,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         # self._model, not self.model: on JAX the property copies the training state into the model's
         # variables (keras/src/callbacks/callback.py), which only the checkpoint below needs.
         model = self._model
-        if not backends.get(backends.active_name(model)).any_process(model, self._signalled):
+        adapter = backends.get(backends.active_name(model))
+        if not adapter.any_process(model, self._signalled):
             return
         # ``batch`` is the last batch this step trained (several with steps_per_execution): all before it too.
         step = batch + 1
         self._save(self._epoch, step, random_states=self._random)
+        # A barrier: no rank exits before rank 0's checkpoint is written, since whatever started the job may stop
+        # every worker as soon as the first one exits (torchrun's agent, srun --kill-on-bad-exit). Until it is
+        # passed, another SIGTERM only sets the flag again.
+        adapter.any_process(model, True)
         self._ignore()
         total = self.params.get("steps") if self.params else None
         if self._writer:

@@ -4,8 +4,8 @@
 
 MODE: "single" (one process, no distkeras: the reference weights, OUT_DIR/single.npz), "train" (100 samples at
 global batch 12, 4 epochs), "kill" (rank 1 SIGKILLs itself in epoch 1, after writing the time to
-OUT_DIR/killed-at), "requeue" (like train, with distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt; the job's
-first run stops after epoch 2, rank 0 writing OUT_DIR/paused, and waits to be requeued). Rank 0 writes the
+OUT_DIR/killed-at), "requeue" (like train, with distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt; from batch 3 of
+epoch 2 the job's first run, rank 0 writing OUT_DIR/paused, trains a step a second until it is requeued). Rank 0 writes the
 initial weights to OUT_DIR/init.npz; every rank writes its final weights to OUT_DIR/rank{R}.npz and to
 OUT_DIR/rank{R}.json the replica count the framework itself reports and the epochs this run trained.
 """
@@ -23,22 +23,9 @@ import keras
 import numpy as np
 
 from tests.backends import scenarios
+from tests.backends.multiworker_job import framework_replicas  # the replica count as the framework reports it
 
 EPOCHS = 4
-
-
-def framework_replicas(model):
-    """The replica count as the framework itself reports it, not distkeras."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        return model.distribute_strategy.num_replicas_in_sync
-    if backend == "jax":
-        import jax
-
-        return jax.device_count()
-    import torch.distributed
-
-    return torch.distributed.get_world_size()
 
 
 class Events(keras.callbacks.Callback):
@@ -58,12 +45,11 @@ class Events(keras.callbacks.Callback):
                 sink.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def on_epoch_end(self, epoch, logs=None):
         first_run = os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0")
-        if MODE == "requeue" and first_run and epoch == 1:
-            if self.rank == 0:
+        if MODE == "requeue" and first_run and (self.epoch, batch) >= (1, 2):
+            if self.rank == 0 and (self.epoch, batch) == (1, 2):
                 open(os.path.join(self.out_dir, "paused"), "w").close()
-            time.sleep(600)  # until `scontrol requeue` ends this run
+            time.sleep(1)  # slowly, until `scontrol requeue`'s SIGTERM stops the job after a step of this epoch
 
 
 def main(out_dir, mode):
@@ -83,7 +69,7 @@ def main(out_dir, mode):
     if mode == "requeue":
         from distkeras.callbacks import BackupAndRestore
 
-        callbacks.insert(0, BackupAndRestore(os.path.join(out_dir, "ckpt")))  # saves before Events pauses
+        callbacks.append(BackupAndRestore(os.path.join(out_dir, "ckpt")))
     model.fit(x, y, batch_size=12, epochs=EPOCHS, shuffle=False, verbose=2 if rank == 0 else 0, callbacks=callbacks)
     np.savez(os.path.join(out_dir, "rank{}.npz".format(rank)), *model.get_weights())
     cluster = distkeras.cluster.from_env()

@@ -3,7 +3,8 @@
 - ``srun -N2 -n2`` on TensorFlow, JAX and PyTorch, and ``srun -N2 --ntasks-per-node=2`` on JAX, each train
   what one process trains at the same global batch, with the replica count read from the framework;
 - a SIGKILLed task ends the step (``--kill-on-bad-exit``) within 45 s;
-- a requeued job (``sbatch --requeue``, then ``scontrol requeue``) resumes from its last epoch;
+- a requeued job (``sbatch --requeue``, then ``scontrol requeue`` mid-epoch: Slurm's SIGTERM) checkpoints the step
+  its tasks stopped after and resumes there;
 - ``srun --ntasks-per-node=1 distkeras launch --nproc-per-node 2`` takes its nodes, node rank and coordinator
   from Slurm;
 - an sbatch script that runs ``python train.py`` for 2 tasks, without srun, stops with a ClusterError;
@@ -185,10 +186,14 @@ def test_a_requeued_job_resumes(slurm_cluster, tmp_path):
     done = cluster.run(["sbatch", "--parsable", "--requeue", "-N2", "-n2", "--open-mode=append",
                         "-o", os.path.join(out, "job.out"), str(script)], timeout=30, env=env, cwd=ROOT)
     job = done.stdout.strip().split(";")[0]
-    wait_for(lambda: os.path.exists(os.path.join(out, "paused")), TIMEOUT, "pause after epoch 2", cluster)
+    wait_for(lambda: os.path.exists(os.path.join(out, "paused")), TIMEOUT, "epoch 2 under way", cluster)
     cluster.run(["scontrol", "requeue", job], timeout=30)
     # Slurm makes a requeued job eligible 120 s later; this test doesn't wait for that.
     wait_for(lambda: job_state(cluster, job)[0] == "PENDING", 60, "requeued job pending", cluster)
+    # The requeue's SIGTERM was a preemption: every task stopped after the same step of epoch 2, checkpointed.
+    with open(os.path.join(out, "ckpt", "checkpoint.json")) as f:
+        manifest = json.load(f)
+    assert manifest["epoch"] == 1 and manifest["step"] >= 3, manifest
     cluster.run(["scontrol", "update", "JobId=" + job, "StartTime=now"], timeout=30)
     wait_for(lambda: job_state(cluster, job)[0] in ENDED, TIMEOUT,
              "end of the requeued job", cluster)
@@ -196,8 +201,9 @@ def test_a_requeued_job_resumes(slurm_cluster, tmp_path):
     assert job_state(cluster, job) == ("COMPLETED", "1", "0:0"), log[-5000:]
     assert "DUE TO JOB REQUEUE" in log
     reports = check_trained_as_one_process(out, 2, log)
-    # The second run trained epochs 3 and 4 only: it resumed from the first run's checkpoint of epoch 2.
-    assert [(r["restart"], r["epochs"]) for r in reports] == [("1", [2, 3])] * 2
+    # The second run began in epoch 2, at the step the first run's tasks agreed to stop after.
+    assert [(r["restart"], r["epochs"]) for r in reports] == [("1", [1, 2, 3])] * 2
+    assert "preempted (SIGTERM): saved epoch 2 step {}".format(manifest["step"]) in log
 
 
 def test_distkeras_launch_inside_an_allocation(slurm_cluster, tmp_path):

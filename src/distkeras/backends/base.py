@@ -136,6 +136,12 @@ class Adapter(abc.ABC):
                 "epoch).".format(self.name, cluster.rank, cluster.world_size, cluster.source))
         return bool(flag)
 
+    def check_alone(self):
+        # type: () -> None
+        """Called by :func:`distkeras.distribute` where no environment describes a job of several processes:
+        raise ClusterError if the framework itself says this process is one of several (an engine someone else
+        started), which would otherwise train alone. Default: nothing."""
+
     def shutdown(self):
         # type: () -> None
         """Called by :func:`distkeras.shutdown`: stop what the adapter started for a multi-worker job

@@ -114,6 +114,22 @@ class JaxAdapter(Adapter):
         except Exception as exc:  # raised again, with advice, by distribute()
             self._multi_process_error = exc
 
+    def check_alone(self):
+        """jax.distributed joined by someone else (Ray's JaxTrainer on GPUs and TPUs) to several processes."""
+        jax = sys.modules.get("jax")
+        is_initialized = getattr(getattr(jax, "distributed", None), "is_initialized", None)  # JAX >= 0.4.31
+        if is_initialized is None or not is_initialized() or jax.process_count() < 2:
+            return
+        raise ClusterError(
+            "Expected a launch environment for this JAX process, which jax.distributed already joined to {} "
+            "processes (as process {}); none was found, and distkeras would train alone on this process' devices. "
+            "Received: no distkeras, torchrun, Ray Train (TorchTrainer / TensorflowTrainer), MPI, TF_CONFIG, JAX_* "
+            "or Slurm variables. Under Ray, use a DataParallelTrainer whose train loop calls "
+            "distkeras.environments.ray.prepare_jax() first, not JaxTrainer; elsewhere, set "
+            "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID and let distkeras start "
+            "jax.distributed.".format(jax.process_count(), jax.process_index())
+        )
+
     def list_devices(self):
         # type: () -> List[Device]
         return [device for device, _ in _local_devices()]
