@@ -1,6 +1,6 @@
 """A real two-node Slurm cluster (tests/clusters/slurm.py) starts distkeras jobs with no launcher:
 
-- ``srun -N2 -n2`` on TensorFlow, JAX and PyTorch, and ``srun -N2 --ntasks-per-node=2`` on JAX, each train
+- ``srun -N2 -n2`` and ``srun -N2 --ntasks-per-node=2`` on TensorFlow, JAX and PyTorch, each train
   what one process trains at the same global batch, with the replica count read from the framework;
 - a SIGKILLed task ends the step (``--kill-on-bad-exit``) within 45 s;
 - a requeued job (``sbatch --requeue``, then ``scontrol requeue`` mid-epoch: Slurm's SIGTERM) checkpoints the step
@@ -132,8 +132,10 @@ def test_every_task_reads_its_place_as_srun_set_it(slurm_cluster, tmp_path):
     ("tensorflow", ["-N2", "-n2"]),
     ("jax", ["-N2", "-n2"]),
     ("torch", ["-N2", "-n2"]),
+    ("tensorflow", ["-N2", "--ntasks-per-node=2"]),
     ("jax", ["-N2", "--ntasks-per-node=2"]),
-], ids=["tensorflow-N2n2", "jax-N2n2", "torch-N2n2", "jax-N2-2pernode"])
+    ("torch", ["-N2", "--ntasks-per-node=2"]),
+], ids=["tensorflow-N2n2", "jax-N2n2", "torch-N2n2", "tensorflow-N2-2pernode", "jax-N2-2pernode", "torch-N2-2pernode"])
 def test_srun_trains_as_one_process(slurm_cluster, tmp_path, backend, layout):
     cluster = slurm_cluster
     done, seconds = run(cluster, ["srun"] + layout + ["--kill-on-bad-exit=1", sys.executable] + JOB +
