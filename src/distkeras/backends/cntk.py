@@ -118,9 +118,9 @@ class CNTKAdapter(Adapter):
             ClusterError: CNTK's MPI disagrees with the launch environment about rank or size.
             ModelError: the model has nothing to train.
         """
-        check_joinable(cluster, os.environ)
         num_quantization_bits = _quantization_bits(compression, num_quantization_bits)
         _check_options(num_quantization_bits, distributed_after)
+        check_joinable(cluster, os.environ)  # after the options: a bad option is reported wherever it runs
         from cntk.train.distributed import Communicator
 
         rank, workers = Communicator.rank(), Communicator.num_workers()  # starts MPI: finalize at exit
