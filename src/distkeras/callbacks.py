@@ -97,6 +97,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._random = None  # global random states at the start of the current epoch
         self._resume_random = None
 
+    def _adapter(self):
+        return backends.get(backends.active_name(self._model))
+
     @property
     def _writer(self):
         return cluster_lib.from_env().rank == 0
@@ -134,10 +137,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch = epoch
         if self._resume_random is not None:
             # The resumed epoch draws its shuffle from the states its first run drew from.
-            _set_random_states(self._resume_random)
+            _set_random_states(self._adapter(), self._resume_random)
             self._resume_random = None
         if self.save_before_preemption:
-            self._random = _random_states()
+            self._random = _random_states(self._adapter())
 
     def on_train_batch_end(self, batch, logs=None):
         if not self.save_before_preemption:
@@ -302,22 +305,16 @@ def _pass_over(model, calls):
     model.train_function = passed_over
 
 
-def _random_states():
+def _random_states(adapter):
     states = {"python": random.getstate(), "numpy": np.random.get_state()}
-    if keras.backend.backend() == "torch":
-        import torch
-
-        states["torch"] = torch.get_rng_state()
+    states.update(adapter.random_states())  # the framework's own (torch's, which its DataLoader shuffles with)
     return states
 
 
-def _set_random_states(states):
+def _set_random_states(adapter, states):
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
-    if "torch" in states and keras.backend.backend() == "torch":
-        import torch
-
-        torch.set_rng_state(states["torch"])
+    adapter.set_random_states(states)
 
 
 def _write_text(path, text):

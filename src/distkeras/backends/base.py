@@ -136,6 +136,16 @@ class Adapter(abc.ABC):
                 "epoch).".format(self.name, cluster.rank, cluster.world_size, cluster.source))
         return bool(flag)
 
+    def random_states(self):
+        # type: () -> Dict[str, object]
+        """The framework's global random states that decide a data order (a torch DataLoader's shuffle), for a
+        checkpoint taken mid-epoch (:class:`~distkeras.callbacks.BackupAndRestore`). Default: none."""
+        return {}
+
+    def set_random_states(self, states):
+        # type: (Dict[str, object]) -> None
+        """Restore the states :meth:`random_states` gave (``states`` may hold others too). Default: nothing."""
+
     def check_alone(self):
         # type: () -> None
         """Called by :func:`distkeras.distribute` where no environment describes a job of several processes:

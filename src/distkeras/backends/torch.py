@@ -112,6 +112,18 @@ class TorchAdapter(Adapter):
         a plain process starts one per device itself."""
         return len(devices) * max(1, cluster.world_size // max(1, cluster.local_world_size))
 
+    def random_states(self):
+        """torch's global generator: Keras' torch trainer shuffles arrays with a RandomSampler drawing from it."""
+        import torch
+
+        return {"torch": torch.get_rng_state()}
+
+    def set_random_states(self, states):
+        import torch
+
+        if "torch" in states:
+            torch.set_rng_state(states["torch"])
+
     def any_process(self, model, flag):
         """One integer all-reduced (max) on the job's own process group: gloo on CPU, NCCL on GPU."""
         import torch
