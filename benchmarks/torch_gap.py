@@ -62,7 +62,7 @@ def loops(workload, rank, world, feed="pydataset"):
     import keras
 
     import distkeras
-    from distkeras.backends import torch_collectives, torch_trainer
+    from distkeras.backends.torch import collectives as torch_collectives, trainer as torch_trainer
 
     from . import variants
     from .backends import torch as plan

@@ -72,7 +72,7 @@ def prepare(devices, options):
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     from distkeras import cluster as clusters
-    from distkeras.backends import torch as adapter
+    from distkeras.backends.torch import adapter
     from distkeras.devices import Device
 
     found = clusters.from_env()
@@ -91,7 +91,7 @@ _SOLO_CALLS = [0]
 
 
 def _store():
-    from distkeras.backends import torch as adapter
+    from distkeras.backends.torch import adapter
 
     return adapter._store
 
@@ -142,7 +142,7 @@ def native(workload, devices):
     marks = {"setup": time.perf_counter()}
     device = _device()
     if device.type == "cpu":
-        from distkeras.backends import torch as adapter
+        from distkeras.backends.torch import adapter
 
         adapter.share_cpu_threads(torch, _world())  # the share distkeras gives b
     with keras.device("cuda:{}".format(device.index) if device.type == "cuda" else "cpu"):

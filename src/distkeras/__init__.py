@@ -4,7 +4,7 @@
 
 Importing distkeras imports no deep-learning framework; the active backend's adapter is loaded the
 first time it is needed. With keras-mxnet (Keras 2), import distkeras before keras: the import applies
-the shims keras-mxnet needs on Python >= 3.10 (see :mod:`distkeras.shims`). Part of the Python
+the shims keras-mxnet needs on Python >= 3.10 (see :mod:`distkeras.backends.mxnet.shims`). Part of the Python
 3.6-compatible core.
 """
 
@@ -52,9 +52,9 @@ __all__ = [
 ]
 
 from . import api as _api  # noqa: E402
-from . import shims as _shims  # noqa: E402
+from . import backends as _backends  # noqa: E402
 
-_shims.install_for_active_backend()
+_backends.install_shims()
 _api.install_log_handler()
 _api.apply_env_cpu_devices()
 _api.prepare_multi_worker()

@@ -13,12 +13,11 @@ import weakref
 from typing import Dict, List, Optional
 
 from . import backends, cluster as cluster_lib, devices as devices_lib, sharding
+from .devices import CPU_DEVICES_ENV
 from .errors import ClusterError, DeviceSpecError, ModelError, TooLateError
 
 logger = logging.getLogger("distkeras")
 
-#: The environment variable that splits the host CPU into N devices (read at ``import distkeras``).
-CPU_DEVICES_ENV = "DISTKERAS_CPU_DEVICES"
 
 _described = weakref.WeakKeyDictionary()  # type: weakref.WeakKeyDictionary
 

@@ -128,7 +128,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         model._initial_epoch = manifest["epoch"]
         if self.restored_step:
             executions = _check_steps_per_execution(model, manifest)
-            _pass_over(model, self.restored_step // executions)
+            _pass_over(model, self.restored_step // executions, self._adapter())
             if manifest.get("random"):
                 with open(os.path.join(self.backup_dir, manifest["random"]), "rb") as f:
                     self._resume_random = pickle.load(f)
@@ -269,17 +269,15 @@ def _check_steps_per_execution(model, manifest):
     return now
 
 
-def _pass_over(model, calls):
+def _pass_over(model, calls, adapter):
     """Make the next ``calls`` calls of the model's train function take their batches without training.
 
-    fit() made the function (make_train_function) just before on_train_begin; each backend's trainer
-    passes it what its own loop holds (keras/src/backend/*/trainer.py, Keras 3): torch the batch itself
-    (already taken from the data), TensorFlow an iterator it takes steps_per_execution batches from, JAX the
-    training state and such an iterator. After ``calls`` calls the model's own function is back."""
+    fit() made the function (make_train_function) just before on_train_begin; each backend's trainer passes it
+    what its own loop holds, so the stand-in comes from the adapter (:meth:`~distkeras.backends.base.Adapter.
+    pass_over_function`). After ``calls`` calls the model's own function is back."""
     if calls <= 0:
         return
     train = model.train_function
-    backend = keras.backend.backend()
     executions = _steps_per_execution(model)
     left = [calls]
 
@@ -290,17 +288,13 @@ def _pass_over(model, calls):
             except StopIteration:
                 break
 
+    stand_in = adapter.pass_over_function(take)
+
     def passed_over(*args):
         left[0] -= 1
         if left[0] <= 0:
             model.train_function = train
-        if backend == "jax":
-            state, iterator = args
-            take(iterator)
-            return {}, state
-        if backend == "tensorflow":
-            take(args[0])
-        return {}
+        return stand_in(*args)
 
     model.train_function = passed_over
 

@@ -28,27 +28,16 @@ def _launch(args):
         if not script:
             raise launch.LaunchError("-m needs a module to run: distkeras launch --nproc-per-node N -m pkg.module [args]")
         script = ["-m"] + script
-    if backend == "cntk":
-        import shutil
-
-        if shutil.which("mpiexec") is None:
-            raise launch.LaunchError("The cntk backend runs its workers as MPI ranks, and mpiexec is not on PATH. "
-                                     "Install Open MPI (Debian/Ubuntu: openmpi-bin libopenmpi3; CNTK 2.7 then needs two links to its 1.10 "
-                                     "sonames, which scripts/cntk-env.sh makes) or run mpiexec yourself.")
-        if args.nnodes > 1:
-            raise launch.LaunchError("For CNTK across hosts, run mpiexec with your host file: "
-                                     "mpiexec -n N --hostfile hosts python script.py")
-        if args.nproc_per_node == 1:
-            print("distkeras launch: warning: one MPI rank; CNTK trains it as a local learner", file=sys.stderr)
-        env = dict(os.environ, KERAS_BACKEND="cntk", PYTHONUNBUFFERED="1")
-        commands, envs, ranks = [launch.mpiexec_command(script, args.nproc_per_node)], [env], ["mpi"]
-    else:
-        return launch.run_job(
-            script, args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank, coordinator=args.coordinator,
-            backend=backend, hosts=[h.strip() for h in args.hosts.split(",")] if args.hosts else None,
-            interface=args.interface, stop_timeout=args.stop_timeout, join_timeout=args.join_timeout,
-            peer_timeout=args.peer_timeout)
-    return launch.Launcher(commands, envs, ranks, stop_timeout=args.stop_timeout or launch.DEFAULT_STOP_TIMEOUT).run()
+    own = backends.adapter_class(backend).launch_command(script, args.nproc_per_node, args.nnodes, dict(os.environ))
+    if own is not None:  # the backend's engine starts its workers itself (CNTK: mpiexec)
+        commands, envs, ranks = own
+        return launch.Launcher(commands, envs, ranks,
+                               stop_timeout=args.stop_timeout or launch.DEFAULT_STOP_TIMEOUT).run()
+    return launch.run_job(
+        script, args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank, coordinator=args.coordinator,
+        backend=backend, hosts=[h.strip() for h in args.hosts.split(",")] if args.hosts else None,
+        interface=args.interface, stop_timeout=args.stop_timeout, join_timeout=args.join_timeout,
+        peer_timeout=args.peer_timeout)
 
 
 def environment_report(environ=None):

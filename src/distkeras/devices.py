@@ -20,6 +20,9 @@ from typing import List, Sequence
 
 from .errors import DeviceSpecError
 
+#: The environment variable that splits the host CPU into N devices (read at ``import distkeras``).
+CPU_DEVICES_ENV = "DISTKERAS_CPU_DEVICES"
+
 #: Device kinds distkeras knows, and the spellings that map onto them.
 KINDS = ("cpu", "gpu", "tpu")
 _ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}

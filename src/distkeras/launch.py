@@ -7,7 +7,7 @@ Each worker gets the variables its backend's own engine reads: RANK / WORLD_SIZE
 LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torch.distributed's env:// rendezvous, as torchrun sets
 them), JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jax.distributed), and TF_CONFIG
 (MultiWorkerMirroredStrategy). With the CNTK backend the workers are MPI ranks, started by ``mpiexec``.
-With the MXNet backend the launchers also start MXNet's parameter-server processes (:func:`ps_roles`): node 0
+With the MXNet backend the launchers also start MXNet's parameter-server processes (:mod:`distkeras.backends.mxnet.launch`): node 0
 a scheduler, every node one server, all of them and the workers described by the ``DMLC_*`` variables.
 Every output line is prefixed with its rank; SIGINT/SIGTERM are forwarded to every worker; when a
 worker fails, the others are stopped within ``--stop-timeout`` seconds and the launcher exits with the
@@ -29,63 +29,17 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from . import backends
+from .backends.base import LaunchJob
 from .errors import LaunchError
-from .network import INTERFACE_ENV
+from .network import INTERFACE_ENV, free_port, parse_address  # noqa: F401 (part of this module's API)
+from .processes import EXIT_PREEMPTED, LAUNCHER_ENV, orphan_proof, python_command  # noqa: F401 (part of this module's API)
 
-#: The exit status of a preempted worker (and job): BSD's EX_TEMPFAIL, "try again later". A worker exits with it
-#: after a SIGTERM once its job's checkpoint of the step it stopped at is written; running the job again resumes.
-EXIT_PREEMPTED = 75
 #: How a launcher names a preempted worker, to the user and to the other hosts' launchers.
 _PREEMPTED = "was preempted (exit code {})".format(EXIT_PREEMPTED)
 #: Seconds between SIGTERM and SIGKILL when stopping the surviving workers.
 DEFAULT_STOP_TIMEOUT = 20.0
 STOP_TIMEOUT_ENV = "DISTKERAS_STOP_TIMEOUT"
-#: Set in every worker to its launcher's pid: a worker never outlives its launcher.
-LAUNCHER_ENV = "DISTKERAS_LAUNCHER_PID"
-
-# Runs in each worker before its command: die with the launcher (Linux: the kernel sends SIGKILL), and
-# don't start at all if the launcher is already gone; then become the command (exec keeps the pid and
-# the death signal). torch's self-launch starts its workers the same way.
-_BOOT = (
-    "import ctypes, os, signal, sys\n"
-    "try:\n"
-    "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"  # 1 = PR_SET_PDEATHSIG
-    "except (OSError, AttributeError):\n"
-    "    pass\n"
-    "if os.getppid() != int(os.environ[sys.argv[1]]):\n"
-    "    os._exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-def orphan_proof(command, parent_variable):
-    # type: (List[str], str) -> List[str]
-    """``command``, started so that it dies with the process named by ``parent_variable`` in its environment."""
-    return [sys.executable, "-c", _BOOT, parent_variable] + list(command)
-
-
-def parse_address(text, option="--coordinator"):
-    # type: (str, str) -> Tuple[str, int]
-    """``"host:port"`` -> ``(host, port)``, with a clear error for anything else."""
-    host, sep, port = (text or "").strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LaunchError(
-            "Expected {} HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:29500. Received: {}={!r}".format(
-                option, option, text
-            )
-        )
-    return host, int(port)
-
-
-def free_port(host="127.0.0.1"):
-    # type: (str) -> int
-    """A TCP port nobody listens on right now, on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def check_port_free(host, port):
     # type: (str, int) -> None
     """Raise LaunchError if ``host:port`` can't be bound (in use, or not an address of this host)."""
@@ -102,11 +56,12 @@ def check_port_free(host, port):
             )
 
 
-def worker_env(backend, rank, world_size, local_rank, local_world_size, coordinator, tf_workers=None):
-    # type: (str, int, int, int, int, str, Optional[List[str]]) -> Dict[str, str]
-    """The variables worker ``rank`` needs, for every engine at once (each reads its own)."""
+def worker_env(backend, rank, world_size, local_rank, local_world_size, coordinator):
+    # type: (str, int, int, int, int, str) -> Dict[str, str]
+    """The variables every worker gets, whatever its backend: torch.distributed's and jax.distributed's (each engine
+    reads its own; a backend adds what only its engine reads, :meth:`~distkeras.backends.base.Adapter.workers_env`)."""
     host, port = parse_address(coordinator)
-    env = {
+    return {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(local_rank),
@@ -119,9 +74,6 @@ def worker_env(backend, rank, world_size, local_rank, local_world_size, coordina
         "KERAS_BACKEND": backend,
         "PYTHONUNBUFFERED": "1",
     }
-    if backend == "tensorflow" and tf_workers:
-        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": tf_workers}, "task": {"type": "worker", "index": rank}})
-    return env
 
 
 #: Seconds the parameter-server processes get to exit on their own once every worker has exited.
@@ -371,70 +323,24 @@ def plan(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None, b
             "or pass --hosts with {} addresses, the same on every host). Received: {!r}".format(nnodes, nnodes, addresses)
         )
     world_size = nnodes * nproc_per_node
-    tf_workers = None
-    if backend == "tensorflow":
-        if nnodes == 1:
-            tf_workers = ["127.0.0.1:{}".format(free_port()) for _ in range(nproc_per_node)]
-        else:
-            base = engine_port(parse_address(coordinator)[1])
-            tf_workers = ["{}:{}".format(_bracket(h), base + i) for h in addresses for i in range(nproc_per_node)]
     base_env = dict(os.environ if environ is None else environ)
     if interface and not base_env.get(INTERFACE_ENV):
         base_env[INTERFACE_ENV] = interface
+    job = LaunchJob(nproc_per_node, nnodes, node_rank, engine, addresses if nnodes > 1 else None)
+    own = backends.adapter_class(backend).workers_env(job, base_env)
     python = python or sys.executable
-    command = _python_command(script_args, python)
+    command = python_command(script_args, python)
     commands, envs, ranks = [], [], []
     for local_rank in range(nproc_per_node):
         rank = node_rank * nproc_per_node + local_rank
         env = dict(base_env)
-        env.update(worker_env(backend, rank, world_size, local_rank, nproc_per_node, engine, tf_workers))
-        if backend == "mxnet":
-            env.update(dmlc_env("worker", engine, nnodes, world_size, addresses[node_rank] if nnodes > 1 else None))
+        env.update(worker_env(backend, rank, world_size, local_rank, nproc_per_node, engine))
+        env.update(own[local_rank])
         env[LAUNCHER_ENV] = str(os.getpid())
         commands.append(command)
         envs.append(env)
         ranks.append(rank)
     return commands, envs, ranks
-
-
-def dmlc_env(role, engine, nnodes, world_size, node_host=None):
-    # type: (str, str, int, int, Optional[str]) -> Dict[str, str]
-    """The ``DMLC_*`` variables MXNet's parameter server (ps-lite) reads, for a process of ``role``.
-
-    Every process meets the scheduler at ``engine`` (HOST:PORT); the job has one server per host and
-    ``world_size`` workers. ``DMLC_NODE_HOST`` is the address this process tells the others to reach it at:
-    the address of this host the launchers agreed on (``node_host``), or on one host the engine's
-    (loopback) -- never what ps-lite would guess from the host's interfaces.
-    """
-    host, port = parse_address(engine)
-    return {
-        "DMLC_ROLE": role,
-        "DMLC_PS_ROOT_URI": host,
-        "DMLC_PS_ROOT_PORT": str(port),
-        "DMLC_NUM_SERVER": str(nnodes),
-        "DMLC_NUM_WORKER": str(world_size),
-        "DMLC_NODE_HOST": node_host or host,
-    }
-
-
-def ps_roles(engine, nnodes, node_rank, world_size, node_host=None, python=None, environ=None):
-    # type: (str, int, int, int, Optional[str], Optional[str], Optional[Dict[str, str]]) -> List[Tuple[List[str], Dict[str, str], str]]
-    """``(command, env, label)`` of this host's MXNet parameter-server processes: on node rank 0 the
-    scheduler, on every host one server (server ``node_rank``). Each is a Python importing mxnet with its
-    ``DMLC_ROLE``: ``mxnet/kvstore/kvstore_server.py`` then runs the role until the workers finish, and exits."""
-    base = dict(os.environ if environ is None else environ)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "JAX_PROCESS_ID", "JAX_NUM_PROCESSES",
-                 "JAX_COORDINATOR_ADDRESS", "TF_CONFIG"):
-        base.pop(name, None)
-    base["PYTHONUNBUFFERED"] = "1"
-    base[LAUNCHER_ENV] = str(os.getpid())
-    command = [python or sys.executable, "-c", "import mxnet"]
-    roles = []
-    for role, label in ([("scheduler", "scheduler")] if node_rank == 0 else []) + [("server", "server {}".format(node_rank))]:
-        env = dict(base)
-        env.update(dmlc_env(role, engine, nnodes, world_size, node_host))
-        roles.append((command, env, label))
-    return roles
 
 
 def check_counts(script_args, nproc_per_node, nnodes, node_rank):
@@ -455,10 +361,6 @@ def engine_port(port):
     # type: (int) -> int
     """Across hosts: the port of the engine's rendezvous, after the launchers' own."""
     return port + 1
-
-
-def _bracket(host):
-    return "[{}]".format(host) if ":" in host else host
 
 
 def from_scheduler(nnodes=None, node_rank=None, coordinator=None, environ=None):
@@ -500,17 +402,15 @@ def run_job(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None
 
     env = dict(os.environ if environ is None else environ)
     check_counts(script_args, nproc_per_node, nnodes, node_rank)
+    adapter = backends.adapter_class(backend)
     stop_timeout = _seconds(stop_timeout, STOP_TIMEOUT_ENV, DEFAULT_STOP_TIMEOUT, "--stop-timeout", env)
     if nnodes == 1:
         if coordinator is not None:
             host, port = parse_address(coordinator)
             check_port_free(_local_host(host), port)
         commands, envs, ranks = plan(script_args, nproc_per_node, 1, 0, coordinator, backend, environ=env)
-        roles = []  # type: List[Tuple[List[str], Dict[str, str], str]]
-        if backend == "mxnet":
-            first = envs[0]
-            roles = ps_roles("{}:{}".format(first["DMLC_PS_ROOT_URI"], first["DMLC_PS_ROOT_PORT"]), 1, 0,
-                             nproc_per_node, environ=env)
+        engine = "{}:{}".format(envs[0]["MASTER_ADDR"], envs[0]["MASTER_PORT"])
+        roles = adapter.launch_roles(LaunchJob(nproc_per_node, 1, 0, engine, None), env)
         return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, roles=roles).run()
     join_timeout = _seconds(join_timeout, rendezvous.JOIN_TIMEOUT_ENV, rendezvous.DEFAULT_JOIN_TIMEOUT, "--join-timeout", env)
     peer_timeout = _seconds(peer_timeout, rendezvous.PEER_TIMEOUT_ENV, rendezvous.DEFAULT_PEER_TIMEOUT, "--peer-timeout", env)
@@ -538,7 +438,7 @@ def run_job(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None
                     coordinator, network.listing(known), host))
         listener = _listen(host, port)
         try:
-            engine_ports = [engine_port(port) + i for i in range(nproc_per_node if backend == "tensorflow" else 1)]
+            engine_ports = [engine_port(port) + i for i in range(adapter.engine_ports(nproc_per_node))]
             for engine in engine_ports:
                 check_port_free(_local_host(host), engine)
             supervisor = rendezvous.gather(listener, me, join_timeout, peer_timeout)
@@ -555,10 +455,8 @@ def run_job(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None
         addresses = list(supervisor.plan["addresses"])
         commands, envs, ranks = plan(script_args, nproc_per_node, nnodes, node_rank, coordinator, backend,
                                      environ=env, addresses=addresses, interface=route.interface or route.address)
-        roles = []
-        if backend == "mxnet":
-            roles = ps_roles("{}:{}".format(host, engine_port(port)), nnodes, node_rank, nnodes * nproc_per_node,
-                             addresses[node_rank], environ=env)
+        job = LaunchJob(nproc_per_node, nnodes, node_rank, "{}:{}".format(host, engine_port(port)), addresses)
+        roles = adapter.launch_roles(job, env)
         return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, supervisor=supervisor, roles=roles).run()
     finally:
         supervisor.close()
@@ -611,17 +509,3 @@ def _listen(host, port):
 def _say_stderr(message):
     sys.stderr.write("distkeras launch: {}\n".format(message))
     sys.stderr.flush()
-
-
-def mpiexec_command(script_args, nproc, python=None):
-    # type: (List[str], int, Optional[str]) -> List[str]
-    """The ``mpiexec`` command line that starts ``nproc`` MPI ranks (the CNTK backend's engine)."""
-    return ["mpiexec", "-n", str(nproc)] + _python_command(script_args, python or sys.executable)
-
-
-def _python_command(script_args, python):
-    # type: (List[str], str) -> List[str]
-    """``script.py args`` and ``-m module args`` run with ``python``; anything else runs as given."""
-    if script_args[0].endswith(".py") or script_args[0] == "-m":
-        return [python] + list(script_args)
-    return list(script_args)

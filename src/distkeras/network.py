@@ -22,9 +22,9 @@ import os
 import socket
 import struct
 import typing
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
-from .errors import NetworkError
+from .errors import LaunchError, NetworkError
 
 #: Names the interface (or an address of it) every engine of this worker uses; overrides the choice.
 INTERFACE_ENV = "DISTKERAS_INTERFACE"
@@ -181,3 +181,30 @@ def describe_route(route):
     """``"eth0 (10.0.0.2)"``, for messages."""
     return "{} ({})".format(route.interface or "an unnamed interface", route.address)
 
+
+def parse_address(text, option="--coordinator"):
+    # type: (str, str) -> Tuple[str, int]
+    """``"host:port"`` -> ``(host, port)``, with a clear error for anything else."""
+    host, sep, port = (text or "").strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(
+            "Expected {} HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:29500. Received: {}={!r}".format(
+                option, option, text
+            )
+        )
+    return host, int(port)
+
+
+def free_port(host="127.0.0.1"):
+    # type: (str) -> int
+    """A TCP port nobody listens on right now, on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def bracket(host):
+    # type: (str) -> str
+    """``host`` as it goes before ``:port``: an IPv6 address in brackets."""
+    return "[{}]".format(host) if ":" in host else host

@@ -277,7 +277,7 @@ def join(coordinator, me, join_timeout=DEFAULT_JOIN_TIMEOUT, peer_timeout=DEFAUL
     Raises:
         LaunchError: nobody answered within ``join_timeout``, or node 0 refused this host (it says why).
     """
-    from .launch import parse_address
+    from .network import parse_address
 
     host, port = parse_address(coordinator)
     deadline = time.monotonic() + join_timeout

@@ -510,7 +510,7 @@ def _compiled_step_text(model, x, y):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from distkeras.backends import jax as jax_adapter
+    from distkeras.backends.jax import adapter as jax_adapter
 
     distribution = [d for d in jax_adapter._ours.keys()][-1]
     sharding = NamedSharding(distribution.device_mesh.backend_mesh, PartitionSpec("batch"))
@@ -555,8 +555,8 @@ def test_exact_wire_with_batchnorm_equals_single_device():
     """The compressed step's own arithmetic, with the 16-bit cast taken out (wire float32): per-shard gradients
     averaged by psum, BatchNormalization statistics summed over the shards, metric updates added up: the
     single-device result, moving statistics and logs included."""
-    from distkeras.backends import jax as jax_adapter
-    from distkeras.backends import jax_steps
+    from distkeras.backends.jax import adapter as jax_adapter
+    from distkeras.backends.jax import steps as jax_steps
 
     x, y = scenarios.data(48)
     single = _bn_model()
@@ -612,11 +612,11 @@ def test_private_api_pin_compressed_step():
 
 
 def test_bfloat16_bits_are_rounded_as_xla_rounds():
-    """jax_steps encodes bfloat16 with integer arithmetic (XLA's CPU convert is slow): bit for bit what
+    """jax/steps.py encodes bfloat16 with integer arithmetic (XLA's CPU convert is slow): bit for bit what
     ``astype(bfloat16)`` gives, across the whole float32 range, with infinities, NaN, zeros and denormals."""
     import jax.numpy as jnp
 
-    from distkeras.backends.jax_steps import _decode, _encode
+    from distkeras.backends.jax.steps import _decode, _encode
 
     rng = np.random.default_rng(0)
     x = (rng.normal(size=50000) * 10.0 ** rng.integers(-40, 38, 50000)).astype("float32")
@@ -718,16 +718,16 @@ def _state(model, optimizers):
 
 
 def test_all_optimizers_finds_optimizers_in_attributes_lists_and_dicts_once_each():
-    from distkeras.backends import keras3
+    from distkeras.backends import keras_model
 
     gan = _gan()
-    assert keras3.all_optimizers(gan) == [gan.optimizer, gan.d_optimizer, gan.g_optimizer]
+    assert keras_model.all_optimizers(gan) == [gan.optimizer, gan.d_optimizer, gan.g_optimizer]
     extra = keras.optimizers.SGD()
     gan.more = [gan.d_optimizer, extra]
     gan.by_name = {"again": extra}
     scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
     gan.scaled = scaled
-    found = keras3.all_optimizers(gan)
+    found = keras_model.all_optimizers(gan)
     assert found[:3] == [gan.optimizer, gan.d_optimizer, gan.g_optimizer]
     assert sorted(map(id, found[3:])) == sorted(map(id, [extra, scaled, scaled.inner_optimizer]))
 

@@ -88,7 +88,7 @@ def test_exact_loss_scaling_on_one_host_adds_no_all_reduce(monkeypatch, run_eage
 
 def test_a_strategy_run_of_the_replicas_batches_computes_each_replicas_own_mean_loss(monkeypatch):
     # A custom loop may call the model's strategy.run with anything. Where the arguments are the replicas'
-    # batches, each replica's loss is its own mean (the loss rule of tensorflow_steps, no collective);
+    # batches, each replica's loss is its own mean (the loss rule of tensorflow/steps.py, no collective);
     # elsewhere Keras' own rule stays: each replica's loss divided by the replica count.
     import tensorflow as tf
 

@@ -431,7 +431,7 @@ def test_a_gan_with_optimizers_of_its_own():
 
 
 def test_the_keras_privates_the_loss_and_random_rules_rely_on():
-    """tensorflow_steps replaces functions of Keras' modules; a Keras that moves them fails here, by name."""
+    """tensorflow/steps.py replaces functions of Keras' modules; a Keras that moves them fails here, by name."""
     import inspect
 
     from keras.src import backend

@@ -536,7 +536,7 @@ def test_a_trained_model_keeps_its_state_and_hooks_never_stack(devices):
     assert_close(single["weights"], got["weights"], FLOAT32)
 
 
-# ---- the gradient all-reduce overlapped with the backward pass (torch_buckets)
+# ---- the gradient all-reduce overlapped with the backward pass (torch/buckets.py)
 
 #: A bucket cap of 0.0001 MiB (104 bytes, 26 float32 numbers): the small test models' variables make several
 #: buckets.
@@ -781,7 +781,7 @@ def test_keras_batchnorm_computes_its_statistics_in_moments():
 
 
 def test_every_batchnorm_is_found_in_nested_and_subclassed_models():
-    from distkeras.backends import torch_trainer
+    from distkeras.backends.torch import trainer as torch_trainer
     from tests.backends import torch_models
 
     synced, other = torch_trainer._batchnorm_layers(torch_models.nested())
@@ -800,7 +800,7 @@ def test_keras_torch_epoch_iterator_can_read_each_rank_its_rows(shuffle):
     import torch
     from keras.src.backend.torch import trainer as keras_trainer
 
-    from distkeras.backends.torch_trainer import Replica, sharded_batches
+    from distkeras.backends.torch.trainer import Replica, sharded_batches
 
     original = keras_trainer.TorchEpochIterator
     x, y = scenarios.data(10)
@@ -848,7 +848,7 @@ def test_keras_torch_variables_keep_their_storage_in_value():
     torch.nn.Parameter, the very object the layers hand to torch) by replacing the Parameter's data."""
     import torch
 
-    from distkeras.backends.torch import place
+    from distkeras.backends.torch.adapter import place
 
     model, (x, y), fit = torch_cases.build("batchnorm")
     model.fit(x, y, **dict(fit, epochs=1))
@@ -870,7 +870,7 @@ def test_keras_torch_variables_keep_their_storage_in_value():
 def test_a_launched_process_makes_its_local_gpu_current_at_import(monkeypatch):
     import torch
 
-    from distkeras.backends.torch import TorchAdapter
+    from distkeras.backends.torch.adapter import TorchAdapter
     from distkeras.cluster import Cluster
 
     chosen = []
@@ -894,7 +894,7 @@ def test_sync_batchnorm_must_be_a_bool():
 
 def test_bucket_assignment_follows_ddp():
     """Reverse order; a bucket closes once it holds its cap (the first one 1 MiB at most); one key per bucket."""
-    from distkeras.backends.torch_buckets import FIRST_BUCKET_BYTES, MIB, assign
+    from distkeras.backends.torch.buckets import FIRST_BUCKET_BYTES, MIB, assign
 
     f32 = ("float32", "cpu")
     assert assign([4, 4, 4], [f32] * 3, 25 * MIB) == [[2, 1, 0]]
@@ -939,7 +939,7 @@ def _draws(rank=None, count=None):
 
     import torch
 
-    from distkeras.backends import torch_random
+    from distkeras.backends.torch import random as torch_random
 
     rows = 10 if rank is None else max(count, 1)  # a stand-in step runs on one sample
     block = contextlib.nullcontext() if rank is None else torch_random.global_draws(rank, 3, count, 10)
@@ -969,7 +969,7 @@ def test_each_rank_draws_one_devices_values_for_its_rows():
     """Inside a distributed step, a draw of this rank's row count is the global draw's rows [rank::world] for
     Keras' torch random functions (a Keras private module, swapped only inside the block); ops that can't
     be made exact (categorical of per-row logits) draw independently on each rank."""
-    from distkeras.backends import torch_random
+    from distkeras.backends.torch import random as torch_random
 
     module = __import__(torch_random._PRIVATE_MODULE, fromlist=["normal"])
     originals = {name: getattr(module, name) for name in torch_random.PATCHED}  # each one exists in this Keras

@@ -95,7 +95,7 @@ def test_one_bit_sgd_on_a_build_without_it_is_an_option_error(tmp_path):
 def test_several_learners_are_each_wrapped_with_a_warning(tmp_path):
     body = """
         import logging, cntk, distkeras, keras
-        from distkeras.backends.cntk import _distribute_trainer
+        from distkeras.backends.cntk.adapter import _distribute_trainer
         from tests.cntk import toy
         logging.getLogger("distkeras").addHandler(logging.FileHandler("log.txt"))
         model = toy.model(seed=1, metrics=())

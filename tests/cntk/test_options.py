@@ -8,8 +8,8 @@ import textwrap
 import pytest
 
 from distkeras import DeviceSpecError, OptionError, backends
-from distkeras.backends import cntk as adapter_module
-from distkeras.backends.cntk import CNTKAdapter
+from distkeras.backends.cntk import adapter as adapter_module
+from distkeras.backends.cntk.adapter import CNTKAdapter
 from tests.cntk.harness import SRC
 
 
@@ -38,11 +38,11 @@ def test_cpu_devices_one_per_process():
 
 
 def test_the_registry_serves_cntk_and_the_adapter_module_imports_no_framework():
-    assert backends.REGISTRY["cntk"] == "distkeras.backends.cntk:CNTKAdapter"
+    assert backends.REGISTRY["cntk"] == "distkeras.backends.cntk.adapter:CNTKAdapter"
     script = textwrap.dedent("""
         import sys
         sys.path.insert(0, {src!r})
-        import distkeras.backends.cntk
+        import distkeras.backends.cntk.adapter
         print(sorted(m for m in ("cntk", "keras", "numpy") if m in sys.modules))
     """).format(src=SRC)
     done = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, universal_newlines=True, timeout=60)

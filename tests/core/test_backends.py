@@ -184,13 +184,13 @@ def test_by_default_every_process_drives_its_devices(world, local, devices, repl
     ],
 )
 def test_on_torch_the_replicas_are_the_processes(world, local, devices, replicas):
-    from distkeras.backends.torch import TorchAdapter  # imports no torch
+    from distkeras.backends.torch.adapter import TorchAdapter  # imports no torch
 
     assert TorchAdapter().replicas(_devices(devices), _cluster(world, local)) == replicas
 
 
 def test_cntk_runs_one_device_per_process():
-    from distkeras.backends.cntk import CNTKAdapter  # imports no cntk
+    from distkeras.backends.cntk.adapter import CNTKAdapter  # imports no cntk
 
     assert CNTKAdapter().replicas(_devices(1), _cluster(3, 3)) == 3
 
@@ -212,7 +212,7 @@ class _SelfLaunching(_Toy):
         return model
 
     def replicas(self, devices, cluster):
-        from distkeras.backends.torch import TorchAdapter
+        from distkeras.backends.torch.adapter import TorchAdapter
 
         return TorchAdapter.replicas(self, devices, cluster)
 

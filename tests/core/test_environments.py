@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from distkeras import ClusterError, environments, launch
+from distkeras import ClusterError, backends, environments, launch
+from distkeras.backends.base import LaunchJob
 from distkeras.cluster import SINGLE, Cluster, from_env
 from distkeras.environments import base, mpi, tf_config
 
@@ -196,13 +197,14 @@ def tf_env(workers, index, kind="worker", chief=None):
 
 def test_distkeras_launch_with_tf_config_gives_every_worker():
     # Exactly what `distkeras launch --backend tensorflow --nnodes 2 --nproc-per-node 2` gives rank 3.
-    env = launch.worker_env("tensorflow", 3, 4, 1, 2, "10.0.0.1:29400",
-                            ["10.0.0.1:29401", "10.0.0.1:29402", "10.0.0.2:29401", "10.0.0.2:29402"])
+    env = launch.worker_env("tensorflow", 3, 4, 1, 2, "10.0.0.1:29401")
+    job = LaunchJob(2, 2, 1, "10.0.0.1:29401", ["10.0.0.1", "10.0.0.2"])
+    env.update(backends.adapter_class("tensorflow").workers_env(job, {})[1])
     env[launch.LAUNCHER_ENV] = "4242"
     found = environments.find(env)
     c = found.cluster
     assert (c.rank, c.world_size, c.local_rank, c.local_world_size, c.source) == (3, 4, 1, 2, "distkeras")
-    assert c.coordinator == "10.0.0.1:29400"
+    assert c.coordinator == "10.0.0.1:29401"
     assert c.workers == ("10.0.0.1:29401", "10.0.0.1:29402", "10.0.0.2:29401", "10.0.0.2:29402")
     assert c.variables["DISTKERAS_LAUNCHER_PID"] == "4242" and "TF_CONFIG" in c.variables
     assert c.variables["JAX_PROCESS_ID"] == "3" and "KERAS_BACKEND" not in c.variables
@@ -215,7 +217,8 @@ def test_distkeras_launch_without_tf_config_and_its_parameter_servers():
     c = from_env(env)
     assert (c.source, c.coordinator, c.workers) == ("distkeras", "127.0.0.1:5000", None)
     # MXNet's scheduler and servers carry the launcher's PID but no rank: they are no workers.
-    role_env = launch.ps_roles("127.0.0.1:5000", 1, 0, 2, environ=dict(env))[0][1]
+    job = LaunchJob(2, 1, 0, "127.0.0.1:5000", None)
+    role_env = backends.adapter_class("mxnet").launch_roles(job, dict(env))[0][1]
     assert from_env(role_env) == SINGLE
 
 
@@ -460,7 +463,7 @@ def _cluster(source, **variables):
     ("kubeflow", "--node-rank $RANK --coordinator $MASTER_ADDR:PORT"),
 ])
 def test_mxnet_refuses_an_environment_it_cant_join(source, instead):
-    from distkeras.backends import mxnet  # the adapter module imports no MXNet
+    from distkeras.backends.mxnet import adapter as mxnet  # the adapter module imports no MXNet
     with pytest.raises(ClusterError) as info:
         mxnet.check_joinable(_cluster(source), {})
     message = str(info.value)
@@ -473,7 +476,7 @@ def test_mxnet_refuses_an_environment_it_cant_join(source, instead):
 
 @pytest.mark.parametrize("source", ["slurm", "torchrun", "ray", "kubernetes", "kubeflow", "TF_CONFIG", "jax"])
 def test_cntk_refuses_an_environment_mpi_doesnt_know(source):
-    from distkeras.backends import cntk  # the adapter module imports no CNTK
+    from distkeras.backends.cntk import adapter as cntk  # the adapter module imports no CNTK
     with pytest.raises(ClusterError, match=r"rank 1 of 2 \({}: .*\), but CNTK's workers must be MPI ranks.*"
                                            r"Instead .*mpiexec".format(source)) as info:
         cntk.check_joinable(_cluster(source), {})

@@ -251,7 +251,7 @@ def test_tensorflow_config_from_the_slurm_host_list():
     # What the TensorFlow adapter's prepare() writes before MultiWorkerMirroredStrategy starts (no TF import).
     import json
 
-    from distkeras.backends.tensorflow import write_tf_config
+    from distkeras.backends.tensorflow.adapter import write_tf_config
 
     task = Slurm().read(N2_N2_RANK1)
     env = {}

@@ -8,12 +8,13 @@ import sys
 import pytest
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src", "distkeras")
-CORE = ["__init__.py", "__main__.py", "api.py", "devices.py", "cluster.py", "sharding.py", "errors.py", "shims.py",
-        "launch.py", "cli.py", "network.py", "rendezvous.py",  # `distkeras launch --backend cntk` starts CNTK jobs
+CORE = ["__init__.py", "__main__.py", "api.py", "devices.py", "cluster.py", "sharding.py", "errors.py",
+        "launch.py", "processes.py", "cli.py", "network.py", "rendezvous.py",  # `distkeras launch` starts CNTK jobs
         "exchange.py",  # what TF and JAX workers under torchrun exchange (imports torch only when it does)
-        "backends/__init__.py", "backends/base.py",
-        "backends/cntk.py", "backends/keras3.py",  # the CNTK adapter, and what it imports
-        "backends/mxnet.py"]  # keras-mxnet 2.2.4.3 itself is at home on Python 3.6-3.8
+        "backends/__init__.py", "backends/base.py", "backends/keras_model.py",
+        # the two Keras 2 backends, whole (keras-mxnet 2.2.4.3 itself is at home on Python 3.6-3.8)
+        "backends/cntk/__init__.py", "backends/cntk/adapter.py", "backends/cntk/launch.py",
+        "backends/mxnet/__init__.py", "backends/mxnet/adapter.py", "backends/mxnet/launch.py", "backends/mxnet/shims.py"]
 OPTIONAL = []  # checked as soon as they exist
 #: Outside the package, what CNTK users run: the scenario-1 example.
 SCRIPTS = [os.path.join(os.path.dirname(os.path.dirname(SRC)), "examples", "mnist_mlp_cntk.py")]

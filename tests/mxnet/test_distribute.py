@@ -506,7 +506,7 @@ def test_contexts_draw_independent_dropout_masks():
 def test_workers_calling_fit_differently_are_told_what_each_rank_passed():
     # What every rank of a job raises when their fit() calls differ (here rank 1 has one sample fewer); the job's
     # all-sum is stood in for by one that fills in rank 1's row (tests/mxnet/test_multiworker.py runs it for real).
-    from distkeras.backends import mxnet as adapter
+    from distkeras.backends.mxnet import adapter
     from distkeras.errors import ShardError
 
     class Job(object):

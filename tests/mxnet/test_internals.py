@@ -1,5 +1,5 @@
 """The keras-mxnet 2.2.4.3 and MXNet 1.9 internals the MXNet adapter relies on, one test each: that each
-exists and behaves as src/distkeras/backends/mxnet.py's comments say. A new keras-mxnet or MXNet that
+exists and behaves as src/distkeras/backends/mxnet/adapter.py's comments say. A new keras-mxnet or MXNet that
 changes one fails here, by name, before the training tests fail by a number.
 """
 
@@ -9,7 +9,7 @@ import pytest
 
 from tests.mxnet.harness import keras  # noqa: F401 (skips without keras-mxnet)
 
-from distkeras.backends import mxnet as adapter
+from distkeras.backends.mxnet import adapter
 
 BATCH = 6
 

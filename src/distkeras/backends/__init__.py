@@ -19,13 +19,15 @@ from typing import Callable, Dict, Optional
 
 from ..errors import BackendError, BackendUnavailableError
 
-#: Keras backend name -> "module:Class" of its adapter.
+#: Keras backend name -> "module:Class" of its adapter. Each backend is one package, ``backends/<name>/``, whose
+#: ``adapter`` module holds the adapter class and imports no framework (the launcher and ``distkeras info`` use its
+#: class methods without one); the package's other modules are the backend's mechanism.
 REGISTRY = {
-    "tensorflow": "distkeras.backends.tensorflow:TensorFlowAdapter",
-    "jax": "distkeras.backends.jax:JaxAdapter",
-    "torch": "distkeras.backends.torch:TorchAdapter",
-    "mxnet": "distkeras.backends.mxnet:MXNetAdapter",
-    "cntk": "distkeras.backends.cntk:CNTKAdapter",
+    "tensorflow": "distkeras.backends.tensorflow.adapter:TensorFlowAdapter",
+    "jax": "distkeras.backends.jax.adapter:JaxAdapter",
+    "torch": "distkeras.backends.torch.adapter:TorchAdapter",
+    "mxnet": "distkeras.backends.mxnet.adapter:MXNetAdapter",
+    "cntk": "distkeras.backends.cntk.adapter:CNTKAdapter",
 }
 
 #: Backends Keras has that distkeras deliberately does not serve, and why.
@@ -33,6 +35,12 @@ UNSUPPORTED = {
     "numpy": "Keras' numpy backend runs inference only; it cannot train",
     "openvino": "Keras' openvino backend runs inference only; it cannot train",
     "theano": "Theano has been unmaintained since 2017 and has no multi-device training to build on",
+}
+
+#: Backends whose Keras needs shims before it is imported, applied by ``import distkeras``: "module:function".
+SHIMS = {
+    "mxnet": "distkeras.backends.mxnet.shims:install",
+    "cntk": "distkeras.backends.mxnet.shims:install",  # the same multi-backend Keras 2 and h5py 3
 }
 
 _adapters = {}  # type: Dict[str, object]
@@ -125,6 +133,30 @@ def loaded():
     return list(_adapters.values())
 
 
+def adapter_class(name):
+    """The adapter class of backend ``name``, imported without its framework (for class methods such as the
+    launcher's :meth:`~distkeras.backends.base.Adapter.workers_env`).
+
+    Raises:
+        BackendError: ``name`` is not a supported backend.
+    """
+    _check_name(name, "the caller")
+    module_name, _, class_name = REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def install_shims():
+    # type: () -> None
+    """Apply the shims of the active backend's Keras, if it has any (:data:`SHIMS`); called by ``import distkeras``."""
+    try:
+        name = active_name()
+    except BackendError:  # distribute() reports it, with the full message
+        return
+    if name in SHIMS:
+        module_name, _, function = SHIMS[name].partition(":")
+        getattr(importlib.import_module(module_name), function)()
+
+
 def get(name):
     """The adapter for backend ``name``, importing its module on first use.
 
@@ -134,8 +166,7 @@ def get(name):
     """
     _check_name(name, "the caller")
     if name not in _adapters:
-        module_name, _, class_name = REGISTRY[name].partition(":")
-        cls = getattr(importlib.import_module(module_name), class_name)
+        cls = adapter_class(name)
         if not is_installed(cls.framework):
             raise BackendUnavailableError(
                 "The Keras backend is {!r}, but {} is not installed. Install it with `pip install {}`, or set "

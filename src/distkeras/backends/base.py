@@ -1,7 +1,7 @@
 """The adapter interface every backend implements. Part of the Python 3.6-compatible core."""
 
 import abc
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import cluster as cluster_lib
 from ..cluster import Cluster
@@ -57,6 +57,17 @@ def pin_local_gpus(cluster, environ=None, gpus_dir=NVIDIA_GPUS):
         return None
     env[environments.CUDA_ENV] = value
     return value
+
+
+#: What ``distkeras launch`` knows of a job on this host when it asks a backend what its workers need (pure data).
+#: ``engine`` is HOST:PORT of the engine's rendezvous; across hosts ``addresses`` holds every host's address by node
+#: rank, and the engine may use ``engine_ports(nproc_per_node)`` ports from the engine's port up on every host.
+LaunchJob = NamedTuple("LaunchJob", [
+    ("nproc_per_node", int), ("nnodes", int), ("node_rank", int), ("engine", str), ("addresses", Optional[List[str]]),
+])
+
+#: A process ``distkeras launch`` starts beside the workers: (command, environment, label in its output).
+Role = Tuple[List[str], Dict[str, str], str]
 
 
 class Adapter(abc.ABC):
@@ -156,6 +167,49 @@ class Adapter(abc.ABC):
         # type: () -> None
         """Called by :func:`distkeras.shutdown`: stop what the adapter started for a multi-worker job
         (CNTK finalizes MPI). No collective operation may follow. Default: nothing."""
+
+    # ---- launching: called by ``distkeras launch`` before any worker exists. Class methods that import no
+    # ---- framework (the launcher may run where the backend's framework is not installed).
+
+    @classmethod
+    def engine_ports(cls, nproc_per_node):
+        # type: (int) -> int
+        """How many ports the engine needs on every host, from the engine's port up. Default: one rendezvous."""
+        return 1
+
+    @classmethod
+    def workers_env(cls, job, environ):
+        # type: (LaunchJob, Dict[str, str]) -> List[Dict[str, str]]
+        """The variables this backend's engine reads, for each of this host's workers (local rank order), on top
+        of the ones every worker gets (RANK, WORLD_SIZE, MASTER_ADDR, JAX_*: :func:`distkeras.launch.worker_env`).
+        Default: none."""
+        return [{} for _ in range(job.nproc_per_node)]
+
+    @classmethod
+    def launch_roles(cls, job, environ):
+        # type: (LaunchJob, Dict[str, str]) -> List[Role]
+        """Processes the engine needs beside the workers on this host (MXNet's parameter-server scheduler and
+        servers), watched by the launcher like the workers. Default: none."""
+        return []
+
+    @classmethod
+    def launch_command(cls, script_args, nproc_per_node, nnodes, environ):
+        # type: (List[str], int, int, Dict[str, str]) -> Optional[Tuple[List[List[str]], List[Dict[str, str]], List[object]]]
+        """Where the backend's engine starts the workers itself (CNTK: ``mpiexec``): the ``(commands, envs,
+        labels)`` the launcher runs instead of one process per worker. Default None: the launcher starts them.
+
+        Raises:
+            LaunchError: the engine's own launcher can't start this job here.
+        """
+        return None
+
+    def pass_over_function(self, take):
+        """A stand-in for the model's train function that trains nothing: called as Keras' trainer of this backend
+        calls its train function, it calls ``take(iterator)`` on the batch iterator it is given (which takes one
+        call's batches from it) and returns empty logs. :class:`~distkeras.callbacks.BackupAndRestore` uses it to
+        pass over the batches a resumed epoch already trained. Default: Keras' torch trainer, which takes the batch
+        itself before it calls the function (keras/src/backend/torch/trainer.py)."""
+        return lambda *args: {}
 
     def check_options(self, options):
         # type: (Dict[str, object]) -> None

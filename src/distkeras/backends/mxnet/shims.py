@@ -23,11 +23,7 @@ import collections
 import collections.abc
 import inspect
 
-from . import backends
-from .errors import BackendError
-
-#: Keras backends whose Keras is the multi-backend Keras 2 these shims are for.
-LEGACY_BACKENDS = ("mxnet", "cntk")
+from .. import when_imported
 
 #: Keras 2 keeps HDF5 attributes below this size (``saving.HDF5_OBJECT_HEADER_LIMIT``); a larger
 #: fixed-length attribute can't be written, so larger values keep h5py 3's variable-length form.
@@ -36,21 +32,11 @@ _HDF5_ATTRIBUTE_LIMIT = 64512
 _ArgSpec = collections.namedtuple("ArgSpec", ["args", "varargs", "keywords", "defaults"])
 
 
-def install_for_active_backend():
-    """Apply the shims when the active Keras backend is one of :data:`LEGACY_BACKENDS`; else do nothing."""
-    try:
-        name = backends.active_name()
-    except BackendError:  # distribute() reports it, with the full message
-        return
-    if name in LEGACY_BACKENDS:
-        install()
-
-
 def install():
     """Apply every shim (idempotent)."""
     restore_collections_aliases()
     restore_getargspec()
-    backends.when_imported("h5py", store_bytes_attributes_fixed_length)
+    when_imported("h5py", store_bytes_attributes_fixed_length)
 
 
 def restore_collections_aliases():

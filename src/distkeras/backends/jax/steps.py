@@ -20,7 +20,7 @@ are the single-device ones. Other cross-sample computations inside a layer's ``c
 as each replica does on TensorFlow and PyTorch; dropout draws the same mask pattern on every shard.
 
 A batch the devices don't divide is not padded in fit() with compression (the replaced ``train_step`` is
-not proven exact on padding); it runs whole on every device (see :mod:`distkeras.backends.jax`).
+not proven exact on padding); it runs whole on every device (see :mod:`distkeras.backends.jax.adapter`).
 """
 
 import contextlib
@@ -28,8 +28,8 @@ import functools
 import math
 import threading
 
-from ..errors import OptionError
-from . import keras3
+from ...errors import OptionError
+from .. import keras_model
 
 #: Wire dtype of each ``compression`` value (JAX's names).
 WIRE = {"bf16": "bfloat16", "fp16": "float16"}
@@ -61,17 +61,17 @@ def install(model, mesh, axis, wire):
         if not callable(getattr(klass, name, None)):
             raise OptionError("compression on JAX needs Keras' {}.{}, which this Keras ({}) lacks. Drop "
                               "compression=.".format(klass.__name__, name, keras.__version__))
-    synced, _ = keras3.batchnorm_layers(model, _PRIVATE_MOMENTS)
+    synced, _ = keras_model.batchnorm_layers(model, _PRIVATE_MOMENTS)
     for layer in synced:
-        keras3.hook(layer, _PRIVATE_MOMENTS, _global_moments(layer, getattr(type(layer), _PRIVATE_MOMENTS).__get__(layer)))
-    keras3.hook(model, "train_step", _train_step(model, model.train_step, mesh, axis, wire))
+        keras_model.hook(layer, _PRIVATE_MOMENTS, _global_moments(layer, getattr(type(layer), _PRIVATE_MOMENTS).__get__(layer)))
+    keras_model.hook(model, "train_step", _train_step(model, model.train_step, mesh, axis, wire))
 
 
 def uninstall(model):
     """Remove :func:`install`'s hooks from the model's BatchNormalization layers (the model's own go with
-    ``keras3.unhook(model)``)."""
-    for layer in keras3.batchnorm_layers(model, _PRIVATE_MOMENTS)[0]:
-        keras3.unhook(layer)
+    ``keras_model.unhook(model)``)."""
+    for layer in keras_model.batchnorm_layers(model, _PRIVATE_MOMENTS)[0]:
+        keras_model.unhook(layer)
 
 
 @contextlib.contextmanager

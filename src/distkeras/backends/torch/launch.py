@@ -32,8 +32,8 @@ import sys
 import threading
 import time
 
-from ..errors import LaunchError
-from ..launch import EXIT_PREEMPTED, orphan_proof
+from ...errors import LaunchError
+from ...processes import EXIT_PREEMPTED, orphan_proof
 
 #: Set in every child to its parent's pid.
 PARENT_ENV = "DISTKERAS_LAUNCHED_BY"
@@ -88,7 +88,7 @@ def start_workers(count, timeout):
     Raises:
         LaunchError: the program can't be re-run, or a child can't be started.
     """
-    from ..cluster import from_env
+    from ...cluster import from_env
 
     command = script_command(count)
     listener = socket.create_server(("127.0.0.1", 0), backlog=128)

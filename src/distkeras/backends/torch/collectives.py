@@ -14,12 +14,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import keras3
+from .. import keras_model
 
 
 def broadcast_from_rank0(model):
     """Give every rank rank 0's weights (all of them), metric state and every optimizer's state."""
-    broadcast_variables(keras3.state_variables(model))
+    broadcast_variables(keras_model.state_variables(model))
 
 
 def broadcast_variables(variables):

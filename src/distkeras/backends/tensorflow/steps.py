@@ -131,7 +131,7 @@ def tell_replicas_their_rows(tf, strategy, exact_losses):
 
 
 def scalar_share(tf, replicas):
-    """The function :func:`~distkeras.backends.keras3.weigh_scalar_means` asks for a Mean tracker's scalar
+    """The function :func:`~distkeras.backends.keras_model.weigh_scalar_means` asks for a Mean tracker's scalar
     update: ``replicas * n_r / N`` in a replica step with the loss rule on (the tracker's sync-on-read total
     and count, summed over the replicas, then hold one device's mean), else None."""
 
@@ -423,7 +423,7 @@ def one_device_step_logs(tf, model, keras_model_class):
     over the global batch, and a replica a short batch left without rows (whose mean over no rows is NaN
     or 0) counts for nothing.
     """
-    from distkeras.backends import keras3
+    from distkeras.backends import keras_model
 
     for name in ("train_step", "test_step"):
         if getattr(type(model), name, None) is getattr(keras_model_class, name, None):
@@ -448,7 +448,7 @@ def one_device_step_logs(tf, model, keras_model_class):
 
             return tf.nest.map_structure(weighed, logs)
 
-        keras3.hook(model, name, one_device_step)
+        keras_model.hook(model, name, one_device_step)
 
 
 def convolve_empty_batches(tf):

@@ -9,10 +9,10 @@ never held twice. tf.keras 2.x models (the ``tf_keras`` package, ``TF_USE_LEGACY
 exception: their layers hold their ``tf.Variable`` objects directly, so they are rebuilt in the scope.
 
 What the adapter changes so that every step is exactly the single-device step at the same global batch
-(each an instance attribute, installed by :func:`keras3.hook`; nothing of it is saved):
+(each an instance attribute, installed by :func:`keras_model.hook`; nothing of it is saved):
 
 - **One loss rule, replicas weighed by their share of the batch** (``exact_loss_scaling=True``, the
-  default; :mod:`.tensorflow_steps`). Keras divides some losses by the replica count and not others (a
+  default; :mod:`.steps`). Keras divides some losses by the replica count and not others (a
   loss function returning a scalar, a ``Loss`` object or ops called by hand in a custom step), and weighs
   the replicas equally even when a batch splits unevenly or leaves a replica empty. While a replica runs
   a step, every loss it computes is its own mean over its rows, however it is written (compiled loss,
@@ -24,7 +24,7 @@ What the adapter changes so that every step is exactly the single-device step at
   no Keras 3 loss code, keep a correction of their ``compute_loss`` (:func:`_weigh_replicas_by_batch_share`).
 - **Random draws of one device.** ``keras.random.*``, Dropout and its variants, GaussianNoise, the
   augmentation layers and seed generators in custom layers draw, on each replica, one device's values for
-  its rows of the global batch (see :mod:`.tensorflow_steps` for which functions are exact).
+  its rows of the global batch (see :mod:`.steps` for which functions are exact).
 - **Every optimizer of the model.** ``model.optimizer``, the optimizer a LossScaleOptimizer wraps, and
   optimizers held in the model's attributes (a GAN's ``d_optimizer``, ``g_optimizer`` given to its own
   ``compile()``), at ``distribute()`` and after each ``compile()``: told the strategy, their variables
@@ -60,13 +60,14 @@ import os
 import weakref
 from typing import List
 
-from .. import cluster as cluster_lib
-from .. import exchange
-from ..environments import tf_config
-from ..devices import Device
-from ..errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
-from . import keras3, tensorflow_steps, when_imported
-from .base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
+from ... import cluster as cluster_lib
+from ... import exchange, network
+from ...environments import tf_config
+from ...devices import Device
+from ...errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
+from .. import keras_model, when_imported
+from . import steps as tensorflow_steps
+from ..base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
 
 _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 #: The wire dtype of each ``compression`` (TensorFlow's names).
@@ -88,6 +89,34 @@ class TensorFlowAdapter(Adapter):
         "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
         "compression": COMPRESSION_HELP,
     }
+
+    @classmethod
+    def engine_ports(cls, nproc_per_node):
+        """Every worker's gRPC server listens on its own port: ``nproc_per_node`` of them on every host."""
+        return nproc_per_node
+
+    @classmethod
+    def workers_env(cls, job, environ):
+        """TF_CONFIG for each worker of this host: on one host each worker on a free loopback port; across hosts
+        worker ``i`` of a host on the engine's port + ``i`` at the host's agreed address."""
+        if job.nnodes == 1:
+            workers = ["127.0.0.1:{}".format(network.free_port()) for _ in range(job.nproc_per_node)]
+        else:
+            base = network.parse_address(job.engine)[1]
+            workers = ["{}:{}".format(network.bracket(host), base + i) for host in job.addresses
+                       for i in range(job.nproc_per_node)]
+        first = job.node_rank * job.nproc_per_node
+        return [{"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": first + i}})}
+                for i in range(job.nproc_per_node)]
+
+    def pass_over_function(self, take):
+        """Keras' TensorFlow trainer calls its train function with the iterator it takes batches from."""
+
+        def passed_over(iterator):
+            take(iterator)
+            return {}
+
+        return passed_over
 
     def __init__(self):
         self._multi_worker = None  # this process' MultiWorkerMirroredStrategy: TensorFlow allows one
@@ -161,7 +190,7 @@ class TensorFlowAdapter(Adapter):
             strategy = _mirrored_strategy(
                 tf, ["/{}:{}".format(d.kind, d.index) for d in devices], _cross_device_ops(tf, cross_device_ops)
             )
-        if keras3.keras_package(model) == "tf_keras":
+        if keras_model.keras_package(model) == "tf_keras":
             if not model.built:
                 raise ModelError(
                     "This tf.keras 2.x {} is not built, and distkeras rebuilds tf.keras 2.x models inside the "
@@ -175,8 +204,8 @@ class TensorFlowAdapter(Adapter):
             # storage to re-create behind them: the model is rebuilt inside the scope. Its optimizer already
             # clips after the all-reduce (``apply_gradients`` aggregates first).
             with strategy.scope():
-                new = keras3.clone(model)
-                keras3.compile_like(new, model)
+                new = keras_model.clone(model)
+                keras_model.compile_like(new, model)
             model = new
             if exact_loss_scaling and _uses_default_compute_loss(model):
                 # tf.keras 2.x divides every compiled loss by the replica count; re-weighed by batch share.
@@ -190,13 +219,13 @@ class TensorFlowAdapter(Adapter):
             tensorflow_steps.tell_replicas_their_rows(tf, strategy, exact_loss_scaling)
             tensorflow_steps.gate_keras_loss_scaling()
             tensorflow_steps.draw_like_one_device(tf)
-            keras3.weigh_scalar_means(model, tensorflow_steps.scalar_share(tf, strategy.num_replicas_in_sync))
+            keras_model.weigh_scalar_means(model, tensorflow_steps.scalar_share(tf, strategy.num_replicas_in_sync))
             tensorflow_steps.convolve_empty_batches(tf)
-            tensorflow_steps.one_device_step_logs(tf, model, keras3.keras_module(model).Model)
+            tensorflow_steps.one_device_step_logs(tf, model, keras_model.keras_module(model).Model)
         _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(model, tf)
-            keras3.chief_speaks_and_writes(model, cluster.rank)
+            keras_model.chief_speaks_and_writes(model, cluster.rank)
             _py_datasets_as_global_batches(model, tf)
         return model
 
@@ -328,7 +357,7 @@ def _mirror_in_place(model, tf, strategy, compression=None):
     tests/backends/test_tensorflow.py pins all of these.
     """
     for target in list(model._flatten_layers()) + _every_optimizer(model):
-        keras3.unhook(target)  # an earlier distribute()'s hooks
+        keras_model.unhook(target)  # an earlier distribute()'s hooks
     _mirror_variables(tf, strategy, _state_variables(model))
     object.__setattr__(model, "_distribute_strategy", strategy)
     for optimizer in _every_optimizer(model):
@@ -346,17 +375,17 @@ def _mirror_in_place(model, tf, strategy, compression=None):
         # Optimizers (and metrics) a compile() of the model's own was given, created outside the scope.
         _mirror_variables(tf, strategy, _state_variables(model))
         for optimizer in _every_optimizer(model):
-            keras3.unhook(optimizer)
+            keras_model.unhook(optimizer)
             _adopt_optimizer(optimizer, strategy)
         _global_gradient_first(model, tf, strategy, compression)
 
-    keras3.hook(model, "compile", compile)
+    keras_model.hook(model, "compile", compile)
 
 
 def _every_optimizer(model):
-    """Every optimizer of the model (:func:`keras3.all_optimizers`) and the optimizers they wrap."""
+    """Every optimizer of the model (:func:`keras_model.all_optimizers`) and the optimizers they wrap."""
     found = []
-    for optimizer in keras3.all_optimizers(model):
+    for optimizer in keras_model.all_optimizers(model):
         while optimizer is not None and all(optimizer is not known for known in found):
             found.append(optimizer)
             optimizer = getattr(optimizer, "inner_optimizer", None)
@@ -364,8 +393,8 @@ def _every_optimizer(model):
 
 
 def _state_variables(model):
-    """:func:`keras3.state_variables`, with the variables of every other optimizer the model holds."""
-    variables = keras3.state_variables(model)
+    """:func:`keras_model.state_variables`, with the variables of every other optimizer the model holds."""
+    variables = keras_model.state_variables(model)
     seen = {id(v) for v in variables}
     for optimizer in _every_optimizer(model):
         for variable in optimizer.variables:
@@ -412,18 +441,18 @@ def _global_gradient_first(model, tf, strategy, compression=None):
     optimizers = _every_optimizer(model)
     for optimizer in optimizers:
         if hasattr(optimizer, "_all_reduce_sum_gradients"):
-            keras3.hook(optimizer, "_all_reduce_sum_gradients", list)
+            keras_model.hook(optimizer, "_all_reduce_sum_gradients", list)
         if hasattr(optimizer, "_backend_apply_gradients") and hasattr(optimizer, "gradient_accumulation_steps"):
-            keras3.hook(optimizer, "_backend_apply_gradients", _decided_across_replicas(optimizer, tf))
+            keras_model.hook(optimizer, "_backend_apply_gradients", _decided_across_replicas(optimizer, tf))
     inner = {id(getattr(o, "inner_optimizer", None)) for o in optimizers}
     for outer in optimizers:
         if id(outer) not in inner:  # the optimizer a step calls, not one a LossScaleOptimizer wraps
-            keras3.hook(outer, "apply", _apply_global(outer, tf, compression))
+            keras_model.hook(outer, "apply", _apply_global(outer, tf, compression))
 
 
 def _apply_global(optimizer, tf, compression):
     """``optimizer.apply`` given the global gradient: sparse gradients made dense, each replica's weighed by
-    its share of the global batch (see tensorflow_steps), all-reduced, then Keras' own ``apply``."""
+    its share of the global batch (see steps.py), all-reduced, then Keras' own ``apply``."""
     apply = type(optimizer).apply.__get__(optimizer)
 
     def apply_global(grads, trainable_variables=None):
@@ -553,10 +582,10 @@ def _batchnorm_moments(model, tf, synchronized):
     difference), from all-reduced sums; gradients flow through ``ReplicaContext.all_reduce``. A masked
     input, or a call outside a replica context, keeps Keras' own computation. Pinned by a test.
     """
-    keras = keras3.keras_module(model)
+    keras = keras_model.keras_module(model)
     for layer in model._flatten_layers(include_self=False):
         if isinstance(layer, keras.layers.BatchNormalization) and hasattr(layer, "_moments"):
-            keras3.hook(layer, "_moments", _moments(layer, type(layer)._moments.__get__(layer), tf, synchronized))
+            keras_model.hook(layer, "_moments", _moments(layer, type(layer)._moments.__get__(layer), tf, synchronized))
 
 
 def _moments(layer, keras_moments, tf, synchronized):
@@ -596,7 +625,7 @@ def _build_from_one_replica(model, tf, strategy):
             return strategy.experimental_local_results(value)[0]
         return value
 
-    keras = keras3.keras_module(model)
+    keras = keras_model.keras_module(model)
     inherited = (getattr(keras.Model, "call", None), getattr(keras.layers.Layer, "call", None))
 
     def maybe_symbolic_build(iterator=None, data_batch=None):
@@ -616,7 +645,7 @@ def _build_from_one_replica(model, tf, strategy):
         # update (a compiled metric a custom step updates read half the rows). Mirrored like the rest.
         _mirror_variables(tf, strategy, _state_variables(model))
 
-    keras3.hook(model, "_maybe_symbolic_build", maybe_symbolic_build)
+    keras_model.hook(model, "_maybe_symbolic_build", maybe_symbolic_build)
 
 
 def _reducible_step_logs(model, tf):
@@ -635,7 +664,7 @@ def _reducible_step_logs(model, tf):
 
     for name in ("train_step", "test_step"):
         step = getattr(model, name)
-        keras3.hook(model, name, lambda data, _step=step: tf.nest.map_structure(vector, _step(data)))
+        keras_model.hook(model, name, lambda data, _step=step: tf.nest.map_structure(vector, _step(data)))
 
 
 def _py_datasets_as_global_batches(model, tf):
@@ -647,7 +676,7 @@ def _py_datasets_as_global_batches(model, tf):
     worker. So the PyDataset is read as such a batched dataset: its items, unbatched, batched again by
     the first item's size (the last item may be shorter, as with arrays).
     """
-    keras = keras3.keras_module(model)
+    keras = keras_model.keras_module(model)
     for name in ("fit", "evaluate", "predict"):
         method = getattr(model, name)
 
@@ -660,7 +689,7 @@ def _py_datasets_as_global_batches(model, tf):
                     kwargs["x"] = dataset
             return _method(*args, **kwargs)
 
-        keras3.hook(model, name, call)
+        keras_model.hook(model, name, call)
 
 
 def _batched_dataset(tf, py_dataset):
@@ -680,7 +709,7 @@ def _batched_dataset(tf, py_dataset):
 
 
 def _uses_default_compute_loss(model):
-    keras = keras3.keras_module(model)
+    keras = keras_model.keras_module(model)
     method = getattr(type(model), "compute_loss", None)
     return method is not None and method is getattr(keras.Model, "compute_loss", None)
 
@@ -742,7 +771,7 @@ def _weigh_replicas_by_batch_share(model, tf, replicas, global_batch=None):
     without communication (see :func:`_global_batch_of_each_run`); elsewhere the replicas all-reduce
     their batch sizes."""
     original = model.compute_loss
-    keras = keras3.keras_module(model)
+    keras = keras_model.keras_module(model)
     custom_step = getattr(type(model), "train_step", None) is not getattr(keras.Model, "train_step", None)
 
     def compute_loss(*args, **kwargs):
@@ -772,4 +801,4 @@ def _weigh_replicas_by_batch_share(model, tf, replicas, global_batch=None):
         # Same value as Keras reports; gradient weighted by this replica's share of the global batch.
         return tf.stop_gradient(total - weighted) + weighted
 
-    keras3.hook(model, "compute_loss", compute_loss)
+    keras_model.hook(model, "compute_loss", compute_loss)

@@ -4,7 +4,7 @@ JAX splits an array axis only evenly, so a batch of 10 samples on 3 devices (an 
 batch, a batch smaller than the device count) can't be split as it is. Where it is proven exact, the
 batch is padded to the next multiple of the device count and runs split like any other; elsewhere it
 runs whole on every device (the single-device result, not in parallel, with a warning naming why; see
-:mod:`distkeras.backends.jax`).
+:mod:`distkeras.backends.jax.adapter`).
 
 The padding rows repeat the batch's first row (finite values: no NaN that a zero weight can't cancel).
 
@@ -51,8 +51,8 @@ import threading
 
 import numpy as np
 
-from ..errors import DistKerasError
-from . import keras3
+from ...errors import DistKerasError
+from .. import keras_model
 
 _REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 MODES = ("fit", "evaluate", "predict")
@@ -131,8 +131,8 @@ def install(model):
         finally:
             call.mask = None
 
-    keras3.hook(model, "compute_loss", compute_loss)
-    keras3.hook(model, "compute_metrics", compute_metrics)
+    keras_model.hook(model, "compute_loss", compute_loss)
+    keras_model.hook(model, "compute_metrics", compute_metrics)
 
 
 def _hook_metrics(model):
@@ -147,7 +147,7 @@ def _hook_metrics(model):
                 sample_weight, call.count = call.count, None
             return own(values, sample_weight=sample_weight)
 
-        keras3.hook(tracker, "update_state", count_real_rows)
+        keras_model.hook(tracker, "update_state", count_real_rows)
     compiled = getattr(model, "_compile_metrics", None)
     for group in getattr(compiled, "_flat_metrics", None) or ():
         if group is None or "update_state" in group.__dict__:
@@ -159,7 +159,7 @@ def _hook_metrics(model):
                 sample_weight = call.mask
             return _own(y_true, y_pred, sample_weight=sample_weight)
 
-        keras3.hook(group, "update_state", masked)
+        keras_model.hook(group, "update_state", masked)
 
 
 def _why_not(model, mode):
@@ -167,7 +167,7 @@ def _why_not(model, mode):
     import jax
     import keras
 
-    layers = keras3.layers_of(model)
+    layers = keras_model.layers_of(model)
     random = any(v.path.rpartition("/")[2] == "seed_generator_state" for v in model.variables)
     if random and not getattr(jax.config, "jax_threefry_partitionable", False):
         return "it draws random numbers and jax_threefry_partitionable is off (draws depend on the batch shape)"
@@ -275,7 +275,7 @@ def _unbuilt(model, mode):
     """What makes Keras' ``_symbolic_build`` (fit, evaluate) or ``predict`` draw a batch to build the model
     (their own conditions)."""
     compiled = [getattr(model, name, None) for name in ("_compile_metrics", "_compile_loss")] if mode != "predict" else []
-    return not all(layer.built for layer in keras3.layers_of(model)) or any(
+    return not all(layer.built for layer in keras_model.layers_of(model)) or any(
         c is not None and not c.built for c in compiled)
 
 

@@ -32,12 +32,12 @@ import logging
 import os
 from typing import Mapping
 
-from .. import sharding
-from ..cluster import Cluster
-from ..devices import Device
-from ..errors import ClusterError, DeviceSpecError, ModelError, OptionError, ShardError
-from . import keras3
-from .base import Adapter
+from ... import sharding
+from ...cluster import Cluster
+from ...devices import Device
+from ...errors import ClusterError, DeviceSpecError, ModelError, OptionError, ShardError
+from .. import keras_model
+from ..base import Adapter
 
 logger = logging.getLogger("distkeras")
 
@@ -79,6 +79,13 @@ class CNTKAdapter(Adapter):
         "compression": "'1bit': CNTK's 1-bit SGD (num_quantization_bits=1, error feedback); CNTK has no 16-bit "
         "all-reduce",
     }
+
+    @classmethod
+    def launch_command(cls, script_args, nproc_per_node, nnodes, environ):
+        """``mpiexec -n N python script.py``: the workers are MPI ranks (:func:`.launch.launch_command`)."""
+        from .launch import launch_command
+
+        return launch_command(script_args, nproc_per_node, nnodes, environ)
 
     def __init__(self):
         self._started_mpi = False
@@ -139,7 +146,7 @@ class CNTKAdapter(Adapter):
         model._distkeras_cntk = _Replica(self, rank, workers, num_quantization_bits)
         weights = model.get_weights()
         model.set_weights(_unflat(self.all_sum(_flat(weights, rank)), weights))
-        keras3.chief_speaks_and_writes(model, rank)
+        keras_model.chief_speaks_and_writes(model, rank)
         model._make_train_function = functools.partial(_make_train_function, model, model._make_train_function)
         # Keras calls these before every evaluate/predict (and fit()'s validation); they wrap its functions in
         # steps that keep this worker's rows of every global batch while the calls below are under way.

@@ -5,7 +5,7 @@ every trainable variable's torch parameter carries a ``register_post_accumulate_
 the backward pass has written a variable's ``.grad``, the hook copies it, already weighted by this rank's
 share of the global batch, into its bucket's buffer, and when a bucket is full its all-reduce starts
 (``async_op=True``) while the backward pass goes on with earlier layers. The optimizer's ``apply`` (see
-:mod:`~distkeras.backends.torch_trainer`) launches what is left, waits for every bucket and hands the
+:mod:`~distkeras.backends.torch.trainer`) launches what is left, waits for every bucket and hands the
 averages on: a step takes about max(compute, communication) once the model is large enough.
 
 - **Buckets** (:func:`assign`): the variables in reverse order (the order the backward pass produces
@@ -44,13 +44,12 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import torch_collectives as collectives
-from .torch import DEFAULT_BUCKET_MB
+from . import collectives
 
 logger = logging.getLogger("distkeras")
 
 MIB = 1 << 20
-#: DDP's default first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``); DEFAULT_BUCKET_MB is
+#: DDP's default first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``); the adapter's DEFAULT_BUCKET_MB is
 #: its ``bucket_cap_mb`` default.
 FIRST_BUCKET_BYTES = 1 << 20
 
@@ -109,7 +108,7 @@ class Buckets(object):
         bucket_mb: MiB of gradients (as sent) per bucket.
     """
 
-    def __init__(self, replica, bucket_mb=DEFAULT_BUCKET_MB):
+    def __init__(self, replica, bucket_mb):
         self.replica = replica
         self.bucket_bytes = max(1, int(bucket_mb * MIB))
         self.group = bucket_group(replica.timeout)

@@ -8,7 +8,7 @@ Keras ships no distribution for its torch backend, so the adapter builds one aro
   LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT) each process is given to :meth:`TorchAdapter.distribute`
   and joins the job; several hosts work the same way. A plain ``python script.py`` asking for N > 1
   devices becomes rank 0 and starts the other N-1 processes by re-running the script
-  (:mod:`distkeras.backends.torch_launch`).
+  (:mod:`distkeras.backends.torch.launch`).
 - **Process group.** gloo on CPU, NCCL on GPU, rendezvous at MASTER_ADDR:MASTER_PORT. When that address
   is a loopback one the job is on one host, and rank 0 listens on that address only.
 - **The model.** The user's own object, distributed in place: ``distribute(model) is model``, nothing is
@@ -17,10 +17,10 @@ Keras ships no distribution for its torch backend, so the adapter builds one aro
   launched process :meth:`TorchAdapter.prepare` makes the local GPU current before the model is built,
   so usually nothing moves), rank 0's weights, metric state and the state of every optimizer it holds are
   broadcast to every rank (variables made later, by a first ``fit()`` that builds the model, before the step
-  that first uses them), then the training hooks of :mod:`distkeras.backends.torch_trainer` are installed on the
+  that first uses them), then the training hooks of :mod:`distkeras.backends.torch.trainer` are installed on the
   instance: how batches are split, gradients averaged (in buckets overlapped with the backward pass:
   ``overlap``, ``bucket_mb``; in 16 bits with ``compression``), BatchNormalization statistics made
-  global (``sync_batchnorm``), random draws made per rank's rows (:mod:`~distkeras.backends.torch_random`),
+  global (``sync_batchnorm``), random draws made per rank's rows (:mod:`~distkeras.backends.torch.random`),
   predictions split and gathered, metrics aggregated, and what ranks other than 0 print and write.
 
 ``describe()`` reports the processes as the replicas and as the workers: one device per process.
@@ -34,15 +34,15 @@ import socket
 import sys
 from typing import List
 
-from .. import exchange, network
-from ..devices import Device
-from ..errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
-from . import keras3, when_imported
-from .base import COMPRESSION_HELP, Adapter, check_compression
+from ... import exchange, network
+from ...devices import Device
+from ...errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
+from .. import keras_model, when_imported
+from ..base import COMPRESSION_HELP, Adapter, check_compression
 
 #: torch.distributed's own default: how long a collective (or the rendezvous) may wait.
 DEFAULT_TIMEOUT = 1800.0
-#: DDP's bucket_cap_mb default. Here, where options are checked before torch is imported; torch_buckets uses it.
+#: DDP's bucket_cap_mb default. Here, where options are checked before torch is imported; buckets.py takes it from here.
 DEFAULT_BUCKET_MB = 25
 _BACKENDS = ("gloo", "nccl")
 
@@ -83,8 +83,8 @@ class TorchAdapter(Adapter):
 
         if torch.cuda.is_available() and torch.cuda.device_count():
             return [Device("gpu", i) for i in range(torch.cuda.device_count())]
-        from ..api import CPU_DEVICES_ENV
-        from ..cluster import from_env
+        from ...devices import CPU_DEVICES_ENV
+        from ...cluster import from_env
 
         value = os.environ.get(CPU_DEVICES_ENV, "").strip()
         count = int(value) if value.isdigit() and int(value) > 0 else from_env().local_world_size
@@ -96,7 +96,7 @@ class TorchAdapter(Adapter):
         distributed = sys.modules.get("torch.distributed")
         if distributed is None or not distributed.is_available() or not distributed.is_initialized():
             return
-        from ..cluster import from_env
+        from ...cluster import from_env
 
         running = from_env().local_world_size
         if count != running:
@@ -140,7 +140,9 @@ class TorchAdapter(Adapter):
                    compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB):
         import torch
 
-        from . import torch_launch, torch_trainer
+        from . import launch as torch_launch
+
+        from . import trainer as torch_trainer
 
         # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
@@ -211,7 +213,7 @@ def place(model, device):
     """
     import torch
 
-    for variable in keras3.state_variables(model):
+    for variable in keras_model.state_variables(model):
         value = getattr(variable, "_value", None)
         if isinstance(value, torch.Tensor) and value.device != device:
             value.grad = None
@@ -260,7 +262,7 @@ def is_loopback(host):
         return False
 
 
-def _join(cluster, device, backend, timeout, listener=None):
+def _join(cluster, device, engine, timeout, listener=None):
     """Join (or check) the process group of ``cluster``; rendezvous at its coordinator."""
     global _store
     import torch
@@ -303,10 +305,10 @@ def _join(cluster, device, backend, timeout, listener=None):
             # own, a restarted job's Gloo reads the dead attempt's addresses and never connects.
             store = dist.PrefixStore(exchange.attempt(), store)
     extra = {}
-    if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
+    if engine == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
         extra["device_id"] = torch.device("cuda", device.index)
     dist.init_process_group(
-        backend, store=store, rank=cluster.rank, world_size=cluster.world_size, timeout=wait, **extra
+        engine, store=store, rank=cluster.rank, world_size=cluster.world_size, timeout=wait, **extra
     )
     _store = dist.PrefixStore("distkeras", store)
 

@@ -4,7 +4,7 @@ Keras' torch trainer runs ``fit()`` like this: for every batch its data adapter 
 ``train_step(batch)`` computes the loss, calls ``loss.backward()`` and hands the gradients to
 ``optimizer.apply()``; after the epoch, ``_get_metrics_result_or_logs()`` turns the metrics into the
 epoch logs. distkeras hooks in at exactly those places, as attributes of the model's (and its layers' and
-optimizer's) *instances* (:func:`distkeras.backends.keras3.hook`), so the classes, the configs and what
+optimizer's) *instances* (:func:`distkeras.backends.keras_model.hook`), so the classes, the configs and what
 ``save()`` writes stay the user's. :func:`install` removes an earlier call's hooks before it sets its own,
 so distributing a model twice replaces the hooks instead of stacking them.
 
@@ -28,7 +28,7 @@ so distributing a model twice replaces the hooks instead of stacking them.
 - ``predict_step``: the same split; every output with a row per sample is gathered back into the global
   batch's order on every rank (one ``all_gather``, shares padded to the largest), so ``predict()`` and
   ``predict_on_batch()`` return one device's predictions on every rank, each row computed once.
-- ``optimizer.apply`` of every optimizer the model holds (:func:`~distkeras.backends.keras3.all_optimizers`:
+- ``optimizer.apply`` of every optimizer the model holds (:func:`~distkeras.backends.keras_model.all_optimizers`:
   ``model.optimizer`` and those in its attributes, as a GAN's ``d_optimizer`` and ``g_optimizer``; a
   LossScaleOptimizer's inner one is left to the outer): Horovod's DistributedOptimizer idea, on the
   instance, so the optimizer keeps its exact class. It hands the optimizer the average over the ranks of
@@ -65,7 +65,7 @@ so distributing a model twice replaces the hooks instead of stacking them.
   value, the mean over the rank's rows) is averaged over the ranks weighted by their rows: the global
   batch's value. A ``keras.metrics.Mean`` tracker the step updates with a scalar (``update_state(loss)``,
   the guides' GAN and VAE) gets the rank's rows over an equal share as its sample weight
-  (:func:`~distkeras.backends.keras3.weigh_scalar_means`), so its summed states are the global batch's
+  (:func:`~distkeras.backends.keras_model.weigh_scalar_means`), so its summed states are the global batch's
   too, however unevenly the batch splits. Per-batch progress shows rank 0's own running values.
 - ``fit`` / ``evaluate`` / ``predict``: ``verbose=0`` on ranks other than 0. ``fit()`` starts, and
   every epoch begins, with rank 0's random state (Python, NumPy, torch), so shuffling and augmentation
@@ -73,7 +73,7 @@ so distributing a model twice replaces the hooks instead of stacking them.
   rows of array data.
 - ``save`` / ``save_weights`` (also when a callback such as ModelCheckpoint calls them): rank 0 writes
   (a temporary file, then a rename); the other ranks write a throwaway copy into a temporary folder of
-  their own, deleted when the call returns (:func:`~distkeras.backends.keras3.throwaway_saves`, as on
+  their own, deleted when the call returns (:func:`~distkeras.backends.keras_model.throwaway_saves`, as on
   TensorFlow and JAX). No rank waits for another, whatever path each one names, and calling ``save()``
   on rank 0 alone works as well. A rank that must read rank 0's file waits for it itself, for example
   after a ``torch.distributed.barrier()`` that every rank reaches once rank 0's ``save()`` returned.
@@ -100,11 +100,11 @@ import weakref
 import keras
 import torch
 
-from ..errors import DistKerasError, LaunchError
-from . import keras3
-from . import torch_buckets
-from . import torch_collectives as collectives
-from . import torch_random
+from ...errors import DistKerasError, LaunchError
+from .. import keras_model
+from . import buckets as torch_buckets
+from . import collectives
+from . import random as torch_random
 
 _PRIVATE_LOGS = "_get_metrics_result_or_logs"
 _PRIVATE_LAYERS = "_flatten_layers"
@@ -145,7 +145,7 @@ class Replica(object):
 
     def scalar_share(self):
         """In a train or test step: this rank's rows over an equal share of the global batch (the sample
-        weight :func:`~distkeras.backends.keras3.weigh_scalar_means` gives a Mean tracker's scalar update)."""
+        weight :func:`~distkeras.backends.keras_model.weigh_scalar_means` gives a Mean tracker's scalar update)."""
         if self.count is None or not self.total:
             return None
         return float(self.world * self.count) / float(self.total)
@@ -314,8 +314,8 @@ def uninstall(model):
     buckets = model.__dict__.get(_BUCKETS)
     if buckets is not None:
         buckets.remove()
-    for obj in keras3.layers_of(model) + keras3.all_optimizers(model):
-        keras3.unhook(obj)
+    for obj in keras_model.layers_of(model) + keras_model.all_optimizers(model):
+        keras_model.unhook(obj)
 
 
 def broadcast_new_variables(model, replica):
@@ -325,7 +325,7 @@ def broadcast_new_variables(model, replica):
     at the same points, and finds the same new variables, in the same order."""
     known = replica.known
     # Weak references: a variable that is gone must not hide a new one that got its id.
-    new = [v for v in keras3.state_variables(model) if id(v) not in known or known[id(v)]() is not v]
+    new = [v for v in keras_model.state_variables(model) if id(v) not in known or known[id(v)]() is not v]
     if new:
         collectives.broadcast_variables(new)
         known.update((id(v), weakref.ref(v)) for v in new)
@@ -344,7 +344,7 @@ def _unreduced_metrics_result(model):
 def _batchnorm_layers(model):
     """The model's BatchNormalization instances whose statistics distkeras can make global, and the others
     (a subclass that computes its statistics in a ``_moments`` of its own)."""
-    synced, other = keras3.batchnorm_layers(model, _PRIVATE_MOMENTS)
+    synced, other = keras_model.batchnorm_layers(model, _PRIVATE_MOMENTS)
     if other and not callable(getattr(keras.layers.BatchNormalization, _PRIVATE_MOMENTS, None)):
         raise DistKerasError(
             "distkeras synchronizes BatchNormalization through Keras' BatchNormalization.{}, and this Keras ({}) "
@@ -398,7 +398,7 @@ def _in_step(replica):
         _stepping.replica = outer
 
 
-def install(model, replica, sync_batchnorm=True, overlap=True, bucket_mb=torch_buckets.DEFAULT_BUCKET_MB):
+def install(model, replica, sync_batchnorm, overlap, bucket_mb):
     """Install the hooks of the module docstring on ``model`` (already on this rank's device).
 
     Hooks an earlier call installed are removed first. Keras' cached step functions are dropped, so a
@@ -419,7 +419,7 @@ def install(model, replica, sync_batchnorm=True, overlap=True, bucket_mb=torch_b
     if sync_batchnorm:
         synced, other = _batchnorm_layers(model)
         for layer in synced:
-            keras3.hook(layer, _PRIVATE_MOMENTS, _global_moments(layer, replica))
+            keras_model.hook(layer, _PRIVATE_MOMENTS, _global_moments(layer, replica))
         if other and replica.rank == 0:
             logger.warning(
                 "BatchNormalization layer(s) %s override %s(): each replica normalizes them with the statistics of "
@@ -452,7 +452,7 @@ def install(model, replica, sync_batchnorm=True, overlap=True, bucket_mb=torch_b
     if replica.buckets is not None:
         hooks[_BUCKETS] = replica.buckets
     for name, hook in hooks.items():
-        keras3.hook(model, name, hook)
+        keras_model.hook(model, name, hook)
     model.train_function = model.test_function = model.predict_function = None
 
 
@@ -490,8 +490,8 @@ def _wrap_optimizer(optimizer, replica):
             grads = [None] * len(grads)
         return apply(collectives.average_gradients(grads, variables, count, replica.compression), trainable_variables)
 
-    keras3.hook(optimizer, "apply", averaged_apply)
-    keras3.hook(optimizer, "_distkeras_replica", replica)
+    keras_model.hook(optimizer, "apply", averaged_apply)
+    keras_model.hook(optimizer, "_distkeras_replica", replica)
 
 
 def _local_state(model, global_state):
@@ -514,7 +514,7 @@ def _without_trace(step, data, variables):
 def _wrap_optimizers(model, replica):
     """The averaging apply on every optimizer the model holds, except one another of them wraps (a
     LossScaleOptimizer's inner optimizer gets the outer one's averages, and must not average again)."""
-    optimizers = keras3.all_optimizers(model)
+    optimizers = keras_model.all_optimizers(model)
     inner = {id(getattr(o, "inner_optimizer", None)) for o in optimizers}
     for optimizer in optimizers:
         if id(optimizer) not in inner:
@@ -529,7 +529,7 @@ def _train_step(model, step, replica, global_state):
         local, count, total = replica.split(data)
         replica.count = replica.last_count = count
         replica.total = total
-        keras3.weigh_scalar_means(model, replica.scalar_share)
+        keras_model.weigh_scalar_means(model, replica.scalar_share)
         replica.applied = 0
         if replica.buckets is not None:
             replica.buckets.begin(model.trainable_variables)
@@ -550,7 +550,7 @@ def _train_step(model, step, replica, global_state):
                 "gradients with an optimizer the model holds (self.optimizer, or one kept in an attribute, as a "
                 "GAN's d_optimizer): optimizer.apply(gradients, variables), as the Keras guide's PyTorch "
                 "train_step does, instead of changing the weights by hand.".format(
-                    ", ".join(type(o).__name__ for o in keras3.all_optimizers(model)) or "none",
+                    ", ".join(type(o).__name__ for o in keras_model.all_optimizers(model)) or "none",
                     type(model).__name__,
                 )
             )
@@ -565,7 +565,7 @@ def _test_step(model, step, replica):
         local, count, total = replica.split(data)
         replica.last_count = count
         replica.count, replica.total = count, total
-        keras3.weigh_scalar_means(model, replica.scalar_share)
+        keras_model.weigh_scalar_means(model, replica.scalar_share)
         try:
             with torch_random.global_draws(replica.rank, replica.world, count, total), _in_step(replica):
                 if count:
@@ -694,7 +694,7 @@ def _write_atomically(method, path, args, kwargs):
 def _rank0_writes(method, replica):
     """``save``/``save_weights``: rank 0 writes (a local path atomically); the others a throwaway copy."""
     if replica.rank != 0:
-        return keras3.throwaway_saves(method, replica.rank)
+        return keras_model.throwaway_saves(method, replica.rank)
 
     @functools.wraps(method)
     def save(filepath, *args, **kwargs):

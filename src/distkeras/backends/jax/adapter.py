@@ -12,7 +12,7 @@ re-assigned as an array laid out on the mesh with the layout the distribution gi
 Keras would have done had the model been created under the distribution. Nothing is rebuilt from a
 config, so subclassed models without ``get_config`` work. ``keras.distribution.set_distribution`` is
 global, so the model makes its distribution current only while it compiles, trains, evaluates or
-predicts (hooks on the instance, see :func:`keras3.hook`): models on different device sets live side by
+predicts (hooks on the instance, see :func:`keras_model.hook`): models on different device sets live side by
 side in one process. Everything the optimizer does with gradients, and BatchNormalization's
 statistics, need nothing more: a step is one SPMD program over the global batch.
 
@@ -25,12 +25,12 @@ slices its own devices hold, and every process takes the same steps whatever the
 
 JAX splits an array axis only evenly. A batch the "batch" axis doesn't divide (10 samples on 3
 devices, an epoch's smaller last batch, a batch smaller than the device count) is padded to a multiple
-of it and split where that is provably the single-device result (:mod:`distkeras.backends.jax_uneven`:
+of it and split where that is provably the single-device result (:mod:`distkeras.backends.jax.uneven`:
 always in predict(), in fit() and evaluate() for models of Keras' own parts, with zero-weight padding);
 elsewhere it runs whole on every device, with a warning naming why: the single-device result, not in
 parallel.
 
-Every optimizer the model holds is laid out (``keras3.all_optimizers``: a GAN's ``d_optimizer`` and
+Every optimizer the model holds is laid out (``keras_model.all_optimizers``: a GAN's ``d_optimizer`` and
 ``g_optimizer`` too), and a model built later (an unbuilt subclassed model) creates its variables under
 the distribution, at its first scoped fit/evaluate/predict.
 """
@@ -46,10 +46,10 @@ import weakref
 from collections.abc import Mapping
 from typing import List
 
-from ..devices import Device
-from ..errors import ClusterError, DistKerasError, NetworkError, OptionError, TooLateError
-from . import keras3, when_imported
-from .base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
+from ...devices import Device
+from ...errors import ClusterError, DistKerasError, NetworkError, OptionError, TooLateError
+from .. import keras_model, when_imported
+from ..base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
 
 logger = logging.getLogger("distkeras")
 
@@ -78,6 +78,16 @@ class JaxAdapter(Adapter):
         "compression": COMPRESSION_HELP + "; strategy='data' only",
     }
 
+    def pass_over_function(self, take):
+        """Keras' JAX trainer calls its train function with the training state and the batch iterator, and keeps
+        the state it returns: the state goes back unchanged."""
+
+        def passed_over(state, iterator):
+            take(iterator)
+            return {}, state
+
+        return passed_over
+
     def __init__(self):
         self._multi_process_error = None
 
@@ -90,7 +100,7 @@ class JaxAdapter(Adapter):
         inside the user's import of JAX, so a failure is kept and raised by distribute() instead."""
         import jax
 
-        from .. import exchange, network, rendezvous
+        from ... import exchange, network, rendezvous
 
         try:
             if exchange.applies(cluster) and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
@@ -165,7 +175,7 @@ class JaxAdapter(Adapter):
                 Default: the last axis of every kernel and embedding table that "model" divides.
             model_shards: ``strategy="model"``: the size of the "model" axis (default: every device).
             compression: ``"bf16"``/``"fp16"``: gradients all-reduced in 16 bits
-                (:mod:`distkeras.backends.jax_steps`); ``strategy="data"`` only.
+                (:mod:`distkeras.backends.jax.steps`); ``strategy="data"`` only.
 
         Returns:
             ``model`` itself, its variables on the mesh.
@@ -176,7 +186,9 @@ class JaxAdapter(Adapter):
         """
         import keras
 
-        from . import jax_steps, jax_uneven
+        from . import steps as jax_steps
+
+        from . import uneven as jax_uneven
 
         compression = check_compression(compression)
         if compression is not None and strategy != "data":
@@ -201,7 +213,7 @@ class JaxAdapter(Adapter):
             distribution.auto_shard_dataset = False  # every process holds the global batch; see the docstring
         _ours[distribution] = set()
         _replicate_uneven_batches()
-        keras3.unhook(model)  # an earlier distribute()'s hooks
+        keras_model.unhook(model)  # an earlier distribute()'s hooks
         jax_steps.uninstall(model)
         jax_uneven.install(model)
         with distribution.scope():
@@ -213,9 +225,9 @@ class JaxAdapter(Adapter):
             jax_steps.install(model, distribution.device_mesh.backend_mesh, distribution.batch_dim_name,
                               jax_steps.WIRE[compression])
         for name in _SCOPED:
-            keras3.hook(model, name, _scoped(getattr(model, name), model, distribution, name))
+            keras_model.hook(model, name, _scoped(getattr(model, name), model, distribution, name))
         if cluster.is_multi_worker:
-            keras3.chief_speaks_and_writes(model, cluster.rank)
+            keras_model.chief_speaks_and_writes(model, cluster.rank)
         return model
 
     def _global_mesh_devices(self, cluster, devices, local_devices, strategy):
@@ -352,8 +364,8 @@ def _check_layouts(model, layouts, axis_sizes):
 def _scoped(method, model, distribution, name=None):
     """``method`` run under ``distribution``, with any variable created outside it moved onto the mesh.
     ``fit``/``evaluate``/``predict`` also run marked as such, for the padding of uneven batches
-    (:mod:`distkeras.backends.jax_uneven`); predict() returns without the padded rows."""
-    from . import jax_uneven
+    (:mod:`distkeras.backends.jax.uneven`); predict() returns without the padded rows."""
+    from . import uneven as jax_uneven
 
     @functools.wraps(method)
     def call(*args, **kwargs):
@@ -376,7 +388,7 @@ def _lay_out(model, distribution):
     Keras' jitted step refuses to mix them with the mesh's."""
     import keras
 
-    for v in keras3.state_variables(model):
+    for v in keras_model.state_variables(model):
         value = v.value
         layout = distribution.get_variable_layout(v)
         if not value.sharding.is_equivalent_to(layout.backend_layout, len(value.shape)):
@@ -393,8 +405,8 @@ def _assign_layouts(model, distribution):
     from keras.distribution import TensorLayout
 
     by_name = {v.path.replace("/", "_"): v for v in model.trainable_variables}
-    optimizer_variables = {id(v) for o in keras3.all_optimizers(model) for v in o.variables}
-    for v in keras3.state_variables(model):
+    optimizer_variables = {id(v) for o in keras_model.all_optimizers(model) for v in o.variables}
+    for v in keras_model.state_variables(model):
         v._layout = None  # an earlier distribution's layout
         reference = None
         if id(v) in optimizer_variables:
@@ -450,7 +462,7 @@ def _replicate_uneven_batches():
 
 
 def _pad_uneven_batches():
-    """Pad a batch the "batch" mesh axis doesn't divide where that is exact (:mod:`jax_uneven`).
+    """Pad a batch the "batch" mesh axis doesn't divide where that is exact (:mod:`.uneven`).
 
     Keras' JAX trainer places each batch its epoch iterator yields with its module function
     ``_distribute_data(data, layouts)``, looked up per call: the one place that sees a whole batch (x, y
@@ -466,7 +478,7 @@ def _pad_uneven_batches():
     original = getattr(trainer, "_distribute_data", None)
     if original is None or getattr(original, "distkeras", False):
         return
-    from . import jax_uneven
+    from . import uneven as jax_uneven
 
     @functools.wraps(original)
     def _distribute_data(data, layouts=None):

@@ -80,12 +80,12 @@ import socket
 import time
 from typing import Mapping
 
-from .. import sharding
-from ..cluster import Cluster
-from ..devices import Device
-from ..errors import ClusterError, DistKerasError, NetworkError, OptionError, ShardError
-from . import keras3
-from .base import Adapter
+from ... import sharding
+from ...cluster import Cluster
+from ...devices import Device
+from ...errors import ClusterError, DistKerasError, NetworkError, OptionError, ShardError
+from .. import keras_model
+from ..base import Adapter
 
 _KVSTORES = ("device", "local")
 #: The KVStores of a multi-worker job: 'dist_sync' adds a worker's contexts on the CPU, 'dist_sync_device'
@@ -141,6 +141,23 @@ class MXNetAdapter(Adapter):
         "compression": "'2bit': MXNet's KVStore gradient compression (2-bit quantization with error feedback, "
         "threshold 0.5), or {'type': '2bit', 'threshold': t}; kvstore='device' only. MXNet has no 16-bit all-reduce",
     }
+
+    @classmethod
+    def workers_env(cls, job, environ):
+        """Each worker's ``DMLC_*`` variables: a worker of MXNet's parameter server (:mod:`.launch`)."""
+        from .launch import dmlc_env
+
+        host = job.addresses[job.node_rank] if job.nnodes > 1 else None
+        return [dmlc_env("worker", job.engine, job.nnodes, job.nnodes * job.nproc_per_node, host)
+                for _ in range(job.nproc_per_node)]
+
+    @classmethod
+    def launch_roles(cls, job, environ):
+        """The parameter server's scheduler (node rank 0) and this host's server (:func:`.launch.ps_roles`)."""
+        from .launch import ps_roles
+
+        host = job.addresses[job.node_rank] if job.nnodes > 1 else None
+        return ps_roles(job.engine, job.nnodes, job.node_rank, job.nnodes * job.nproc_per_node, host, environ=environ)
 
     def __init__(self):
         self._cpu_devices = 1
@@ -236,7 +253,7 @@ class MXNetAdapter(Adapter):
         model._make_test_function = functools.partial(_install, model, "test_function", _test_step)
         model._make_predict_function = functools.partial(_install, model, "predict_function", _predict_step)
         if not getattr(model, "_distkeras_fit", False):
-            keras3.chief_speaks_and_writes(model, cluster.rank)  # first: it binds verbose in Keras' signature
+            keras_model.chief_speaks_and_writes(model, cluster.rank)  # first: it binds verbose in Keras' signature
             model.fit = functools.partial(_fit, model, model.fit)
             model.evaluate = functools.partial(_evaluate, model, model.evaluate)
             model.predict = functools.partial(_predict, model, model.predict)

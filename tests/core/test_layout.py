@@ -1,0 +1,105 @@
+"""The package's shape, checked from its source: one package per backend, no import circles, no upward imports,
+and no branch on a backend's name outside the registry (each backend's differences live in its adapter)."""
+
+import ast
+import os
+import re
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+PACKAGE = os.path.join(SRC, "distkeras")
+BACKENDS = ("tensorflow", "jax", "torch", "mxnet", "cntk")
+#: Modules that use the backends; a backend never imports them.
+ABOVE_BACKENDS = {"distkeras.api", "distkeras.launch", "distkeras.cli", "distkeras.callbacks", "distkeras.demo",
+                  "distkeras.__main__"}
+
+
+def modules():
+    found = {}
+    for folder, _, names in os.walk(PACKAGE):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path, SRC)[:-3].replace(os.sep, ".")
+                found[dotted[:-len(".__init__")] if dotted.endswith(".__init__") else dotted] = path
+    return found
+
+
+def imports(module, path, top_level_only):
+    """The distkeras modules ``module`` imports (``from . import x`` resolved to ``x`` when it is a module)."""
+    known = modules()
+    tree = ast.parse(open(path).read())
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                candidate = target + "." + alias.name
+                found.add(candidate if candidate in known else target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name in known and name != module}
+
+
+def test_each_backend_is_one_package_with_its_adapter():
+    for name in BACKENDS:
+        folder = os.path.join(PACKAGE, "backends", name)
+        assert os.path.isfile(os.path.join(folder, "__init__.py")) and os.path.isfile(os.path.join(folder, "adapter.py"))
+    from distkeras import backends
+
+    assert backends.REGISTRY == {name: "distkeras.backends.{}.adapter:{}".format(name, cls) for name, cls in zip(
+        BACKENDS, ("TensorFlowAdapter", "JaxAdapter", "TorchAdapter", "MXNetAdapter", "CNTKAdapter"))}
+    flat = [n for n in os.listdir(os.path.join(PACKAGE, "backends")) if n.endswith(".py")]
+    assert sorted(flat) == ["__init__.py", "base.py", "keras_model.py", "policies.py"] or sorted(flat) == [
+        "__init__.py", "base.py", "keras_model.py"]
+
+
+def test_no_import_circles():
+    """Module-level imports form no cycle (a package's ``__init__`` running its submodules' parents aside)."""
+    graph = {m: {t for t in imports(m, p, True) if not m.startswith(t + ".")} for m, p in modules().items()}
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_backends_import_nothing_above_them_and_nothing_of_each_other():
+    for module, path in modules().items():
+        if not module.startswith("distkeras.backends."):
+            continue
+        used = imports(module, path, False)
+        assert not used & ABOVE_BACKENDS, (module, used & ABOVE_BACKENDS)
+        parts = module.split(".")
+        if len(parts) > 3:  # inside a backend's package: no other backend's package
+            others = {u for u in used if u.startswith("distkeras.backends.") and u.split(".")[2] in BACKENDS
+                      and u.split(".")[2] != parts[2]}
+            assert not others, (module, others)
+
+
+def test_no_branch_on_a_backend_name_outside_its_adapter():
+    """What differs between backends is an adapter method, not an ``if backend == "mxnet"`` somewhere else."""
+    pattern = re.compile(r"""(==|!=|\bin)\s*\(?\s*["'](tensorflow|jax|torch|mxnet|cntk)["']|["'](tensorflow|jax|torch|mxnet|cntk)["']\s*(==|!=)""")
+    offenders = []
+    for module, path in modules().items():
+        if module.startswith("distkeras.backends.") and module.split(".")[2] in BACKENDS:
+            continue  # a backend's own package may name itself
+        for number, line in enumerate(open(path), 1):
+            if pattern.search(line.split("#")[0]):
+                offenders.append("{}:{}: {}".format(os.path.relpath(path, SRC), number, line.strip()))
+    assert not offenders, "\n".join(offenders)
