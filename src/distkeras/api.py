@@ -19,7 +19,7 @@ from .errors import ClusterError, DeviceSpecError, ModelError, TooLateError
 logger = logging.getLogger("distkeras")
 
 
-_described = weakref.WeakKeyDictionary()  # type: weakref.WeakKeyDictionary
+_described: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _RankZero(logging.Filter):
@@ -58,8 +58,7 @@ def _check_count(count, what):
         raise DeviceSpecError("Expected a positive int for {}. Received: {!r}".format(what, count))
 
 
-def use_cpu_devices(count):
-    # type: (int) -> None
+def use_cpu_devices(count: int) -> None:
     """Split the host CPU into ``count`` devices, so data-parallel code runs on a machine without GPUs.
 
     TensorFlow gets ``count`` logical CPU devices, JAX ``count`` host-platform devices, PyTorch ``count``
@@ -130,8 +129,7 @@ def prepare_multi_worker():
 EXIT_GRACE = 10.0
 
 
-def exit_promptly_on_error(grace=EXIT_GRACE):
-    # type: (float) -> None
+def exit_promptly_on_error(grace: float = EXIT_GRACE) -> None:
     """In a worker of a multi-worker job: after an uncaught exception, exit within ``grace`` seconds.
 
     Python runs its exit handlers after the traceback, and engines register theirs: jax.distributed's
@@ -160,8 +158,7 @@ def exit_promptly_on_error(grace=EXIT_GRACE):
     sys.excepthook = hook
 
 
-def _env_cpu_devices():
-    # type: () -> Optional[int]
+def _env_cpu_devices() -> Optional[int]:
     value = os.environ.get(CPU_DEVICES_ENV, "").strip()
     if not value:
         return None
@@ -282,8 +279,7 @@ def distribute(model, devices=None, **options):
     return result
 
 
-def shutdown():
-    # type: () -> None
+def shutdown() -> None:
     """End this process' part in a multi-worker job: each adapter in use stops what it started.
 
     With the CNTK backend this is ``Communicator.finalize()``, without which mpiexec reports the job as
@@ -298,8 +294,7 @@ def shutdown():
         adapter.shutdown()
 
 
-def describe(model):
-    # type: (object) -> Dict[str, object]
+def describe(model: object) -> Dict[str, object]:
     """What distkeras did with ``model``.
 
     Returns:
@@ -324,8 +319,7 @@ def describe(model):
     return _record(model, adapter, first, cluster._replace(world_size=1, local_world_size=1), distributed=False)
 
 
-def global_batch_size(per_device, devices=None):
-    # type: (int, object) -> int
+def global_batch_size(per_device: int, devices: object = None) -> int:
     """The global batch for ``per_device`` samples on each replica: the "32 per GPU" habit.
 
     Args:
@@ -342,6 +336,6 @@ def global_batch_size(per_device, devices=None):
         replicas = describe(devices)["replicas"]
     else:
         adapter = backends.get(backends.active_name())
-        chosen = devices_lib.parse(devices, adapter.list_devices())  # type: List[devices_lib.Device]
+        chosen: List[devices_lib.Device] = devices_lib.parse(devices, adapter.list_devices())
         replicas = adapter.replicas(chosen, cluster_lib.from_env())
     return sharding.global_batch_size(per_device, replicas)

@@ -40,8 +40,7 @@ def _launch(args):
         peer_timeout=args.peer_timeout)
 
 
-def environment_report(environ=None):
-    # type: (Optional[Mapping[str, str]]) -> Dict[str, object]
+def environment_report(environ: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
     """The cluster environment as ``distkeras info`` shows it: the one found, the variables it read, the other
     environments that agreed, and those present but ignored as scheduler context (with why); or the error."""
     from . import cluster, environments

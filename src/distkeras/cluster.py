@@ -79,8 +79,7 @@ Cluster.__new__.__defaults__ = (None, None)  # workers, variables: Python 3.6's 
 SINGLE = Cluster(rank=0, world_size=1, local_rank=0, local_world_size=1, coordinator=None, source="single")
 
 
-def from_env(environ=None):
-    # type: (Optional[Mapping[str, str]]) -> Cluster
+def from_env(environ: Optional[Mapping[str, str]] = None) -> Cluster:
     """Read this process' place in the job from its environment.
 
     Asks the cluster environments of :mod:`distkeras.environments`, in their documented order (see the
@@ -101,8 +100,7 @@ def from_env(environ=None):
     return environments.find(environ).cluster
 
 
-def describe(cluster):
-    # type: (Cluster) -> Dict[str, object]
+def describe(cluster: Cluster) -> Dict[str, object]:
     """The cluster as a plain dict (for :func:`distkeras.describe`)."""
     return {"rank": cluster.rank, "workers": cluster.world_size, "local_rank": cluster.local_rank,
             "source": cluster.source}

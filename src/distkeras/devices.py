@@ -140,8 +140,7 @@ def _from_item(item, available):
     )
 
 
-def parse(spec, available):
-    # type: (object, Sequence[Device]) -> List[Device]
+def parse(spec: object, available: Sequence[Device]) -> List[Device]:
     """Resolve a user's device spec against the devices that exist.
 
     Args:
@@ -182,7 +181,7 @@ def parse(spec, available):
             "Expected at least one device. Received: devices=[]. Pass devices=None to use every device "
             "of this machine ({}).".format(_names(_default(available)))
         )
-    chosen = []  # type: List[Device]
+    chosen: List[Device] = []
     for item in items:
         chosen.extend(_from_item(item, available))
     seen = set()

@@ -48,8 +48,7 @@ RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
-def applies(cluster, environ=None):
-    # type: (Cluster, Optional[Mapping[str, str]]) -> bool
+def applies(cluster: Cluster, environ: Optional[Mapping[str, str]] = None) -> bool:
     """Whether ``cluster`` is a multi-worker job torchrun started, its coordinator torchrun's
     MASTER_ADDR:MASTER_PORT (so the engines other than PyTorch's need the exchange)."""
     env = os.environ if environ is None else environ
@@ -58,8 +57,7 @@ def applies(cluster, environ=None):
     return cluster.coordinator == "{}:{}".format(env["MASTER_ADDR"], env["MASTER_PORT"])
 
 
-def attempt(environ=None):
-    # type: (Optional[Mapping[str, str]]) -> str
+def attempt(environ: Optional[Mapping[str, str]] = None) -> str:
     """The key prefix of this attempt of this torchrun job in its agent's store:
     ``distkeras/<run id>/<restart count>`` (a ``torch.distributed.PrefixStore`` adds the ``/``).
 
@@ -70,14 +68,12 @@ def attempt(environ=None):
     return "distkeras/{}/{}".format(env.get(RUN_ID, "none"), env.get(RESTART_COUNT, "0") or "0")
 
 
-def namespace(environ=None):
-    # type: (Optional[Mapping[str, str]]) -> str
+def namespace(environ: Optional[Mapping[str, str]] = None) -> str:
     """The key prefix of the exchange: ``distkeras/<run id>/<restart count>/exchange``."""
     return attempt(environ) + "/exchange"
 
 
-def timeout(environ=None):
-    # type: (Optional[Mapping[str, str]]) -> float
+def timeout(environ: Optional[Mapping[str, str]] = None) -> float:
     """:data:`TIMEOUT_ENV` seconds, else :data:`DEFAULT_TIMEOUT`."""
     env = os.environ if environ is None else environ
     value = env.get(TIMEOUT_ENV, "").strip()
@@ -94,14 +90,12 @@ def timeout(environ=None):
     return seconds
 
 
-def address(host, port):
-    # type: (str, int) -> str
+def address(host: str, port: int) -> str:
     """``host:port``, an IPv6 address in brackets."""
     return "[{}]:{}".format(host, port) if ":" in host else "{}:{}".format(host, port)
 
 
-def own_host(master_addr, routed):
-    # type: (str, str) -> str
+def own_host(master_addr: str, routed: str) -> str:
     """The host name under which the other workers reach this one.
 
     ``routed`` is this host's address that reaches MASTER_ADDR (:func:`distkeras.network.choose`). On node 0 that
@@ -129,8 +123,7 @@ def _own_address(env):
     return own_host(env["MASTER_ADDR"], routed), routed
 
 
-def free_port(host):
-    # type: (str) -> int
+def free_port(host: str) -> int:
     """A port nothing listens on at ``host`` now (the kernel's pick; the engine binds it soon after)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -138,8 +131,7 @@ def free_port(host):
         return probe.getsockname()[1]
 
 
-def jax_coordinator(cluster, environ=None):
-    # type: (Cluster, Optional[Mapping[str, str]]) -> str
+def jax_coordinator(cluster: Cluster, environ: Optional[Mapping[str, str]] = None) -> str:
     """The ``host:port`` of jax.distributed's coordinator service for this torchrun job.
 
     Rank 0 picks a free port on its address that reaches MASTER_ADDR and publishes it; the other ranks read
@@ -160,8 +152,7 @@ def jax_coordinator(cluster, environ=None):
         return store.get_all([key], "rank 0's jax.distributed coordinator address")[0]
 
 
-def tf_workers(cluster, environ=None):
-    # type: (Cluster, Optional[Mapping[str, str]]) -> Tuple[str, ...]
+def tf_workers(cluster: Cluster, environ: Optional[Mapping[str, str]] = None) -> Tuple[str, ...]:
     """Every rank's ``host:port`` for TF_CONFIG, in rank order, exchanged through torchrun's store.
 
     Each rank publishes a free port on its own address that reaches MASTER_ADDR, then reads every rank's.

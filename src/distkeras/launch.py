@@ -40,8 +40,9 @@ _PREEMPTED = "was preempted (exit code {})".format(EXIT_PREEMPTED)
 #: Seconds between SIGTERM and SIGKILL when stopping the surviving workers.
 DEFAULT_STOP_TIMEOUT = 20.0
 STOP_TIMEOUT_ENV = "DISTKERAS_STOP_TIMEOUT"
-def check_port_free(host, port):
-    # type: (str, int) -> None
+
+
+def check_port_free(host: str, port: int) -> None:
     """Raise LaunchError if ``host:port`` can't be bound (in use, or not an address of this host)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         # As the engines bind theirs: connections of an earlier job still in TIME_WAIT don't count, a listener does.
@@ -56,8 +57,12 @@ def check_port_free(host, port):
             )
 
 
-def worker_env(backend, rank, world_size, local_rank, local_world_size, coordinator):
-    # type: (str, int, int, int, int, str) -> Dict[str, str]
+def worker_env(backend: str,
+               rank: int,
+               world_size: int,
+               local_rank: int,
+               local_world_size: int,
+               coordinator: str) -> Dict[str, str]:
     """The variables every worker gets, whatever its backend: torch.distributed's and jax.distributed's (each engine
     reads its own; a backend adds what only its engine reads, :meth:`~distkeras.backends.base.Adapter.workers_env`)."""
     host, port = parse_address(coordinator)
@@ -85,8 +90,8 @@ class _Worker(object):
         self.rank = rank  # None for a process of the job that is no worker (MXNet's scheduler and servers)
         self.process = process
         self.label = label
-        self.ended_at = None  # type: Optional[float]
-        self.pumps = []  # type: List[threading.Thread]
+        self.ended_at: Optional[float] = None
+        self.pumps: List[threading.Thread] = []
 
 
 def _pump(stream, sink, prefix, lock):
@@ -109,24 +114,23 @@ def _describe_exit(code):
 class Launcher(object):
     """Runs one host's workers to completion; see the module docstring."""
 
-    def __init__(self, commands, envs, ranks, stop_timeout=DEFAULT_STOP_TIMEOUT, stdout=None, stderr=None,
-                 supervisor=None, roles=()):
-        # type: (Sequence[List[str]], Sequence[Dict[str, str]], Sequence[int], float, object, object, object, Sequence[Tuple[List[str], Dict[str, str], str]]) -> None
+    def __init__(self, commands: Sequence[List[str]], envs: Sequence[Dict[str, str]], ranks: Sequence[int], stop_timeout: float = DEFAULT_STOP_TIMEOUT, stdout: object = None, stderr: object = None,
+                 supervisor: object = None, roles: Sequence[Tuple[List[str], Dict[str, str], str]] = ()) -> None:
         """``roles``: ``(command, env, label)`` of processes that serve the workers (MXNet's scheduler and
         servers): started first; while any worker runs, one that fails fails the job, and so does one that
         exited with code 0 ``stop_timeout`` seconds before; after the workers they get :data:`ROLE_EXIT_GRACE`
         seconds to end on their own."""
         self.commands = [r[0] for r in roles] + list(commands)
         self.envs = [r[1] for r in roles] + list(envs)
-        self.ranks = [None] * len(roles) + list(ranks)  # type: List[Optional[int]]
+        self.ranks: List[Optional[int]] = [None] * len(roles) + list(ranks)
         self.labels = [r[2] for r in roles] + ["rank {}".format(rank) for rank in ranks]
         self.stop_timeout = stop_timeout
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
-        self.workers = []  # type: List[_Worker]
+        self.workers: List[_Worker] = []
         self.lock = threading.Lock()
-        self.failure = None  # type: Optional[Tuple[int, int]]
-        self.interrupted_at = None  # type: Optional[float]
+        self.failure: Optional[Tuple[int, int]] = None
+        self.interrupted_at: Optional[float] = None
         self.supervisor = supervisor  # a rendezvous.Supervisor across hosts: the other hosts' news
 
     def _say(self, message):
@@ -173,8 +177,7 @@ class Launcher(object):
         for worker in self.workers:
             worker.process.wait()
 
-    def wait(self):
-        # type: () -> int
+    def wait(self) -> int:
         """Block until every worker has exited (and, across hosts, every host's); return the exit code."""
         while True:
             running = False
@@ -268,8 +271,7 @@ class Launcher(object):
             self.stop_all()
             self._say("this host's workers stopped {:.1f} s later".format(time.time() - started))
 
-    def run(self):
-        # type: () -> int
+    def run(self) -> int:
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -290,9 +292,8 @@ class Launcher(object):
         self.signal_all(signum)
 
 
-def plan(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None, backend="tensorflow",
-         tf_hosts=None, python=None, environ=None, addresses=None, interface=None):
-    # type: (List[str], int, int, int, Optional[str], str, Optional[List[str]], Optional[str], Optional[Dict[str, str]], Optional[List[str]], Optional[str]) -> Tuple[List[List[str]], List[Dict[str, str]], List[int]]
+def plan(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, coordinator: Optional[str] = None, backend: str = "tensorflow",
+         tf_hosts: Optional[List[str]] = None, python: Optional[str] = None, environ: Optional[Dict[str, str]] = None, addresses: Optional[List[str]] = None, interface: Optional[str] = None) -> Tuple[List[List[str]], List[Dict[str, str]], List[int]]:
     """Commands, environments and ranks for this host's workers (pure: no process is started).
 
     On one host the engine's rendezvous is ``coordinator`` (default: 127.0.0.1 and a free port). Across
@@ -343,8 +344,7 @@ def plan(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None, b
     return commands, envs, ranks
 
 
-def check_counts(script_args, nproc_per_node, nnodes, node_rank):
-    # type: (List[str], int, int, int) -> None
+def check_counts(script_args: List[str], nproc_per_node: int, nnodes: int, node_rank: int) -> None:
     """Raise LaunchError for counts or a script ``distkeras launch`` can't run."""
     for name, value, low in (("--nproc-per-node", nproc_per_node, 1), ("--nnodes", nnodes, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -357,14 +357,15 @@ def check_counts(script_args, nproc_per_node, nnodes, node_rank):
         raise LaunchError("Expected a module name after -m: distkeras launch --nproc-per-node N -m package.module")
 
 
-def engine_port(port):
-    # type: (int) -> int
+def engine_port(port: int) -> int:
     """Across hosts: the port of the engine's rendezvous, after the launchers' own."""
     return port + 1
 
 
-def from_scheduler(nnodes=None, node_rank=None, coordinator=None, environ=None):
-    # type: (Optional[int], Optional[int], Optional[str], Optional[Dict[str, str]]) -> Tuple[int, int, Optional[str]]
+def from_scheduler(nnodes: Optional[int] = None,
+                   node_rank: Optional[int] = None,
+                   coordinator: Optional[str] = None,
+                   environ: Optional[Dict[str, str]] = None) -> Tuple[int, int, Optional[str]]:
     """``--nnodes``, ``--node-rank`` and ``--coordinator``, those not given taken from the scheduler.
 
     Inside a Slurm step (``srun --ntasks-per-node=1 distkeras launch --nproc-per-node N ...``) every task is
@@ -385,9 +386,8 @@ def from_scheduler(nnodes=None, node_rank=None, coordinator=None, environ=None):
             coordinator if coordinator is not None else taken.get("coordinator"))  # type: ignore
 
 
-def run_job(script_args, nproc_per_node, nnodes=1, node_rank=0, coordinator=None, backend="tensorflow",
-            hosts=None, interface=None, stop_timeout=None, join_timeout=None, peer_timeout=None, environ=None):
-    # type: (List[str], int, int, int, Optional[str], str, Optional[List[str]], Optional[str], Optional[float], Optional[float], Optional[float], Optional[Dict[str, str]]) -> int
+def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, coordinator: Optional[str] = None, backend: str = "tensorflow",
+            hosts: Optional[List[str]] = None, interface: Optional[str] = None, stop_timeout: Optional[float] = None, join_timeout: Optional[float] = None, peer_timeout: Optional[float] = None, environ: Optional[Dict[str, str]] = None) -> int:
     """``distkeras launch``: on one host, start and watch the workers; across hosts, meet the other hosts'
     launchers first (:mod:`distkeras.rendezvous`), then start this host's workers and watch the whole job.
 

@@ -50,10 +50,9 @@ class Route(
     __slots__ = ()
 
 
-def interfaces():
-    # type: () -> Dict[str, List[str]]
+def interfaces() -> Dict[str, List[str]]:
     """This host's interfaces and their addresses (IPv4 first, then IPv6), e.g. ``{"lo": ["127.0.0.1", "::1"]}``."""
-    found = {}  # type: Dict[str, List[str]]
+    found: Dict[str, List[str]] = {}
     if not hasattr(socket, "if_nameindex"):
         return found
     try:
@@ -82,13 +81,11 @@ def interfaces():
     return found
 
 
-def listing(known):
-    # type: (Mapping[str, List[str]]) -> str
+def listing(known: Mapping[str, List[str]]) -> str:
     return ", ".join("{} ({})".format(name, ", ".join(addresses) or "no address") for name, addresses in sorted(known.items()))
 
 
-def interface_of(address, known=None):
-    # type: (str, Optional[Mapping[str, List[str]]]) -> Optional[str]
+def interface_of(address: str, known: Optional[Mapping[str, List[str]]] = None) -> Optional[str]:
     """The name of the interface that holds ``address``, or None."""
     known = interfaces() if known is None else known
     for name, addresses in sorted(known.items()):
@@ -97,8 +94,7 @@ def interface_of(address, known=None):
     return None
 
 
-def local_address_to(host, port=9):
-    # type: (str, int) -> str
+def local_address_to(host: str, port: int = 9) -> str:
     """The address of this host that a connection to ``host`` leaves from (nothing is sent).
 
     Raises:
@@ -128,8 +124,10 @@ def local_address_to(host, port=9):
     )
 
 
-def choose(coordinator, override=None, environ=None, known=None):
-    # type: (str, Optional[str], Optional[Mapping[str, str]], Optional[Mapping[str, List[str]]]) -> Route
+def choose(coordinator: str,
+           override: Optional[str] = None,
+           environ: Optional[Mapping[str, str]] = None,
+           known: Optional[Mapping[str, List[str]]] = None) -> Route:
     """The interface this worker's engines use to reach ``coordinator`` (``host`` or ``host:port``).
 
     Args:
@@ -167,8 +165,7 @@ def choose(coordinator, override=None, environ=None, known=None):
     return Route(interface_of(address, known), address, host, "route")
 
 
-def engine_variables(route, environ=None):
-    # type: (Route, Optional[Mapping[str, str]]) -> Dict[str, str]
+def engine_variables(route: Route, environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """The engine variables to set for ``route``: those the user hasn't set already."""
     env = os.environ if environ is None else environ
     if not route.interface:
@@ -176,14 +173,12 @@ def engine_variables(route, environ=None):
     return {name: route.interface for name in ENGINE_INTERFACE_VARIABLES if not env.get(name)}
 
 
-def describe_route(route):
-    # type: (Route) -> str
+def describe_route(route: Route) -> str:
     """``"eth0 (10.0.0.2)"``, for messages."""
     return "{} ({})".format(route.interface or "an unnamed interface", route.address)
 
 
-def parse_address(text, option="--coordinator"):
-    # type: (str, str) -> Tuple[str, int]
+def parse_address(text: str, option: str = "--coordinator") -> Tuple[str, int]:
     """``"host:port"`` -> ``(host, port)``, with a clear error for anything else."""
     host, sep, port = (text or "").strip().rpartition(":")
     host = host.strip("[]")
@@ -196,15 +191,13 @@ def parse_address(text, option="--coordinator"):
     return host, int(port)
 
 
-def free_port(host="127.0.0.1"):
-    # type: (str) -> int
+def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now, on ``host``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
-def bracket(host):
-    # type: (str) -> str
+def bracket(host: str) -> str:
     """``host`` as it goes before ``:port``: an IPv6 address in brackets."""
     return "[{}]".format(host) if ":" in host else host

@@ -28,14 +28,12 @@ _BOOT = (
 )
 
 
-def orphan_proof(command, parent_variable):
-    # type: (List[str], str) -> List[str]
+def orphan_proof(command: List[str], parent_variable: str) -> List[str]:
     """``command``, started so that it dies with the process named by ``parent_variable`` in its environment."""
     return [sys.executable, "-c", _BOOT, parent_variable] + list(command)
 
 
-def python_command(script_args, python):
-    # type: (List[str], str) -> List[str]
+def python_command(script_args: List[str], python: str) -> List[str]:
     """``script.py args`` and ``-m module args`` run with ``python``; anything else runs as given."""
     if script_args[0].endswith(".py") or script_args[0] == "-m":
         return [python] + list(script_args)

@@ -38,8 +38,7 @@ _BEAT = 1.0
 _PROTOCOL = 1
 
 
-def peer_timeout(environ=None):
-    # type: (Optional[Dict[str, str]]) -> float
+def peer_timeout(environ: Optional[Dict[str, str]] = None) -> float:
     """The bound on noticing a lost host or process: DISTKERAS_PEER_TIMEOUT seconds, else the default.
     Engines with a failure detector of their own (jax.distributed's heartbeats) get it too."""
     env = os.environ if environ is None else environ
@@ -60,12 +59,11 @@ class Link(object):
         self.closed = False
         self.last_heard = time.monotonic()
         self.last_sent = 0.0
-        self.node = None  # type: Optional[int]
+        self.node: Optional[int] = None
         self.done = False
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def send(self, message):
-        # type: (Dict[str, object]) -> bool
+    def send(self, message: Dict[str, object]) -> bool:
         if self.closed:
             return False
         try:
@@ -77,10 +75,9 @@ class Link(object):
             self.close()
             return False
 
-    def receive(self, wait=0.0):
-        # type: (float) -> List[Dict[str, object]]
+    def receive(self, wait: float = 0.0) -> List[Dict[str, object]]:
         """The messages that arrived, waiting up to ``wait`` seconds for the first."""
-        messages = []  # type: List[Dict[str, object]]
+        messages: List[Dict[str, object]] = []
         deadline = time.monotonic() + wait
         while not self.closed:
             left = max(0.0, deadline - time.monotonic())
@@ -124,8 +121,7 @@ def _ranks(node, nproc):
     return "rank {}".format(first) if nproc == 1 else "ranks {}-{}".format(first, first + nproc - 1)
 
 
-def _disagreement(mine, theirs):
-    # type: (Dict[str, object], Dict[str, object]) -> Optional[str]
+def _disagreement(mine: Dict[str, object], theirs: Dict[str, object]) -> Optional[str]:
     for key, option in (("nnodes", "--nnodes"), ("nproc_per_node", "--nproc-per-node"), ("backend", "the backend"),
                         ("hosts", "--hosts"), ("protocol", "the distkeras version")):
         if mine.get(key) != theirs.get(key):
@@ -143,8 +139,12 @@ def _show(value):
     return str(value)
 
 
-def hello(node_rank, nnodes, nproc_per_node, backend, hosts, address):
-    # type: (int, int, int, str, Optional[List[str]], str) -> Dict[str, object]
+def hello(node_rank: int,
+          nnodes: int,
+          nproc_per_node: int,
+          backend: str,
+          hosts: Optional[List[str]],
+          address: str) -> Dict[str, object]:
     """What a launcher tells the others about itself."""
     return {"node_rank": node_rank, "nnodes": nnodes, "nproc_per_node": nproc_per_node, "backend": backend,
             "hosts": list(hosts) if hosts else None, "address": address, "protocol": _PROTOCOL}
@@ -158,12 +158,12 @@ class Supervisor(object):
     """
 
     def __init__(self, me, links, plan, peer_timeout, coordinator):
-        self.me = me  # type: Dict[str, object]
-        self.links = links  # type: List[Link]
-        self.plan = plan  # type: Dict[str, object]
+        self.me: Dict[str, object] = me
+        self.links: List[Link] = links
+        self.plan: Dict[str, object] = plan
         self.peer_timeout = peer_timeout
         self.coordinator = coordinator
-        self.verdict = None  # type: Optional[str]
+        self.verdict: Optional[str] = None
         self.ended = False
 
     @property
@@ -189,8 +189,7 @@ class Supervisor(object):
             if link is not but:
                 link.send(message)
 
-    def poll(self):
-        # type: () -> Optional[str]
+    def poll(self) -> Optional[str]:
         """Heartbeats out, news in. Returns why this host's workers must stop (a message), or None."""
         if self.verdict is not None:
             return self.verdict
@@ -229,8 +228,7 @@ class Supervisor(object):
             self._broadcast({"abort": reason})
         self.verdict = reason
 
-    def failed(self, who, how):
-        # type: (object, str) -> None
+    def failed(self, who: object, how: str) -> None:
         """A process of this host's (``who``: a worker's rank, or a label such as ``"server 1"``) ended
         ``how`` (``"died (exit code 1)"``...): tell every host (through node 0)."""
         reason = "{} on node rank {} ({}) {}".format(
@@ -243,8 +241,7 @@ class Supervisor(object):
         if self.verdict is None:
             self.verdict = reason
 
-    def finish(self, interval=0.05):
-        # type: (float) -> Optional[str]
+    def finish(self, interval: float = 0.05) -> Optional[str]:
         """This host's workers all succeeded: wait until every host's did. Returns a failure, or None."""
         if self.node_rank != 0:
             self._broadcast({"done": 1})
@@ -270,8 +267,11 @@ def _deadline_message(coordinator, timeout, problem):
             "blocks it (--join-timeout / {} to wait longer).".format(coordinator, timeout, problem, JOIN_TIMEOUT_ENV))
 
 
-def join(coordinator, me, join_timeout=DEFAULT_JOIN_TIMEOUT, peer_timeout=DEFAULT_PEER_TIMEOUT, source_address=None):
-    # type: (str, Dict[str, object], float, float, Optional[str]) -> Supervisor
+def join(coordinator: str,
+         me: Dict[str, object],
+         join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+         peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+         source_address: Optional[str] = None) -> Supervisor:
     """Node rank > 0: reach node 0 at ``coordinator``, introduce this host, get the plan.
 
     Raises:
@@ -310,8 +310,10 @@ def join(coordinator, me, join_timeout=DEFAULT_JOIN_TIMEOUT, peer_timeout=DEFAUL
             coordinator, join_timeout, int(me["nnodes"]) - 1))
 
 
-def gather(listener, me, join_timeout=DEFAULT_JOIN_TIMEOUT, peer_timeout=DEFAULT_PEER_TIMEOUT):
-    # type: (socket.socket, Dict[str, object], float, float) -> Supervisor
+def gather(listener: socket.socket,
+           me: Dict[str, object],
+           join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+           peer_timeout: float = DEFAULT_PEER_TIMEOUT) -> Supervisor:
     """Node rank 0: wait on ``listener`` for every other host, check that they agree, send the plan.
 
     Raises:
@@ -320,8 +322,8 @@ def gather(listener, me, join_timeout=DEFAULT_JOIN_TIMEOUT, peer_timeout=DEFAULT
     nnodes = int(me["nnodes"])
     coordinator = "{}:{}".format(*listener.getsockname()[:2])
     deadline = time.monotonic() + join_timeout
-    pending = []  # type: List[Link]
-    joined = {}  # type: Dict[int, Link]
+    pending: List[Link] = []
+    joined: Dict[int, Link] = {}
     addresses = {0: str(me["address"])}
 
     def refuse(message):

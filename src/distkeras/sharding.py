@@ -31,8 +31,7 @@ def _check(n, rank, workers):
         raise ShardError("Expected a sample count >= 0. Received: n={}".format(n))
 
 
-def shard_bounds(n, rank, workers):
-    # type: (int, int, int) -> Tuple[int, int]
+def shard_bounds(n: int, rank: int, workers: int) -> Tuple[int, int]:
     """The ``[start, end)`` block of ``n`` samples that ``rank`` of ``workers`` owns.
 
     Args:
@@ -52,8 +51,7 @@ def shard_bounds(n, rank, workers):
     return rank * n // workers, min((rank + 1) * n // workers, n)
 
 
-def shard_size(n, rank, workers, mode="block"):
-    # type: (int, int, int, str) -> int
+def shard_size(n: int, rank: int, workers: int, mode: str = "block") -> int:
     """How many of ``n`` samples ``rank`` gets (in either mode)."""
     _check(n, rank, workers)
     if mode == "interleave":
@@ -124,8 +122,7 @@ def shard(data, rank=None, workers=None, mode="block"):
     return _apply(data, lambda a: a[start:end])
 
 
-def num_samples(data):
-    # type: (object) -> int
+def num_samples(data: object) -> int:
     """The number of samples in ``data``: an array-like, or a tuple/list/dict of them of equal lengths.
 
     Raises:
@@ -183,8 +180,7 @@ def on_arrays(method, args, kwargs):
     return bound, num_samples(arrays)
 
 
-def batch_rows(n, batch, rank, workers):
-    # type: (int, int, int, int) -> Tuple[List[int], Optional[List[float]]]
+def batch_rows(n: int, batch: int, rank: int, workers: int) -> Tuple[List[int], Optional[List[float]]]:
     """The rows of ``n`` that worker ``rank`` trains on in batches of ``batch // workers``, and their weights.
 
     Global batch k is rows ``k*batch`` to ``(k+1)*batch - 1``, and worker r takes those that are r modulo
@@ -220,8 +216,7 @@ def batch_rows(n, batch, rank, workers):
     return rows + tail + [full] * padding, [1.0] * len(rows) + [workers * size / float(n - full)] * len(tail) + [0.0] * padding
 
 
-def global_batch_size(per_device, replicas):
-    # type: (int, int) -> int
+def global_batch_size(per_device: int, replicas: int) -> int:
     """``per_device * replicas``, checked: the global batch to pass to ``fit()``."""
     for name, value in (("per_device", per_device), ("replicas", replicas)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

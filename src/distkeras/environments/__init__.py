@@ -80,20 +80,17 @@ def _load(entry):
     return getattr(module, class_name)
 
 
-def available():
-    # type: () -> List[type]
+def available() -> List[type]:
     """The environment classes of :data:`REGISTRY` this install has, in order."""
     return [cls for cls in (_load(entry) for entry in REGISTRY) if cls is not None]
 
 
-def missing():
-    # type: () -> List[str]
+def missing() -> List[str]:
     """The entries of :data:`REGISTRY` whose module this install lacks."""
     return [entry for entry in REGISTRY if _load(entry) is None]
 
 
-def get(name):
-    # type: (str) -> Optional[type]
+def get(name: str) -> Optional[type]:
     """The environment class named ``name`` (its ``name``, e.g. "slurm", "TF_CONFIG", or its module's, e.g.
     "tf_config"; any case), or None when there is none in this install."""
     for cls in available():
@@ -125,8 +122,7 @@ class Found(
     __slots__ = ()
 
 
-def check(cluster):
-    # type: (Cluster) -> Cluster
+def check(cluster: Cluster) -> Cluster:
     """``cluster``, or a ClusterError when its ranks are impossible."""
     if cluster.world_size < 1:
         raise ClusterError(
@@ -148,8 +144,7 @@ def check(cluster):
     return cluster
 
 
-def _agree(found, what):
-    # type: (List[Cluster], str) -> None
+def _agree(found: List[Cluster], what: str) -> None:
     for i, one in enumerate(found):
         for other in found[i + 1:]:
             if (other.rank, other.world_size) != (one.rank, one.world_size):
@@ -161,8 +156,7 @@ def _agree(found, what):
                 )
 
 
-def _forced(name, env):
-    # type: (str, Mapping[str, str]) -> Found
+def _forced(name: str, env: Mapping[str, str]) -> Found:
     if name.lower() == "single":
         return Found(SINGLE._replace(variables={FORCE_ENV: name}), [], [])
     cls = get(name)
@@ -182,8 +176,7 @@ def _forced(name, env):
     return Found(cluster._replace(variables=variables), [cluster], [])
 
 
-def find(environ=None):
-    # type: (Optional[Mapping[str, str]]) -> Found
+def find(environ: Optional[Mapping[str, str]] = None) -> Found:
     """Find the environment that describes this process' job, following the rules above.
 
     Args:
@@ -199,15 +192,15 @@ def find(environ=None):
     env = os.environ if environ is None else environ
     if env.get(FORCE_ENV, "").strip():
         return _forced(env[FORCE_ENV].strip(), env)
-    launchers = []  # type: List[Tuple[type, Cluster]]
-    schedulers = []  # type: List[type]
+    launchers: List[Tuple[type, Cluster]] = []
+    schedulers: List[type] = []
     for cls in available():
         if cls.detect(env):
             if cls.launcher:
                 launchers.append((cls, check(cls().read(env))))
             else:
                 schedulers.append(cls)
-    context = []  # type: List[Tuple[str, Dict[str, str], str]]
+    context: List[Tuple[str, Dict[str, str], str]] = []
     if launchers:
         clusters = [c for _, c in launchers]
         _agree(clusters, "launcher")
@@ -245,8 +238,7 @@ CUDA_ENV = "CUDA_VISIBLE_DEVICES"
 BOUND_PER_TASK = ("SLURM_GPUS_PER_TASK",)
 
 
-def local_gpus(env, cluster, count=None):
-    # type: (Mapping[str, str], Cluster, Optional[int]) -> Optional[str]
+def local_gpus(env: Mapping[str, str], cluster: Cluster, count: Optional[int] = None) -> Optional[str]:
     """The ``CUDA_VISIBLE_DEVICES`` value this task should run with, when several tasks share a node.
 
     A scheduler that starts several tasks per node (``srun --ntasks-per-node=4 --gres=gpu:4``, an MPI

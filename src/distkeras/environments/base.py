@@ -27,26 +27,22 @@ class Environment(abc.ABC):
 
     @staticmethod
     @abc.abstractmethod
-    def detect(env):
-        # type: (Mapping[str, str]) -> bool
+    def detect(env: Mapping[str, str]) -> bool:
         """Whether this environment's variables are present in ``env``."""
 
     @staticmethod
-    def generic(env):
-        # type: (Mapping[str, str]) -> bool
+    def generic(env: Mapping[str, str]) -> bool:
         """Whether ``env`` shows this environment only through variables other launchers set too (plain
         RANK / WORLD_SIZE / MASTER_ADDR): then a launcher that names itself describes the workers instead."""
         return False
 
     @abc.abstractmethod
-    def read(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def read(self, env: Mapping[str, str]) -> Cluster:
         """This process' place in the job. Raises ClusterError, naming the variables, when they are malformed
         or describe a job distkeras can't join (it never trains alone when the scheduler says N > 1)."""
 
 
-def integer(env, name, source):
-    # type: (Mapping[str, str], str, str) -> int
+def integer(env: Mapping[str, str], name: str, source: str) -> int:
     """``env[name]`` as an int, or a ClusterError naming the variable and who set it."""
     value = env[name]
     try:
@@ -55,21 +51,18 @@ def integer(env, name, source):
         raise ClusterError("Expected an integer in {} (set by {}). Received: {}={!r}".format(name, source, name, value))
 
 
-def optional_integer(env, name, source, default):
-    # type: (Mapping[str, str], str, str, int) -> int
+def optional_integer(env: Mapping[str, str], name: str, source: str, default: int) -> int:
     """``env[name]`` as an int when it is set and not empty, else ``default``."""
     return integer(env, name, source) if env.get(name, "") != "" else default
 
 
-def picked(env, names=(), prefixes=()):
-    # type: (Mapping[str, str], Iterable[str], Iterable[str]) -> Dict[str, str]
+def picked(env: Mapping[str, str], names: Iterable[str] = (), prefixes: Iterable[str] = ()) -> Dict[str, str]:
     """The variables of ``env`` among ``names`` or starting with one of ``prefixes``, sorted by name."""
     names = set(names)
     prefixes = tuple(prefixes)
     return {k: env[k] for k in sorted(env) if k in names or (prefixes and k.startswith(prefixes))}
 
 
-def address(host, port):
-    # type: (Optional[str], object) -> Optional[str]
+def address(host: Optional[str], port: object) -> Optional[str]:
     """``host:port``, or None without a host."""
     return "{}:{}".format(host, port) if host else None

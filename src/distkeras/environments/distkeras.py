@@ -29,12 +29,10 @@ class DistKerasLaunch(Environment):
     requires = "DISTKERAS_LAUNCHER_PID, RANK and WORLD_SIZE"
 
     @staticmethod
-    def detect(env):
-        # type: (Mapping[str, str]) -> bool
+    def detect(env: Mapping[str, str]) -> bool:
         return LAUNCHER_ENV in env and "RANK" in env and "WORLD_SIZE" in env
 
-    def read(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def read(self, env: Mapping[str, str]) -> Cluster:
         cluster = torchrun.read_env_vars(env, self.name)
         variables = dict(cluster.variables or {})
         variables.update(picked(env, (LAUNCHER_ENV,) + JAX_NAMES))

@@ -13,8 +13,7 @@ from .base import Environment, integer, picked
 COORDINATOR, COUNT, INDEX = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 
 
-def read_counted(env, source, coordinator_var, count_var, index_var):
-    # type: (Mapping[str, str], str, str, str, str) -> Cluster
+def read_counted(env: Mapping[str, str], source: str, coordinator_var: str, count_var: str, index_var: str) -> Cluster:
     world = integer(env, count_var, source)
     rank = integer(env, index_var, source)
     coordinator = env.get(coordinator_var, "").split(",")[0].strip() or None
@@ -30,10 +29,8 @@ class JAX(Environment):
     requires = "JAX_NUM_PROCESSES and JAX_PROCESS_ID"
 
     @staticmethod
-    def detect(env):
-        # type: (Mapping[str, str]) -> bool
+    def detect(env: Mapping[str, str]) -> bool:
         return COUNT in env and INDEX in env
 
-    def read(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def read(self, env: Mapping[str, str]) -> Cluster:
         return read_counted(env, self.name, COORDINATOR, COUNT, INDEX)

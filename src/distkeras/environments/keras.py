@@ -23,10 +23,8 @@ class KerasDistribution(Environment):
     requires = "KERAS_DISTRIBUTION_NUM_PROCESSES and KERAS_DISTRIBUTION_PROCESS_ID"
 
     @staticmethod
-    def detect(env):
-        # type: (Mapping[str, str]) -> bool
+    def detect(env: Mapping[str, str]) -> bool:
         return COUNT in env and INDEX in env
 
-    def read(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def read(self, env: Mapping[str, str]) -> Cluster:
         return read_counted(env, self.name, ADDRESSES, COUNT, INDEX)

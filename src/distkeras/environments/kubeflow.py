@@ -41,8 +41,7 @@ RUN_TORCHRUN = ("Run torchrun in the pod (it reads the PET_* variables; `torchru
                 "(PyTorchJob nprocPerNode: \"1\"; TrainJob numProcPerNode: 1).")
 
 
-def _one_per_pod(nproc):
-    # type: (str) -> bool
+def _one_per_pod(nproc: str) -> bool:
     """Whether PET_NPROC_PER_NODE means one process per pod for a plain process: 1, or a word ("auto",
     "gpu", "cpu") for which training-operator counts one process per pod in WORLD_SIZE."""
     return nproc == "" or not nproc.isdigit() or int(nproc) == 1
@@ -56,12 +55,10 @@ class KubeflowPyTorchJob(Environment):
     requires = "one of {} without TORCHELASTIC_RUN_ID".format(", ".join(MARKERS))
 
     @staticmethod
-    def detect(env):
-        # type: (Mapping[str, str]) -> bool
+    def detect(env: Mapping[str, str]) -> bool:
         return any(m in env for m in MARKERS) and not any(v in env for v in INNER_LAUNCHERS)
 
-    def read(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def read(self, env: Mapping[str, str]) -> Cluster:
         variables = picked(env, TORCH_NAMES + ("PYTHONUNBUFFERED",), prefixes=("PET_",))
         nproc = env.get("PET_NPROC_PER_NODE", "").strip()
         if "RANK" in env and "WORLD_SIZE" in env:  # training-operator v1, with a Master replica

@@ -48,8 +48,7 @@ JOBSET = ("JOBSET_NAME", "REPLICATED_JOB_NAME", "JOB_INDEX", "REPLICATED_JOB_REP
 DEFAULT_PORT = 29500
 
 
-def _port(env):
-    # type: (Mapping[str, str]) -> int
+def _port(env: Mapping[str, str]) -> int:
     port = integer(env, PORT, "the pod spec") if env.get(PORT, "") != "" else DEFAULT_PORT
     if not 0 < port < 65535:
         raise ClusterError("Expected {} in 1..65534. Received: {}={!r}".format(PORT, PORT, env[PORT]))
@@ -64,12 +63,10 @@ class KubernetesIndexedJob(Environment):
     requires = INDEX
 
     @staticmethod
-    def detect(env):
-        # type: (Mapping[str, str]) -> bool
+    def detect(env: Mapping[str, str]) -> bool:
         return INDEX in env
 
-    def read(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def read(self, env: Mapping[str, str]) -> Cluster:
         variables = picked(env, (INDEX, WORLD_SIZE, SERVICE, COORDINATOR, PORT, "HOSTNAME") + JOBSET)
         index = integer(env, INDEX, "Kubernetes")
         if env.get(WORLD_SIZE, "") == "":
@@ -121,8 +118,7 @@ class KubernetesIndexedJob(Environment):
                        variables=variables)
 
     @staticmethod
-    def _indexed_job_hosts(env, index, world, variables):
-        # type: (Mapping[str, str], int, int, dict) -> Optional[List[str]]
+    def _indexed_job_hosts(env: Mapping[str, str], index: int, world: int, variables: dict) -> Optional[List[str]]:
         """Every pod's DNS name, ``<job-name>-<i>.<service>``, or None without a service or hostname."""
         service = env.get(SERVICE, "").strip()
         hostname = env.get("HOSTNAME", "").split(".")[0]

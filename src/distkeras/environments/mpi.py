@@ -27,29 +27,27 @@ from ..cluster import Cluster
 from .base import Environment, integer, optional_integer, picked
 
 #: (implementation, rank, size, [(local rank, local size), ...]) in the order they are tried.
-FLAVOURS = (
+FLAVOURS: Sequence[Tuple[str, str, str, Sequence[Tuple[str, str]]]] = (
     ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
      (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),)),
     ("MVAPICH2", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
      (("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),)),
     ("MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE",
      (("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE"))),
-)  # type: Sequence[Tuple[str, str, str, Sequence[Tuple[str, str]]]]
+)
 #: Recorded in Cluster.variables when present.
 CONTEXT = ("OMPI_COMM_WORLD_NODE_RANK", "OMPI_UNIVERSE_SIZE", "PMI_FD", "PMI_PORT", "PMI_ID", "PMI_JOBID",
            "PMIX_RANK", "PMIX_NAMESPACE")
 
 
-def srun_pmi(env):
-    # type: (Mapping[str, str]) -> bool
+def srun_pmi(env: Mapping[str, str]) -> bool:
     """Whether PMI_RANK / PMI_SIZE are srun's own (``srun --mpi=pmi2``): Slurm's task id and count, in a
     Slurm step, without Hydra's MPI_LOCALRANKID."""
     return ("SLURM_STEP_ID" in env and "MPI_LOCALRANKID" not in env
             and env.get("PMI_RANK") == env.get("SLURM_PROCID") and env.get("PMI_SIZE") == env.get("SLURM_NTASKS"))
 
 
-def _flavours(env):
-    # type: (Mapping[str, str]) -> List[Tuple[str, str, str, Sequence[Tuple[str, str]]]]
+def _flavours(env: Mapping[str, str]) -> List[Tuple[str, str, str, Sequence[Tuple[str, str]]]]:
     return [f for f in FLAVOURS if f[1] in env and f[2] in env and not (f[1] == "PMI_RANK" and srun_pmi(env))]
 
 
@@ -62,12 +60,10 @@ class MPI(Environment):
                "or PMI_RANK and PMI_SIZE"
 
     @staticmethod
-    def detect(env):
-        # type: (Mapping[str, str]) -> bool
+    def detect(env: Mapping[str, str]) -> bool:
         return bool(_flavours(env))
 
-    def read(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def read(self, env: Mapping[str, str]) -> Cluster:
         _, rank_var, size_var, locals_ = _flavours(env)[0]
         rank = integer(env, rank_var, self.name)
         world = integer(env, size_var, self.name)

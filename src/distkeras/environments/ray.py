@@ -36,13 +36,11 @@ TORCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "M
 TENSORFLOW = ("TF_CONFIG", "TF_USE_LEGACY_KERAS")
 
 
-def _picked(env, names):
-    # type: (Mapping[str, str], tuple) -> Dict[str, str]
+def _picked(env: Mapping[str, str], names: tuple) -> Dict[str, str]:
     return {name: env[name] for name in sorted(names) if name in env}
 
 
-def _integer(env, name):
-    # type: (Mapping[str, str], str) -> int
+def _integer(env: Mapping[str, str], name: str) -> int:
     value = env[name]
     try:
         return int(value)
@@ -50,8 +48,7 @@ def _integer(env, name):
         raise ClusterError("Expected an integer in {} (set by Ray Train). Received: {}={!r}".format(name, name, value))
 
 
-def _workers_of(text):
-    # type: (str) -> Tuple[List[str], int]
+def _workers_of(text: str) -> Tuple[List[str], int]:
     """TF_CONFIG as TensorflowTrainer writes it -> (every worker's ``host:port``, this worker's index)."""
     try:
         config = json.loads(text)
@@ -80,24 +77,20 @@ class RayTrain(Environment):
     requires = "RAY_RAYLET_PID and RAY_JOB_ID (a Ray worker) with RANK and WORLD_SIZE, or TF_CONFIG"
 
     @staticmethod
-    def detect(env):
-        # type: (Mapping[str, str]) -> bool
+    def detect(env: Mapping[str, str]) -> bool:
         in_ray = all(env.get(name, "") != "" for name in RAY_WORKER)
         return in_ray and (("RANK" in env and "WORLD_SIZE" in env) or env.get("TF_CONFIG", "").strip() != "")
 
     @staticmethod
-    def generic(env):
-        # type: (Mapping[str, str]) -> bool
+    def generic(env: Mapping[str, str]) -> bool:
         return False  # Ray names itself (RAY_RAYLET_PID): it describes the workers, not a plain RANK reader
 
-    def read(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def read(self, env: Mapping[str, str]) -> Cluster:
         if "RANK" in env and "WORLD_SIZE" in env:
             return self._torch(env)
         return self._tensorflow(env)
 
-    def _torch(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def _torch(self, env: Mapping[str, str]) -> Cluster:
         rank, world = _integer(env, "RANK"), _integer(env, "WORLD_SIZE")
         local_rank = _integer(env, "LOCAL_RANK") if env.get("LOCAL_RANK", "") != "" else rank
         local_world = _integer(env, "LOCAL_WORLD_SIZE") if env.get("LOCAL_WORLD_SIZE", "") != "" else world
@@ -107,8 +100,7 @@ class RayTrain(Environment):
         return Cluster(rank, world, local_rank, local_world, coordinator, self.name,
                        variables=_picked(env, RAY_WORKER + TORCH))
 
-    def _tensorflow(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def _tensorflow(self, env: Mapping[str, str]) -> Cluster:
         members, rank = _workers_of(env["TF_CONFIG"])
         host = members[rank].rsplit(":", 1)[0]
         local = [i for i, m in enumerate(members) if m.rsplit(":", 1)[0] == host]
@@ -116,8 +108,7 @@ class RayTrain(Environment):
                        workers=tuple(members), variables=_picked(env, RAY_WORKER + TENSORFLOW))
 
 
-def unread_train_worker(env):
-    # type: (Mapping[str, str]) -> Optional[Tuple[int, int]]
+def unread_train_worker(env: Mapping[str, str]) -> Optional[Tuple[int, int]]:
     """``(rank, world size)`` of a Ray Train worker of several that set no variable distkeras reads, else None.
 
     Ray's JaxTrainer on CPU starts nothing and sets nothing (it starts ``jax.distributed`` for TPUs and GPUs
@@ -138,8 +129,7 @@ def unread_train_worker(env):
     return (rank, world) if world > 1 else None
 
 
-def prepare_jax():
-    # type: () -> Dict[str, str]
+def prepare_jax() -> Dict[str, str]:
     """Form a JAX job out of a Ray Train ``DataParallelTrainer``'s workers; call it first in the train loop.
 
     Ray's JaxTrainer starts ``jax.distributed`` itself on GPUs and TPUs only (on CPUs, not at all), and sets

@@ -44,8 +44,7 @@ def _hostlist_error(text, why):
         "Expected a Slurm hostlist such as 'gpu-a[01-04,07],gpu-b3' ({}). Received: {!r}".format(why, text))
 
 
-def _split_top(text):
-    # type: (str) -> List[str]
+def _split_top(text: str) -> List[str]:
     """Split at commas and white space outside brackets."""
     items, depth, current = [], 0, []  # type: ignore
     for char in text:
@@ -68,8 +67,7 @@ def _split_top(text):
     return [item for item in items if item]
 
 
-def _expand_range(text, part):
-    # type: (str, str) -> List[str]
+def _expand_range(text: str, part: str) -> List[str]:
     """``"01-04"`` -> ``["01", "02", "03", "04"]``: zero-padded to the width of the first bound, as Slurm does."""
     low, sep, high = part.partition("-")
     if not low.isdigit() or (sep and not high.isdigit()):
@@ -84,8 +82,7 @@ def _expand_range(text, part):
     return [str(n).zfill(len(low)) for n in range(first, last + 1)]
 
 
-def expand_hostlist(text):
-    # type: (str) -> List[str]
+def expand_hostlist(text: str) -> List[str]:
     """Every host of a Slurm hostlist, in its order, as ``scontrol show hostnames`` lists them.
 
     Comma- (or space-) separated items; each item is literal text with bracket groups of numbers and
@@ -100,7 +97,7 @@ def expand_hostlist(text):
     Raises:
         ClusterError: unbalanced or nested brackets, an empty group, a bound that is no number, a backwards range.
     """
-    hosts = []  # type: List[str]
+    hosts: List[str] = []
     for item in _split_top(text.strip()):
         names = [""]
         for piece in re.split(r"(\[[^\[\]]*\])", item):
@@ -118,14 +115,13 @@ def expand_hostlist(text):
     return hosts
 
 
-def expand_tasks_per_node(text):
-    # type: (str) -> List[int]
+def expand_tasks_per_node(text: str) -> List[int]:
     """Slurm's per-node counts: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``.
 
     Raises:
         ClusterError: anything else.
     """
-    counts = []  # type: List[int]
+    counts: List[int] = []
     for part in text.strip().split(","):
         match = re.match(r"^\s*(\d+)\s*(?:\(x(\d+)\))?\s*$", part)
         if not match:
@@ -135,8 +131,7 @@ def expand_tasks_per_node(text):
     return counts
 
 
-def placement(tasks_per_node, distribution="block"):
-    # type: (List[int], str) -> List[Tuple[int, int]]
+def placement(tasks_per_node: List[int], distribution: str = "block") -> List[Tuple[int, int]]:
     """``(node index, local rank)`` of every rank, in rank order, for Slurm's task distribution over nodes.
 
     Args:
@@ -150,7 +145,7 @@ def placement(tasks_per_node, distribution="block"):
     """
     kind = (distribution or "block").split(":")[0].strip().lower() or "block"
     if kind == "block":
-        block = 0  # type: int
+        block: int = 0
     elif kind == "cyclic":
         block = 1
     elif re.match(r"^plane=\d+$", kind) and int(kind.split("=")[1]) > 0:
@@ -162,7 +157,7 @@ def placement(tasks_per_node, distribution="block"):
             "use `srun --ntasks-per-node=1 distkeras launch --nproc-per-node N`.".format(distribution))
     left = list(tasks_per_node)
     placed = [0] * len(left)
-    ranks = []  # type: List[Tuple[int, int]]
+    ranks: List[Tuple[int, int]] = []
     while any(left):
         for node in range(len(left)):
             take = left[node] if block == 0 else min(block, left[node])
@@ -173,8 +168,7 @@ def placement(tasks_per_node, distribution="block"):
     return ranks
 
 
-def coordinator_port(env):
-    # type: (Mapping[str, str]) -> int
+def coordinator_port(env: Mapping[str, str]) -> int:
     """The port of the job's coordinator: ``DISTKERAS_COORDINATOR_PORT`` where set, else derived.
 
     Derived: ``20000 + 16 * ((97 * SLURM_JOB_ID + 13 * SLURM_RESTART_COUNT + SLURM_STEP_ID) % 625)``, in
@@ -206,8 +200,10 @@ def coordinator_port(env):
     return FIRST_PORT + SLOT_SIZE * ((97 * job + 13 * restart + step) % SLOTS)
 
 
-def _read(env, names, variables, required=True):
-    # type: (Mapping[str, str], Tuple[str, ...], Dict[str, str], bool) -> Optional[str]
+def _read(env: Mapping[str, str],
+          names: Tuple[str, ...],
+          variables: Dict[str, str],
+          required: bool = True) -> Optional[str]:
     for name in names:
         if env.get(name, "").strip():
             variables[name] = env[name]
@@ -218,8 +214,10 @@ def _read(env, names, variables, required=True):
     return None
 
 
-def _number(env, names, variables, required=True):
-    # type: (Mapping[str, str], Tuple[str, ...], Dict[str, str], bool) -> Optional[int]
+def _number(env: Mapping[str, str],
+            names: Tuple[str, ...],
+            variables: Dict[str, str],
+            required: bool = True) -> Optional[int]:
     value = _read(env, names, variables, required)
     if value is None:
         return None
@@ -229,13 +227,11 @@ def _number(env, names, variables, required=True):
     return int(value)
 
 
-def _listing(variables):
-    # type: (Mapping[str, str]) -> str
+def _listing(variables: Mapping[str, str]) -> str:
     return ", ".join("{}={}".format(k, v) for k, v in sorted(variables.items())) or "none"
 
 
-def job_tasks(env):
-    # type: (Mapping[str, str]) -> int
+def job_tasks(env: Mapping[str, str]) -> int:
     """How many tasks the job (not a step) asks for: ``SLURM_NTASKS``, else the sum of ``SLURM_TASKS_PER_NODE``
     (an allocation without ``--ntasks``), else ``SLURM_JOB_NUM_NODES``; 1 where none is set."""
     for name in ("SLURM_NTASKS", "SLURM_NPROCS"):
@@ -250,8 +246,7 @@ def job_tasks(env):
     return int(text) if text.isdigit() else 1
 
 
-def in_step(env):
-    # type: (Mapping[str, str]) -> bool
+def in_step(env: Mapping[str, str]) -> bool:
     """Whether this process is a task of a job step (``srun``), not the batch script or an allocation's shell."""
     return any(env.get(name, "").strip() for name in _STEP_VARIABLES)
 
@@ -264,13 +259,11 @@ class Slurm(Environment):
     requires = "SLURM_JOB_ID"
 
     @staticmethod
-    def detect(env):
-        # type: (Mapping[str, str]) -> bool
+    def detect(env: Mapping[str, str]) -> bool:
         return bool(env.get("SLURM_JOB_ID", env.get("SLURM_JOBID", "")).strip())
 
-    def read(self, env):
-        # type: (Mapping[str, str]) -> Cluster
-        variables = {}  # type: Dict[str, str]
+    def read(self, env: Mapping[str, str]) -> Cluster:
+        variables: Dict[str, str] = {}
         _read(env, ("SLURM_JOB_ID", "SLURM_JOBID"), variables)
         if not in_step(env):
             return self._outside_step(env, variables)
@@ -319,8 +312,7 @@ class Slurm(Environment):
         return Cluster(rank, world, local_rank, per_node[node_id], "{}:{}".format(nodes[0], port), self.name,
                        workers, variables)
 
-    def _outside_step(self, env, variables):
-        # type: (Mapping[str, str], Dict[str, str]) -> Cluster
+    def _outside_step(self, env: Mapping[str, str], variables: Dict[str, str]) -> Cluster:
         """The batch script or an allocation's shell: one process of a job that may have many tasks."""
         for name in ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NUM_NODES", "SLURM_PROCID"):
             if env.get(name, "").strip():
@@ -336,8 +328,7 @@ class Slurm(Environment):
         return Cluster(0, 1, 0, 1, None, self.name, None, variables)
 
 
-def launch_arguments(env):
-    # type: (Mapping[str, str]) -> Dict[str, object]
+def launch_arguments(env: Mapping[str, str]) -> Dict[str, object]:
     """``distkeras launch``'s ``nnodes``, ``node_rank`` and ``coordinator`` inside ``srun --ntasks-per-node=1``.
 
     Returns:

@@ -19,8 +19,7 @@ VARIABLE = "TF_CONFIG"
 WRITTEN = "DISTKERAS_WROTE_TF_CONFIG"
 
 
-def parse(text):
-    # type: (str) -> Tuple[Cluster, List[str]]
+def parse(text: str) -> Tuple[Cluster, List[str]]:
     """TF_CONFIG's text -> ``(cluster, members)``: this task's place, and every member's ``host:port`` in
     rank order (chief first). Raises ClusterError for anything distkeras can't run (parameter servers)."""
     try:
@@ -49,8 +48,8 @@ def parse(text):
         if not isinstance(cluster.get(job, []), list):
             raise ClusterError(
                 "TF_CONFIG cluster.{} must be a list of 'host:port'. Received: {!r}".format(job, cluster[job]))
-    chiefs = cluster.get("chief", [])  # type: List[str]
-    workers = cluster.get("worker", [])  # type: List[str]
+    chiefs: List[str] = cluster.get("chief", [])
+    workers: List[str] = cluster.get("worker", [])
     if len(chiefs) > 1:
         raise ClusterError("TF_CONFIG may name at most one chief. Received: {!r}".format(chiefs))
     members = chiefs + workers
@@ -81,12 +80,10 @@ class TFConfig(Environment):
     requires = "TF_CONFIG"
 
     @staticmethod
-    def detect(env):
-        # type: (Mapping[str, str]) -> bool
+    def detect(env: Mapping[str, str]) -> bool:
         text = env.get(VARIABLE, "").strip()
         return bool(text) and text != env.get(WRITTEN, "").strip()
 
-    def read(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def read(self, env: Mapping[str, str]) -> Cluster:
         cluster, members = parse(env[VARIABLE])
         return cluster._replace(workers=tuple(members), variables={VARIABLE: env[VARIABLE]})

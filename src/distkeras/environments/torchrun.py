@@ -23,8 +23,7 @@ NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "
 DEFAULT_PORT = 29500
 
 
-def read_env_vars(env, source, extra=()):
-    # type: (Mapping[str, str], str, tuple) -> Cluster
+def read_env_vars(env: Mapping[str, str], source: str, extra: tuple = ()) -> Cluster:
     """RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a Cluster with
     ``source``; LOCAL_RANK defaults to RANK and LOCAL_WORLD_SIZE to WORLD_SIZE (one host)."""
     rank = integer(env, "RANK", source)
@@ -47,15 +46,12 @@ class TorchElastic(Environment):
     requires = "RANK and WORLD_SIZE (torchrun also sets TORCHELASTIC_RUN_ID)"
 
     @staticmethod
-    def detect(env):
-        # type: (Mapping[str, str]) -> bool
+    def detect(env: Mapping[str, str]) -> bool:
         return "RANK" in env and "WORLD_SIZE" in env
 
     @staticmethod
-    def generic(env):
-        # type: (Mapping[str, str]) -> bool
+    def generic(env: Mapping[str, str]) -> bool:
         return "TORCHELASTIC_RUN_ID" not in env
 
-    def read(self, env):
-        # type: (Mapping[str, str]) -> Cluster
+    def read(self, env: Mapping[str, str]) -> Cluster:
         return read_env_vars(env, self.name)
