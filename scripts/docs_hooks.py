@@ -86,10 +86,11 @@ def render_cli(command):
     if sub.description:
         out.append(_cell(sub.description) + "\n")
     out.append("```\n{}\n```\n".format(sub.format_usage().strip()))
+    actions = [a for a in sub._actions if not isinstance(a, argparse._HelpAction)]
+    if not actions:
+        return "\n".join(out + ["It takes no options.", ""])
     out.append("| option | default | what it does |\n|---|---|---|")
-    for action in sub._actions:
-        if isinstance(action, argparse._HelpAction):
-            continue
+    for action in actions:
         flags = ", ".join("`{}`".format(f) for f in action.option_strings) or "`{}`".format(action.dest.upper())
         if action.required:
             flags += " (required)"
