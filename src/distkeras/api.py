@@ -72,7 +72,7 @@ def use_cpu_devices(count: int) -> None:
         DeviceSpecError: ``count`` is not a positive int.
         TooLateError: the backend already initialised its devices (with another count).
 
-    Example:
+    Examples:
         >>> import distkeras
         >>> distkeras.use_cpu_devices(2)      # before building the model
     """
@@ -239,7 +239,7 @@ def distribute(model, devices=None, **options):
         BackendError / BackendUnavailableError: the Keras backend is unsupported or not installed.
         OptionError: an option the backend doesn't know.
 
-    Example:
+    Examples:
         >>> model = distkeras.distribute(model, devices=2)   # distkeras: the one added line
         >>> model.fit(x, y, batch_size=64)                    # 32 samples per device
     """
@@ -286,7 +286,7 @@ def shutdown() -> None:
     failed; distkeras also calls it at exit, so call it yourself only to finish early. No training or
     other collective operation may follow. Calling it again, or without a job, does nothing.
 
-    Example:
+    Examples:
         >>> model.fit(x, y, batch_size=64)
         >>> distkeras.shutdown()
     """
@@ -303,7 +303,7 @@ def describe(model: object) -> Dict[str, object]:
         ``workers``: the number of worker processes in the job, on every backend; and ``distributed``
         (False for a model distkeras left unchanged or never saw).
 
-    Example:
+    Examples:
         >>> distkeras.describe(model)   # PyTorch, `python train.py` asking for devices=2
         {'backend': 'torch', 'devices': ['cpu:0', 'cpu:1'], 'replicas': 2, 'rank': 0, 'workers': 2, 'distributed': True}
     """
@@ -328,7 +328,7 @@ def global_batch_size(per_device: int, devices: object = None) -> int:
             (``None`` = every device), counted over all processes of a multi-worker job as
             ``describe()["replicas"]`` counts them.
 
-    Example:
+    Examples:
         >>> distkeras.global_batch_size(32, devices=4)
         128
     """

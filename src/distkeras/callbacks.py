@@ -74,7 +74,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             a checkpoint of it and exit with status 75 (default True; the name is ``tf.keras``' for this).
             ``False`` leaves SIGTERM alone: it ends the process, and the run resumes from its last epoch.
 
-    Example:
+    Examples:
         >>> model = distkeras.distribute(model)
         >>> model.fit(x, y, epochs=10, callbacks=[distkeras.callbacks.BackupAndRestore("ckpt")])
     """

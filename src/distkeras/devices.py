@@ -154,7 +154,7 @@ def parse(spec: object, available: Sequence[Device]) -> List[Device]:
         DeviceSpecError: for 0 or negative counts, an empty list, duplicates, an unknown kind, a
             device that isn't present, or mixed device kinds. The message lists what exists.
 
-    Example:
+    Examples:
         >>> parse(["/gpu:1", 0], [Device("gpu", 0), Device("gpu", 1)])
         [Device(kind='gpu', index=1), Device(kind='gpu', index=0)]
     """

@@ -43,7 +43,7 @@ def shard_bounds(n: int, rank: int, workers: int) -> Tuple[int, int]:
         ``(start, end)`` with ``start = rank*n//workers`` and ``end = min((rank+1)*n//workers, n)``.
         The blocks of ranks 0..workers-1 are disjoint, in order, and cover ``range(n)``.
 
-    Example:
+    Examples:
         >>> [shard_bounds(10, r, 3) for r in range(3)]
         [(0, 3), (3, 6), (6, 10)]
     """
@@ -102,7 +102,7 @@ def shard(data, rank=None, workers=None, mode="block"):
     Raises:
         ShardError: a bad rank/workers/mode, or arrays of different lengths.
 
-    Example:
+    Examples:
         >>> shard(list(range(10)), rank=2, workers=3)
         [6, 7, 8, 9]
     """
@@ -197,7 +197,7 @@ def batch_rows(n: int, batch: int, rank: int, workers: int) -> Tuple[List[int], 
     Raises:
         ShardError: ``batch`` is not a multiple of ``workers``, or bad ints.
 
-    Example:
+    Examples:
         >>> batch_rows(13, 6, 1, 2)   # last batch: row 12 alone, so worker 1 gets a copy weighted 0
         ([1, 3, 5, 7, 9, 11, 12], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0])
     """

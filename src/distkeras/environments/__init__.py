@@ -259,7 +259,7 @@ def local_gpus(env: Mapping[str, str], cluster: Cluster, count: Optional[int] = 
     Returns:
         The value to set, or None to leave CUDA_VISIBLE_DEVICES unset.
 
-    Example:
+    Examples:
         >>> task = Cluster(5, 8, 1, 4, "node0:29500", "slurm")
         >>> local_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, task)
         '1'
