@@ -70,11 +70,10 @@ def _setting(name):
 
 def job(args):
     """One worker: time the settings' windows interleaved; rank 0 prints one JSON line."""
-    import distkeras  # first: the engine starts at import
-
     import keras
     import numpy as np
 
+    import distkeras  # first: the engine starts at import
     from benchmarks import workloads
 
     rank = distkeras.cluster.from_env().rank
@@ -154,10 +153,10 @@ def _run_job(backend, args, rate):
             launchers.append(hosts.popen(host, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                          cwd=ROOT, env=env))
         outputs = [p.communicate(timeout=3600) for p in launchers]
-        for p, (out, err) in zip(launchers, outputs):
+        for p, (_, err) in zip(launchers, outputs):
             if p.returncode != 0:
                 raise RuntimeError("{} job failed ({}):\n{}".format(backend, p.returncode, err[-3000:]))
-        line = [l for l in outputs[0][0].splitlines() if "RESULT " in l][0]
+        line = [text for text in outputs[0][0].splitlines() if "RESULT " in text][0]
         return json.loads(line.split("RESULT ", 1)[1])
 
 
@@ -189,7 +188,7 @@ def measure(args):
             entry["settings"][name] = {"step_s": step, "unshaped_step_s": compute, "communication_s": step - compute,
                                        "ring_bound_s": bound, "communication_over_bound": (step - compute) / bound}
         base = entry["settings"].get("none")
-        for name, setting in entry["settings"].items():
+        for setting in entry["settings"].values():
             if base:
                 setting["speedup_over_none"] = base["step_s"] / setting["step_s"]
         if args.loss_epochs:

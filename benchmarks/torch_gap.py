@@ -36,7 +36,6 @@ import sys
 
 import numpy as np
 
-
 #: The seventh loop: b with every rank reading (arrays) or converting (a PyDataset) the whole global batch.
 WHOLE = "distkeras, whole batch read"
 
@@ -62,7 +61,8 @@ def loops(workload, rank, world, feed="pydataset"):
     import keras
 
     import distkeras
-    from distkeras.backends.torch import collectives as torch_collectives, trainer as torch_trainer
+    from distkeras.backends.torch import collectives as torch_collectives
+    from distkeras.backends.torch import trainer as torch_trainer
 
     from . import variants
     from .backends import torch as plan

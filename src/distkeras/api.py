@@ -12,7 +12,9 @@ import threading
 import weakref
 from typing import Dict, List, Optional
 
-from . import backends, cluster as cluster_lib, devices as devices_lib, sharding
+from . import backends, sharding
+from . import cluster as cluster_lib
+from . import devices as devices_lib
 from .devices import CPU_DEVICES_ENV
 from .errors import ClusterError, DeviceSpecError, ModelError, TooLateError
 

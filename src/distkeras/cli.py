@@ -68,6 +68,7 @@ def environment_report(environ: Optional[Mapping[str, str]] = None) -> Dict[str,
 
 def _info(args):
     import distkeras
+
     from . import backends
 
     name = backends.active_name()

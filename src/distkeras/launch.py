@@ -19,7 +19,6 @@ exit on their own, and the launcher exits 75 too.
 Part of the Python 3.6-compatible core: no framework import, standard library only.
 """
 
-import json
 import os
 import signal
 import socket

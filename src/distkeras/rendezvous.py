@@ -342,7 +342,7 @@ def gather(listener: socket.socket,
                    "longer), or give every host the real --nnodes.".format(
                        len(joined) + 1, nnodes, coordinator, join_timeout, ", ".join(map(str, missing)), coordinator,
                        JOIN_TIMEOUT_ENV))
-        readable, _, _ = select.select([listener] + [l.sock for l in pending], [], [], min(0.5, left))
+        readable, _, _ = select.select([listener] + [link.sock for link in pending], [], [], min(0.5, left))
         if listener in readable:
             sock, peer = listener.accept()
             pending.append(Link(sock, "{}:{}".format(*peer[:2])))

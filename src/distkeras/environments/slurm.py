@@ -267,7 +267,7 @@ class Slurm(Environment):
         _read(env, ("SLURM_JOB_ID", "SLURM_JOBID"), variables)
         if not in_step(env):
             return self._outside_step(env, variables)
-        step = _read(env, _STEP_VARIABLES, variables)
+        _read(env, _STEP_VARIABLES, variables)  # recorded in variables
         world = _number(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), variables)
         rank = _number(env, ("SLURM_PROCID",), variables)
         if world is None or rank is None:  # for the type checker: required values are never None
@@ -308,7 +308,7 @@ class Slurm(Environment):
                 "worker takes port + 1 + local rank). Received: SLURM_STEP_TASKS_PER_NODE={}. Set {} to a port "
                 "with {} free ports above it.".format(SLOT_SIZE - 1, variables.get("SLURM_STEP_TASKS_PER_NODE"),
                                                         PORT_ENV, max(per_node)))
-        workers = tuple("{}:{}".format(nodes[n], port + 1 + l) for n, l in ranks)
+        workers = tuple("{}:{}".format(nodes[n], port + 1 + local) for n, local in ranks)
         return Cluster(rank, world, local_rank, per_node[node_id], "{}:{}".format(nodes[0], port), self.name,
                        workers, variables)
 
