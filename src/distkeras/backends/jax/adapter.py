@@ -223,7 +223,7 @@ class JaxAdapter(Adapter):
         model.train_function = model.test_function = model.predict_function = None
         if compression is not None:
             jax_steps.install(model, distribution.device_mesh.backend_mesh, distribution.batch_dim_name,
-                              jax_steps.WIRE[compression])
+                              jax_steps.WIRE[compression], cluster.rank)
         for name in _SCOPED:
             keras_model.hook(model, name, _scoped(getattr(model, name), model, distribution, name))
         if cluster.is_multi_worker:
