@@ -118,7 +118,8 @@ class CNTKAdapter(Adapter):
             compression: ``"1bit"``, CNTK's own gradient compression: ``num_quantization_bits=1``.
 
         Returns:
-            ``model``; every worker now holds rank 0's weights.
+            ``model``; every worker now holds rank 0's weights. Called again on the same model, the new
+            options replace the first call's (the trainer is distributed again from Keras' own learners).
 
         Raises:
             OptionError: a bad option, or fewer than 32 bits on a CNTK build without 1-bit SGD.
