@@ -120,3 +120,25 @@ def redistributed():
     distkeras.distribute(net, devices=2)
     second = sorted(n for n, layer in norm_layers(net).items() if "_moments" in layer.__dict__)
     return {"first": first, "second": second}
+
+
+def train_masked(devices, **options):
+    """Masking -> BatchNormalization on sequences with padded steps: the mask weighs the statistics."""
+    import keras
+
+    import distkeras
+
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((4, 3)), keras.layers.Masking(0.0), keras.layers.Dense(6, use_bias=False),
+                            keras.layers.BatchNormalization(), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+    net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    if devices > 1:
+        net = distkeras.distribute(net, devices=devices, **options)
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(SAMPLES, 4, 3)).astype("float32")
+    padded = rng.random((SAMPLES, 4)) < 0.4
+    padded[:, 0] = False  # every sequence keeps a step (a wholly masked one would average nothing: NaN)
+    x[padded] = 0.0
+    y = rng.normal(size=(SAMPLES, 2)).astype("float32")
+    net.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in net.get_weights()]

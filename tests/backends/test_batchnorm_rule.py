@@ -149,3 +149,12 @@ def test_a_second_distribute_applies_its_own_choice():
     got = replicated(2, cases.redistributed)
     assert got == {"first": ["own_norm"], "second": []}
 
+
+
+def test_masked_inputs_are_synchronized_too():
+    """A mask weighs the statistics (Keras' masked formula, epsilon included) over the global batch."""
+    expected = cases.train_masked(1)
+    got = replicated(2, cases.train_masked, 2, **RULED)
+    assert close(expected, got, tol=2e-2 if BACKEND == "jax" else 1e-5)
+    if HAS_OPTION:
+        assert gap(expected, replicated(2, cases.train_masked, 2, sync_batchnorm=False)) > 1e-3
