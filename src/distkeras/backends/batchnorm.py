@@ -54,8 +54,6 @@ logger = logging.getLogger("distkeras")
 
 #: The private method of ``keras.layers.BatchNormalization`` that computes the batch statistics.
 MOMENTS = "_moments"
-#: The values ``sync_batchnorm`` takes.
-CHOICES = (True, False, "all")
 
 #: ``sync_batchnorm``, as an adapter's ``options`` describe it.
 OPTION_HELP = ("BatchNormalization statistics of the whole global batch: True (default; a subclass with its own "
