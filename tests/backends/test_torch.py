@@ -781,10 +781,10 @@ def test_keras_batchnorm_computes_its_statistics_in_moments():
 
 
 def test_every_batchnorm_is_found_in_nested_and_subclassed_models():
-    from distkeras.backends.torch import trainer as torch_trainer
+    from distkeras.backends import batchnorm
     from tests.backends import torch_models
 
-    synced, other = torch_trainer._batchnorm_layers(torch_models.nested())
+    synced, other = batchnorm.select(torch_models.nested())
     assert len(synced) == 2 and other == []  # in the Sequential inside the Functional, and in Block's list
     assert all(isinstance(layer, keras.layers.BatchNormalization) for layer in synced)
 

@@ -92,6 +92,43 @@ def test_one_bit_sgd_on_a_build_without_it_is_an_option_error(tmp_path):
         "Use num_quantization_bits=32, or install a CNTK build with 1-bit SGD.")
 
 
+def test_a_second_distribute_wraps_kerass_learner_again_with_its_own_options(tmp_path):
+    """distribute() again with other options replaces the first call's: the train function gets a new Trainer
+    whose learner is Keras' own (not the data-parallel one) wrapped with the new bits; the model's functions and
+    the hooks are the same."""
+    body = """
+        import distkeras
+        from cntk.train import distributed
+        from distkeras import backends
+        from tests.cntk import toy
+        calls, original_wrap = [], distributed.data_parallel_distributed_learner
+        def wrap(learner, **kwargs):  # records the adapter's call, then makes CNTK's learner
+            calls.append((type(learner).__name__, sorted(p.uid for p in learner.parameters), kwargs["num_quantization_bits"]))
+            return original_wrap(learner, **kwargs)
+        distributed.data_parallel_distributed_learner = wrap
+        adapter = backends.get("cntk")
+        model = adapter.distribute(toy.model(seed=1), adapter.list_devices(), distkeras.cluster.SINGLE)
+        step, first = model.train_function, model.train_function.function.trainer
+        fit = model.fit
+        again = adapter.distribute(model, adapter.list_devices(), distkeras.cluster.SINGLE, num_quantization_bits=8)
+        trainer = model.train_function.function.trainer
+        weights = sorted(p.uid for p in trainer.model.parameters)
+        mine = [call for call in calls if call[1] == weights]
+        x, y = toy.data(12)
+        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0).history
+        toy.report(same=again is model, same_step=model.train_function is step, same_fit=model.fit is fit,
+                   new_trainer=trainer is not first, same_model=trainer.model.uid == first.model.uid,
+                   wrapped=[[name, bits] for name, _, bits in mine], trained=history["loss"][-1] < history["loss"][0])
+    """
+    job = run(tmp_path, body)
+    assert job.returncode == 0, job
+    got = job.results[0]
+    assert got["same"] and got["same_step"] and got["same_fit"] and got["new_trainer"] and got["same_model"]
+    assert len(got["wrapped"]) == 2 and [bits for _, bits in got["wrapped"]] == [32, 8], got["wrapped"]
+    assert got["wrapped"][0][0] == got["wrapped"][1][0] != "DistributedLearner", got["wrapped"]
+    assert got["trained"]
+
+
 def test_several_learners_are_each_wrapped_with_a_warning(tmp_path):
     body = """
         import logging, cntk, distkeras, keras

@@ -306,6 +306,28 @@ def test_one_bit_sgd_trains_the_workers_alike_but_not_exactly(tmp_path):
     assert not close(got[0]["weights"], exact[0]["weights"], tol=1e-4), "1-bit SGD trained exactly: was it quantized?"
 
 
+def test_a_second_distribute_with_1bit_sgd_trains_on_with_it(tmp_path):
+    """An exact epoch, then distribute(model, compression='1bit') again: the next epochs are 1-bit SGD (the ranks
+    alike, away from the all-exact run), not the first call's options silently kept."""
+    body = """
+        import distkeras
+        from tests.cntk import toy
+        x, y = toy.data(36)
+        model = distkeras.distribute(toy.model(seed=100 + toy.rank(), optimizer="sgd"))
+        model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+        if {again}:
+            model = distkeras.distribute(model, compression="1bit")
+        history = model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+        toy.report(weights=model.get_weights(), history=history.history)
+    """
+    exact = run(tmp_path / "exact", body.format(again=False), workers=2)
+    got = run(tmp_path / "1bit", body.format(again=True), workers=2)
+    assert exact.returncode == 0 and got.returncode == 0, (exact, got)
+    assert got.results[0]["weights"] == got.results[1]["weights"]
+    assert got.results[0]["history"]["loss"][-1] < got.results[0]["history"]["loss"][0]
+    assert not close(got.results[0]["weights"], exact.results[0]["weights"], tol=1e-4), "the second call's 1-bit SGD was ignored"
+
+
 def test_a_dead_rank_ends_the_job_in_bounded_time(tmp_path):
     """Rank 1 is killed (SIGKILL) in the middle of training while rank 0 waits in CNTK's all-reduce: Open MPI's
     mpiexec ends the job, with an error, well within the time limit."""

@@ -35,10 +35,15 @@ def hook(obj, name, function):
         names.append(name)
 
 
-def unhook(obj):
-    """Remove every hook :func:`hook` set on ``obj``: its class' own methods show through again."""
-    for name in obj.__dict__.pop(_HOOKS, ()):
+def unhook(obj, *names):
+    """Remove every hook :func:`hook` set on ``obj`` (or those of ``names`` only): its class' own methods
+    show through again."""
+    hooked = obj.__dict__.get(_HOOKS, [])
+    for name in [n for n in hooked if not names or n in names]:
+        hooked.remove(name)
         obj.__dict__.pop(name, None)
+    if not hooked:
+        obj.__dict__.pop(_HOOKS, None)
 
 
 def optimizers_of(model):
@@ -233,19 +238,6 @@ def layers_of(model):
     ``_flatten_layers``, the one walk that reaches layers held in attributes, lists and dicts alike)."""
     flatten = getattr(model, "_flatten_layers", None)
     return list(flatten(include_self=True, recursive=True)) if callable(flatten) else [model]
-
-
-def batchnorm_layers(model, method):
-    """The model's BatchNormalization instances whose class computes its statistics in Keras' own
-    ``method`` (``_moments``), which an adapter can make global, and the others (a subclass that
-    overrides it)."""
-    import keras
-
-    base = keras.layers.BatchNormalization
-    layers = [layer for layer in layers_of(model) if isinstance(layer, base)]
-    own = getattr(base, method, None)
-    synced = [layer for layer in layers if callable(own) and getattr(type(layer), method, None) is own]
-    return synced, [layer for layer in layers if all(layer is not s for s in synced)]
 
 
 def weigh_scalar_means(model, share):

@@ -118,7 +118,8 @@ class CNTKAdapter(Adapter):
             compression: ``"1bit"``, CNTK's own gradient compression: ``num_quantization_bits=1``.
 
         Returns:
-            ``model``; every worker now holds rank 0's weights.
+            ``model``; every worker now holds rank 0's weights. Called again on the same model, the new
+            options replace the first call's (the trainer is distributed again from Keras' own learners).
 
         Raises:
             OptionError: a bad option, or fewer than 32 bits on a CNTK build without 1-bit SGD.
@@ -142,7 +143,7 @@ class CNTKAdapter(Adapter):
         if workers == 1:
             logger.warning("one CNTK worker: the distributed learner trains it alone, as local training would")
         if getattr(model, "_distkeras_cntk", None) is not None:
-            return model
+            return self._redistribute(model, num_quantization_bits)
         model._distkeras_cntk = _Replica(self, rank, workers, num_quantization_bits)
         weights = model.get_weights()
         model.set_weights(_unflat(self.all_sum(_flat(weights, rank)), weights))
@@ -159,6 +160,24 @@ class CNTKAdapter(Adapter):
         model.predict = functools.partial(_predict, model, model.predict)
         if getattr(model, "optimizer", None) is not None:
             model._make_train_function()
+        return model
+
+    def _redistribute(self, model, bits):
+        """A second ``distribute()`` of ``model``: its options replace the first call's, as on the other backends.
+
+        The first call's hooks stay (they read the options from the model's ``_Replica``, updated here); every
+        worker takes rank 0's weights again; a train function already made gets a new CNTK Trainer whose learners
+        are Keras' own, wrapped again with the new ``num_quantization_bits`` (:func:`_distribute_trainer`), so the
+        optimizer's state is kept. A train function made later (after ``compile()``) takes them too.
+        """
+        state = model._distkeras_cntk
+        weights = model.get_weights()
+        model.set_weights(_unflat(self.all_sum(_flat(weights, state.rank)), weights))
+        if bits != state.bits:
+            state.bits = bits
+            step = getattr(model, "train_function", None)
+            if isinstance(step, _Step):
+                _distribute_trainer(step.function, bits)
         return model
 
     def all_sum(self, vector):
@@ -245,11 +264,14 @@ def _unflat(flat, like):
 def _distribute_trainer(function, bits):
     """Give Keras' ``function`` a ``cntk.Trainer(model, criterion, parameter_learners)`` with its trainer's
     model, loss and evaluation functions and its learners wrapped in data-parallel ones. Keras' Function
-    (keras 2.3.1 ``cntk_backend``) calls ``self.trainer.train_minibatch`` in every step."""
+    (keras 2.3.1 ``cntk_backend``) calls ``self.trainer.train_minibatch`` in every step. Keras' own trainer is
+    kept on the function, so a later call (a second ``distribute()`` with other options) wraps Keras' learners
+    again, never the data-parallel ones."""
     import cntk
     from cntk.train.distributed import data_parallel_distributed_learner
 
-    trainer = function.trainer
+    trainer = getattr(function, "_distkeras_keras_trainer", None) or function.trainer
+    function._distkeras_keras_trainer = trainer
     if trainer is None:
         raise ModelError("The model has no trainable weights, so there is nothing to train data-parallel.")
     learners = list(trainer.parameter_learners)

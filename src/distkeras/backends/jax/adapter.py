@@ -14,14 +14,16 @@ config, so subclassed models without ``get_config`` work. ``keras.distribution.s
 global, so the model makes its distribution current only while it compiles, trains, evaluates or
 predicts (hooks on the instance, see :func:`keras_model.hook`): models on different device sets live side by
 side in one process. Everything the optimizer does with gradients, and BatchNormalization's
-statistics, need nothing more: a step is one SPMD program over the global batch.
+statistics, need nothing more: a step is one SPMD program over the global batch (with ``compression``,
+:mod:`distkeras.backends.jax.steps` keeps the statistics global by the rule of :mod:`distkeras.backends.batchnorm`).
 
-Across processes (``distkeras launch``, any launcher that sets the JAX/Keras coordinator variables, or torchrun,
+**Across processes** (``distkeras launch``, any launcher that sets the JAX/Keras coordinator variables, or torchrun,
 whose store carries rank 0's coordinator address: :mod:`distkeras.exchange`), ``jax.distributed`` starts at
 ``import distkeras`` (before JAX's first computation, as it must), the mesh
 spans every process' devices, and every process is given the same data, as with TensorFlow: each
 global batch is placed with ``jax.make_array_from_callback``, so a process materialises only the
 slices its own devices hold, and every process takes the same steps whatever the data size.
+``strategy="data"`` runs across processes; ``strategy="model"`` runs in one process.
 
 JAX splits an array axis only evenly. A batch the "batch" axis doesn't divide (10 samples on 3
 devices, an epoch's smaller last batch, a batch smaller than the device count) is padded to a multiple
@@ -167,7 +169,9 @@ class JaxAdapter(Adapter):
         Args:
             model: a built Keras model; it is distributed in place and returned.
             devices: the resolved devices, all of one kind.
-            cluster: this process' place in the job; one process only, in this version.
+            cluster: this process' place in the job. A job of several processes (``jax.distributed``, started at
+                ``import distkeras``; see the module docstring) lays the model out on a mesh of every process'
+                devices, ``strategy="data"`` only.
             strategy: ``"data"`` (``DataParallel``: a replica on every device) or ``"model"``
                 (``ModelParallel`` over a ("batch", "model") mesh).
             layout_map: ``strategy="model"``: ``{variable path regex: axes}``, axes naming "model",
@@ -181,8 +185,12 @@ class JaxAdapter(Adapter):
             ``model`` itself, its variables on the mesh.
 
         Raises:
-            DistKerasError: this process is one worker of several (not implemented yet).
-            OptionError: a bad ``strategy``, ``layout_map`` or ``model_shards``.
+            OptionError: a bad ``strategy``, ``layout_map``, ``model_shards`` or ``compression``, or
+                ``strategy="model"`` across processes.
+            TooLateError: this process is one worker of several and ``jax.distributed`` is not running (JAX ran
+                its first computation before ``import distkeras``).
+            ClusterError, NetworkError: the job's coordinator could not be found or reached.
+            DistKerasError: across processes, ``devices`` names fewer than all of this worker's devices of the kind.
         """
         import keras
 
@@ -223,7 +231,7 @@ class JaxAdapter(Adapter):
         model.train_function = model.test_function = model.predict_function = None
         if compression is not None:
             jax_steps.install(model, distribution.device_mesh.backend_mesh, distribution.batch_dim_name,
-                              jax_steps.WIRE[compression])
+                              jax_steps.WIRE[compression], cluster.rank)
         for name in _SCOPED:
             keras_model.hook(model, name, _scoped(getattr(model, name), model, distribution, name))
         if cluster.is_multi_worker:

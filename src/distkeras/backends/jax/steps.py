@@ -14,9 +14,11 @@ equal (JAX splits evenly), so the mean of the shards' losses is the global batch
 Outside the gradient nothing changes: the optimizer and the metrics run on the global arrays as before.
 What the loss computation updates in metric variables (the compiled loss trackers) is added up over
 the shards. BatchNormalization statistics stay those of the global batch: while the step is traced, its
-``_moments`` (the Keras private the PyTorch adapter hooks too) sums counts, sums and squared deviations
-over the shards (``psum``), so normalisation, moving statistics and the gradient through the statistics
-are the single-device ones. Other cross-sample computations inside a layer's ``call`` see one shard,
+``_moments`` (the Keras private the other adapters hook too) gathers every shard's counts, means and squared
+deviations (``all_gather``; :func:`distkeras.backends.batchnorm.global_moments`), so normalisation, moving
+statistics and the gradient through the statistics are the single-device ones. Which layers, and what
+happens to a subclass with a ``_moments`` of its own (it sees its shard), is the rule of
+:mod:`distkeras.backends.batchnorm`. Other cross-sample computations inside a layer's ``call`` see one shard,
 as each replica does on TensorFlow and PyTorch; dropout draws the same mask pattern on every shard.
 
 A batch the devices don't divide is not padded in fit() with compression (the replaced ``train_step`` is
@@ -25,25 +27,27 @@ not proven exact on padding); it runs whole on every device (see :mod:`distkeras
 
 import contextlib
 import functools
-import math
 import threading
 
 from ...errors import OptionError
-from .. import keras_model
+from .. import batchnorm, keras_model
 
 #: Wire dtype of each ``compression`` value (JAX's names).
 WIRE = {"bf16": "bfloat16", "fp16": "float16"}
-_PRIVATE_MOMENTS = "_moments"
+#: How a layer left for its own ``_moments`` gets the global batch's statistics on JAX (no sync_batchnorm option).
+_OPT_IN = ("give the class no _moments of its own, or drop compression= (JAX's uncompressed step is one program "
+           "over the global batch, and every layer's own code sees all of it)")
 _PRIVATE_METRICS_UPDATE = "_update_metrics_variables"
 
 #: The mesh axis name while the compressed step's per-shard gradient is traced (None otherwise), per thread.
 _tracing = threading.local()
 
 
-def install(model, mesh, axis, wire):
+def install(model, mesh, axis, wire, rank=0):
     """Replace ``model.train_step`` by the step whose gradients travel in dtype ``wire`` (``WIRE[compression]``;
     "float32" gives the exact average, for tests) over ``axis`` of ``mesh`` (a ``jax.sharding.Mesh``), and
-    make its BatchNormalization layers' statistics global inside it.
+    make its BatchNormalization layers' statistics global inside it, by the rule of
+    :mod:`distkeras.backends.batchnorm` (a subclass with its own ``_moments`` sees its shard; rank 0 warns).
 
     Raises:
         OptionError: the model's class defines its own ``train_step`` (it computes its gradient itself, so
@@ -57,21 +61,21 @@ def install(model, mesh, axis, wire):
                 defining.__name__))
     import keras
 
-    for klass, name in ((type(model), _PRIVATE_METRICS_UPDATE), (keras.layers.BatchNormalization, _PRIVATE_MOMENTS)):
+    for klass, name in ((type(model), _PRIVATE_METRICS_UPDATE), (keras.layers.BatchNormalization, batchnorm.MOMENTS)):
         if not callable(getattr(klass, name, None)):
             raise OptionError("compression on JAX needs Keras' {}.{}, which this Keras ({}) lacks. Drop "
                               "compression=.".format(klass.__name__, name, keras.__version__))
-    synced, _ = keras_model.batchnorm_layers(model, _PRIVATE_MOMENTS)
-    for layer in synced:
-        keras_model.hook(layer, _PRIVATE_MOMENTS, _global_moments(layer, getattr(type(layer), _PRIVATE_MOMENTS).__get__(layer)))
+    selection = batchnorm.select(model)
+    batchnorm.warn_left(selection, rank, opt_in=_OPT_IN, opt_out=None)
+    for layer in selection.synchronized:
+        keras_model.hook(layer, batchnorm.MOMENTS, _global_moments(layer, getattr(type(layer), batchnorm.MOMENTS).__get__(layer)))
     keras_model.hook(model, "train_step", _train_step(model, model.train_step, mesh, axis, wire))
 
 
 def uninstall(model):
     """Remove :func:`install`'s hooks from the model's BatchNormalization layers (the model's own go with
     ``keras_model.unhook(model)``)."""
-    for layer in keras_model.batchnorm_layers(model, _PRIVATE_MOMENTS)[0]:
-        keras_model.unhook(layer)
+    batchnorm.unhook(model)
 
 
 @contextlib.contextmanager
@@ -203,11 +207,10 @@ def _decode(bits, wire):
 
 
 def _global_moments(layer, keras_moments):
-    """``BatchNormalization._moments`` over the whole batch while the compressed step is traced.
-
-    Keras' own formula (mean, then the mean squared deviation; a mask weighs the elements and adds
-    ``epsilon`` to the weight sum), with the sums taken over every shard by ``psum``: two reductions of a
-    few floats per channel. Outside the step (evaluate, predict, a plain step) it is Keras' own.
+    """``BatchNormalization._moments`` over the whole batch while the compressed step is traced
+    (:func:`~distkeras.backends.batchnorm.global_moments`, every shard's statistics gathered with
+    ``jax.lax.all_gather``: one collective of a few floats per channel). Outside the step (evaluate,
+    predict, a plain step) it is Keras' own.
     """
 
     def moments(inputs, mask):
@@ -215,25 +218,9 @@ def _global_moments(layer, keras_moments):
         if axis is None:
             return keras_moments(inputs, mask)
         import jax
-        import jax.numpy as jnp
-        from keras import backend
+        import keras
 
-        axes = tuple(a % inputs.ndim for a in layer._reduction_axes)
-        dtype = inputs.dtype
-        x = inputs.astype(jnp.float32) if dtype in (jnp.float16, jnp.bfloat16) else inputs
-        if mask is None:
-            weights = None
-            count = jax.lax.psum(float(math.prod(x.shape[a] for a in axes)), axis)
-        else:
-            weights = jnp.broadcast_to(jnp.expand_dims(mask, -1), x.shape).astype(x.dtype)
-            count = jax.lax.psum(jnp.sum(weights, axes), axis) + backend.epsilon()
-
-        def total(values):
-            return jax.lax.psum(jnp.sum(values if weights is None else values * weights, axes), axis)
-
-        mean = total(x) / count
-        shape = [1 if a in axes else size for a, size in enumerate(x.shape)]
-        variance = total(jnp.square(x - mean.reshape(shape))) / count
-        return mean.astype(dtype), variance.astype(dtype)
+        return batchnorm.global_moments(keras.ops, inputs, layer._reduction_axes, mask,
+                                        lambda row: jax.lax.all_gather(row, axis), keras.backend.epsilon())
 
     return moments

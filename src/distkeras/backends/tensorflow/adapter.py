@@ -49,8 +49,9 @@ What the adapter changes so that every step is exactly the single-device step at
   *before* its TensorFlow optimizer all-reduces them, i.e. on each replica's partial gradient. The
   adapter all-reduces first, in ``apply``, and turns the optimizer's own later all-reduce off.
 - **Synchronized BatchNormalization** (``sync_batchnorm=True``, the default): in training, every
-  replica normalises with the mean and variance of the whole global batch (all-reduced sums, with
-  gradients through them), so N devices train what one device trains. The layer's config is unchanged.
+  replica normalises with the mean and variance of the whole global batch (one all-reduce, with
+  gradients through it), so N devices train what one device trains; which layers, and what happens to
+  subclasses, is :mod:`distkeras.backends.batchnorm`'s rule. The layer's config is unchanged.
 """
 
 import functools
@@ -65,7 +66,7 @@ from ... import exchange, network
 from ...environments import tf_config
 from ...devices import Device
 from ...errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
-from .. import keras_model, when_imported
+from .. import batchnorm, keras_model, when_imported
 from . import steps as tensorflow_steps
 from ..base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
 
@@ -86,7 +87,7 @@ class TensorFlowAdapter(Adapter):
         "cross_device_ops": "how MirroredStrategy all-reduces: " + ", ".join(_CROSS_DEVICE_OPS),
         "exact_loss_scaling": "every loss a replica's own mean, gradients weighed by each replica's share of the "
                               "global batch (default True); False: Keras' own rule (losses divided by the replicas)",
-        "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
+        "sync_batchnorm": batchnorm.OPTION_HELP,
         "compression": COMPRESSION_HELP,
     }
 
@@ -181,9 +182,10 @@ class TensorFlowAdapter(Adapter):
         import tensorflow as tf
 
         compression = check_compression(compression)
-        for name, value in (("exact_loss_scaling", exact_loss_scaling), ("sync_batchnorm", sync_batchnorm)):
-            if not isinstance(value, bool):
-                raise OptionError("Expected True or False for {}. Received: {}={!r}".format(name, name, value))
+        if not isinstance(exact_loss_scaling, bool):
+            raise OptionError("Expected True or False for exact_loss_scaling. Received: exact_loss_scaling={!r}".format(
+                exact_loss_scaling))
+        sync_batchnorm = batchnorm.check_option(sync_batchnorm)
         if cluster.is_multi_worker:
             strategy = self._multi_worker_strategy(tf, cluster, devices)
         else:
@@ -214,7 +216,7 @@ class TensorFlowAdapter(Adapter):
         else:
             _mirror_in_place(model, tf, strategy, compression)
             _global_gradient_first(model, tf, strategy, compression)
-            _batchnorm_moments(model, tf, sync_batchnorm)
+            _batchnorm_moments(model, tf, sync_batchnorm, cluster.rank)
             # Each replica told its rows of the global batch; losses and random draws follow one device's rules.
             tensorflow_steps.tell_replicas_their_rows(tf, strategy, exact_loss_scaling)
             tensorflow_steps.gate_keras_loss_scaling()
@@ -570,41 +572,48 @@ def _decided_across_replicas(optimizer, tf):
     return backend_apply_gradients
 
 
-def _batchnorm_moments(model, tf, synchronized):
-    """Every BatchNormalization layer of ``model`` (nested ones too) normalises, in training, with the
-    statistics of the global batch (``synchronized``), or of its replica's batch, where a replica left
-    without samples by a short batch gets zeros instead of NaN (which would reach the moving statistics).
+def _batchnorm_moments(model, tf, sync_batchnorm, rank):
+    """BatchNormalization layers normalise, in training, with the statistics of the global batch, by the
+    rule of :mod:`distkeras.backends.batchnorm` (:func:`~distkeras.backends.batchnorm.select`; a warning
+    names the layers it leaves for their own ``_moments``).
 
-    Keras' own ``synchronized=True`` does the same reduction, but it is a config argument: saved with
-    the model, it makes the file refuse to load on the other backends. The layer's private ``_moments``
-    (what ``call`` uses for the batch statistics) is replaced on the instance instead. Mean and variance
-    are computed as ``tf.nn.moments`` computes them on one device (the mean first, then the mean squared
-    difference), from all-reduced sums; gradients flow through ``ReplicaContext.all_reduce``. A masked
-    input, or a call outside a replica context, keeps Keras' own computation. Pinned by a test.
+    The layer's private ``_moments`` (what ``call`` uses for the batch statistics) is replaced on the
+    instance by :func:`~distkeras.backends.batchnorm.global_moments`, whose one collective is an all-reduce
+    in the replica context (gradients flow through ``ReplicaContext.all_reduce``). With
+    ``sync_batchnorm=False`` the layers whose ``_moments`` is Keras' own take their replica's statistics
+    through the same formula, so a replica left without samples by a short batch gets zeros instead of NaN
+    (which would reach the moving statistics). A call outside a replica context keeps Keras' own
+    computation. Pinned by a test.
     """
-    keras = keras_model.keras_module(model)
-    for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, keras.layers.BatchNormalization) and hasattr(layer, "_moments"):
-            keras_model.hook(layer, "_moments", _moments(layer, type(layer)._moments.__get__(layer), tf, synchronized))
+    batchnorm.unhook(model)  # an earlier distribute()'s
+    selection = batchnorm.select(model, sync_batchnorm)
+    batchnorm.warn_left(selection, rank)
+    per_replica = [layer for layer, reason in selection.left
+                   if reason == batchnorm.NOT_ASKED and batchnorm.own_moments(layer) is None]
+    for layers, synchronized in ((selection.synchronized, True), (per_replica, False)):
+        for layer in layers:
+            keras_model.hook(layer, batchnorm.MOMENTS, _moments(layer, getattr(type(layer), batchnorm.MOMENTS).__get__(layer),
+                                                               tf, synchronized))
+    return selection
 
 
 def _moments(layer, keras_moments, tf, synchronized):
+    import keras
+
     def moments(inputs, mask):
         context = tf.distribute.get_replica_context()
-        if mask is not None or context is None or context.num_replicas_in_sync == 1:
+        if context is None or context.num_replicas_in_sync == 1:
             return keras_moments(inputs, mask)
+        replicas = context.num_replicas_in_sync
 
-        def summed(value):
-            return context.all_reduce(tf.distribute.ReduceOp.SUM, value) if synchronized else value
+        def gather(row):
+            if not synchronized:
+                return tf.expand_dims(row, 0)
+            mine = tf.one_hot(context.replica_id_in_sync_group, replicas, dtype=row.dtype)
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.reshape(mine, [replicas] + [1] * row.shape.rank) * row)
 
-        axes = list(layer._reduction_axes)
-        x = tf.convert_to_tensor(inputs)
-        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
-        total, count = summed([tf.reduce_sum(x, axes, keepdims=True), count])
-        mean = tf.math.divide_no_nan(total, count)
-        squares = tf.reduce_sum(tf.math.squared_difference(x, tf.stop_gradient(mean)), axes, keepdims=True)
-        variance = tf.math.divide_no_nan(summed(squares), count)
-        return tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+        return batchnorm.global_moments(keras.ops, tf.convert_to_tensor(inputs), layer._reduction_axes, mask, gather,
+                                        keras.backend.epsilon())
 
     return moments
 

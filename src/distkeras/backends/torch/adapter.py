@@ -37,7 +37,7 @@ from typing import List
 from ... import exchange, network
 from ...devices import Device
 from ...errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
-from .. import keras_model, when_imported
+from .. import batchnorm, keras_model, when_imported
 from ..base import COMPRESSION_HELP, Adapter, check_compression
 
 #: torch.distributed's own default: how long a collective (or the rendezvous) may wait.
@@ -60,7 +60,7 @@ class TorchAdapter(Adapter):
     options = {
         "timeout": "seconds a collective or the rendezvous may wait for the other processes (default 1800)",
         "backend": "torch.distributed backend: " + ", ".join(_BACKENDS) + " (default: nccl on GPUs, gloo on CPU)",
-        "sync_batchnorm": "BatchNormalization statistics of the whole global batch (default True); False: per replica",
+        "sync_batchnorm": batchnorm.OPTION_HELP,
         "compression": COMPRESSION_HELP,
         "overlap": "all-reduce the gradients in buckets during the backward pass, as DDP does (default True); "
                    "False: all at once after it",
@@ -147,9 +147,9 @@ class TorchAdapter(Adapter):
         # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
         compression = check_compression(compression)
-        for name, value in (("sync_batchnorm", sync_batchnorm), ("overlap", overlap)):
-            if not isinstance(value, bool):
-                raise OptionError("Expected True or False for {0}. Received: {0}={1!r}".format(name, value))
+        sync_batchnorm = batchnorm.check_option(sync_batchnorm)
+        if not isinstance(overlap, bool):
+            raise OptionError("Expected True or False for overlap. Received: overlap={!r}".format(overlap))
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < float("inf"):
             raise OptionError(
                 "Expected a positive number of MiB for bucket_mb (default {}). Received: bucket_mb={!r}".format(

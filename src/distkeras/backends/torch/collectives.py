@@ -161,37 +161,17 @@ class _Gathered(torch.autograd.Function):
         return own, None, None, None
 
 
-def global_moments(x, axis, mask, weight, rank, world):
-    """Mean and (biased) variance of ``x`` over every axis but ``axis``, over the samples of all ranks.
+def gather_statistics(row, rank, world, weight):
+    """Every rank's ``row`` of BatchNormalization statistics (counts, means, squared deviations per channel),
+    stacked by rank: the collective of :func:`distkeras.backends.batchnorm.global_moments`.
 
     Differentiable: gradients reach every rank's inputs through the statistics as on one device (see
-    :class:`_Gathered`). Each rank contributes its element count, mean and sum of squared deviations per
-    channel, combined with Chan's parallel formula (stable, unlike sums of squares). A rank of ``weight``
-    0 has no samples in this step: it runs the layer on a stand-in sample to join the collectives, and
-    contributes nothing. ``mask``, as Keras' BatchNormalization takes it, weighs the elements.
+    :class:`_Gathered`). A rank of ``weight`` 0 has no samples in this step: it runs the layer on a stand-in
+    sample to join the collectives, and contributes nothing.
     """
-    channel = axis % x.dim()
-    axes = [d for d in range(x.dim()) if d != channel]
-    shape = [1] * x.dim()
-    shape[channel] = x.shape[channel]
-    if mask is None:
-        elements = x.numel() // max(1, x.shape[channel])
-        count = torch.full((x.shape[channel],), float(elements), dtype=x.dtype, device=x.device)
-        local_mean = x.sum(dim=axes) / max(1, elements)
-        squares = (x - local_mean.reshape(shape)).square().sum(dim=axes)
-    else:
-        weights = mask.unsqueeze(-1).expand(x.shape).to(x.dtype)
-        count = weights.sum(dim=axes)
-        local_mean = (weights * x).sum(dim=axes) / count.clamp_min(1.0)
-        squares = (weights * (x - local_mean.reshape(shape)).square()).sum(dim=axes)
-    row = torch.stack([count, local_mean, squares])
     if not weight:  # where(), not a product: a stand-in sample's inf or nan must not reach the others
         row = torch.where(torch.zeros_like(row, dtype=torch.bool), row, torch.zeros_like(row))
-    counts, means, squares = _Gathered.apply(row, rank, world, float(weight)).unbind(1)
-    total = counts.sum(dim=0).clamp_min(1e-7)
-    mean = (counts * means).sum(dim=0) / total
-    variance = (squares + counts * (means - mean).square()).sum(dim=0) / total
-    return mean, variance
+    return _Gathered.apply(row, rank, world, float(weight))
 
 
 def gather_rows(value, count, rank, world, total):

@@ -52,11 +52,13 @@ so distributing a model twice replaces the hooks instead of stacking them.
   every rank and the fallback). The hooks act only in a train step in flight; the model holds them in
   its instance attribute ``_distkeras_buckets``, and :func:`uninstall` takes them off the parameters.
 - ``BatchNormalization._moments`` (a Keras private, the one place the layer computes its batch
-  statistics; :func:`install` checks that it exists): with ``sync_batchnorm`` (the default) every
-  BatchNormalization instance in the model, nested models and layers included, takes the mean and
-  variance of the *global* batch (:func:`~distkeras.backends.torch_collectives.global_moments`: one
-  all-reduce in the forward pass, one in the backward pass, per layer call), so the normalisation, the
-  gradients through the statistics and the moving mean and variance are one device's.
+  statistics): with ``sync_batchnorm`` (the default) the BatchNormalization instances in the model,
+  nested models and layers included, that the rule of :mod:`distkeras.backends.batchnorm` selects take
+  the mean and variance of the *global* batch (:func:`~distkeras.backends.batchnorm.global_moments`,
+  gathered by :func:`~distkeras.backends.torch.collectives.gather_statistics`: one all-reduce in the
+  forward pass, one in the backward pass, per layer call), so the normalisation, the gradients through
+  the statistics and the moving mean and variance are one device's. A subclass with a ``_moments`` of
+  its own keeps it (per rank), with a warning on rank 0.
 - ``_get_metrics_result_or_logs`` (a Keras private; :func:`install` checks that it exists): the metric
   states (totals, counts) are summed over the ranks, in sorted metric-name order, before the results
   are read, so epoch logs, validation logs and ``evaluate()`` are the global values. A custom step's own
@@ -101,14 +103,13 @@ import keras
 import torch
 
 from ...errors import DistKerasError, LaunchError
-from .. import keras_model
+from .. import batchnorm, keras_model
 from . import buckets as torch_buckets
 from . import collectives
 from . import random as torch_random
 
 _PRIVATE_LOGS = "_get_metrics_result_or_logs"
 _PRIVATE_LAYERS = "_flatten_layers"
-_PRIVATE_MOMENTS = "_moments"
 #: The instance attribute that holds a model's :class:`~distkeras.backends.torch_buckets.Buckets`.
 _BUCKETS = "_distkeras_buckets"
 
@@ -341,19 +342,6 @@ def _unreduced_metrics_result(model):
     return vars(defining[1])["get_metrics_result"].__get__(model)
 
 
-def _batchnorm_layers(model):
-    """The model's BatchNormalization instances whose statistics distkeras can make global, and the others
-    (a subclass that computes its statistics in a ``_moments`` of its own)."""
-    synced, other = keras_model.batchnorm_layers(model, _PRIVATE_MOMENTS)
-    if other and not callable(getattr(keras.layers.BatchNormalization, _PRIVATE_MOMENTS, None)):
-        raise DistKerasError(
-            "distkeras synchronizes BatchNormalization through Keras' BatchNormalization.{}, and this Keras ({}) "
-            "has none. Pass sync_batchnorm=False to distribute() (each replica then normalizes with the "
-            "statistics of its own share of the batch).".format(_PRIVATE_MOMENTS, keras.__version__)
-        )
-    return synced, other
-
-
 #: The Replica whose train or test step runs in this thread (for the sum-reduction gate).
 _stepping = threading.local()
 
@@ -415,16 +403,11 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb):
                     "Trainer" if name == _PRIVATE_LOGS else "Layer", name, keras.__version__
                 )
             )
-    synced = []
-    if sync_batchnorm:
-        synced, other = _batchnorm_layers(model)
-        for layer in synced:
-            keras_model.hook(layer, _PRIVATE_MOMENTS, _global_moments(layer, replica))
-        if other and replica.rank == 0:
-            logger.warning(
-                "BatchNormalization layer(s) %s override %s(): each replica normalizes them with the statistics of "
-                "its own share of the batch", ", ".join(layer.name for layer in other), _PRIVATE_MOMENTS,
-            )
+    selection = batchnorm.select(model, sync_batchnorm)
+    batchnorm.warn_left(selection, replica.rank)
+    synced = selection.synchronized
+    for layer in synced:
+        keras_model.hook(layer, batchnorm.MOMENTS, _global_moments(layer, replica))
     global_state = frozenset(id(v) for layer in synced for v in layer.non_trainable_variables)
     hooks = {
         "train_step": _train_step(model, model.train_step, replica, global_state),
@@ -457,13 +440,17 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb):
 
 
 def _global_moments(layer, replica):
-    keras_moments = getattr(type(layer), _PRIVATE_MOMENTS).__get__(layer)
+    keras_moments = getattr(type(layer), batchnorm.MOMENTS).__get__(layer)
 
     def moments(inputs, mask):
         if not isinstance(inputs, torch.Tensor) or inputs.device.type == "meta":
             return keras_moments(inputs, mask)  # a symbolic call (shapes only): no data, no collective
         weight = 1 if replica.count is None else replica.count
-        return collectives.global_moments(inputs, layer.axis, mask, weight, replica.rank, replica.world)
+
+        def gather(row):
+            return collectives.gather_statistics(row, replica.rank, replica.world, weight)
+
+        return batchnorm.global_moments(keras.ops, inputs, layer._reduction_axes, mask, gather, keras.backend.epsilon())
 
     return moments
 
