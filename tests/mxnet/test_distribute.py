@@ -522,7 +522,8 @@ def test_workers_calling_fit_differently_are_told_what_each_rank_passed():
         adapter._check_same_everywhere(Job(), "fit", [("samples", 24), ("batch_size", 8), ("epochs", 2), ("shuffle", 2),
                                                       ("validation_samples", -1), ("validation_split", 250000)])
     assert str(caught.value) == (
-        "Every worker must call fit() with the same full arrays and arguments (distkeras shards the data itself). "
+        "Every worker must call fit() with the same full arrays, batch_size, epochs, shuffle, validation_samples and "
+        "validation_split (distkeras shards the data itself). "
         "Received (samples, batch_size, epochs, shuffle, validation_samples, validation_split) by rank: "
         "0: (24, 8, 2, 'batch', None, 0.25), 1: (23, 8, 2, 'batch', None, 0.25).")
 
