@@ -31,37 +31,19 @@ Keras 3 only (a callback on ``keras.callbacks.Callback``).
 import json
 import os
 import pickle
-import random
 import shutil
 import signal
 import sys
 import threading
 
 import keras
-import numpy as np
 
 from . import backends
+from .backends import policies
 from . import cluster as cluster_lib
 from .launch import EXIT_PREEMPTED
 
 MANIFEST = "checkpoint.json"
-
-
-def _atomic_write(path, write):
-    """Call ``write(temp_path)``, flush it to disk, then rename it to ``path`` (atomic on POSIX).
-
-    The temporary name is fixed (``.tmp-<name>``): a crash leaves at most that one file, which the next
-    write of ``path`` replaces."""
-    folder, name = os.path.split(path)
-    temp = os.path.join(folder, ".tmp-" + name)
-    try:
-        write(temp)
-        with open(temp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.remove(temp)
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -188,16 +170,16 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         os.makedirs(self.backup_dir, exist_ok=True)
         previous = self._manifest()
-        _atomic_write(os.path.join(self.backup_dir, name), self._save_weights)
+        policies.write_atomically(os.path.join(self.backup_dir, name), self._save_weights)
         content = {"epoch": epoch, "weights": name}
         if step:
             content.update(step=step, steps_per_execution=_steps_per_execution(self.model))
             if random_states is not None:
                 content["random"] = name.replace(".weights.h5", ".random.pkl")
-                _atomic_write(os.path.join(self.backup_dir, content["random"]),
+                policies.write_atomically(os.path.join(self.backup_dir, content["random"]),
                               lambda p: _write_bytes(p, pickle.dumps(random_states)))
         manifest = json.dumps(content)
-        _atomic_write(os.path.join(self.backup_dir, MANIFEST), lambda p: _write_text(p, manifest))
+        policies.write_atomically(os.path.join(self.backup_dir, MANIFEST), lambda p: _write_text(p, manifest))
         for key in ("weights", "random"):
             if previous and previous.get(key) and previous[key] != content.get(key):
                 old = os.path.join(self.backup_dir, previous[key])
@@ -300,14 +282,13 @@ def _pass_over(model, calls, adapter):
 
 
 def _random_states(adapter):
-    states = {"python": random.getstate(), "numpy": np.random.get_state()}
+    states = policies.random_states()
     states.update(adapter.random_states())  # the framework's own (torch's, which its DataLoader shuffles with)
     return states
 
 
 def _set_random_states(adapter, states):
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    policies.set_random_states(states)
     adapter.set_random_states(states)
 
 

@@ -272,3 +272,51 @@ def train_unbuilt(devices, wrapped=False):
 
     return [np.asarray(w) for w in model.get_weights()], history.history, replicas_seen(model)
 
+
+
+def interrupted_saves(devices, directory):
+    """Save m.keras and m.weights.h5, then save both again with a layer that fails half-way through Keras' writing:
+    (the errors, whether each file still holds the first save's bytes, the folder's files)."""
+    import keras
+
+    import distkeras
+
+    class Fragile(keras.layers.Dense):
+        fail = False
+
+        def get_config(self):
+            if self.fail:
+                raise RuntimeError("failed half-way")
+            return super().get_config()
+
+        def save_own_variables(self, store):
+            super().save_own_variables(store)
+            if self.fail:
+                raise RuntimeError("failed half-way")
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), Fragile(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    if devices > 1:
+        model = distkeras.distribute(model, devices=devices)
+    paths = [os.path.join(directory, name) for name in ("m.keras", "m.weights.h5")]
+    model.save(paths[0])
+    model.save_weights(paths[1])
+    after_rank0_wrote()
+    before = []
+    for path in paths:
+        with open(path, "rb") as f:
+            before.append(f.read())
+    model.layers[0].fail = True
+    errors = []
+    for save, path in zip((model.save, model.save_weights), paths):
+        try:
+            save(path)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    after_rank0_wrote()
+    kept = []
+    for path, old in zip(paths, before):
+        with open(path, "rb") as f:
+            kept.append(f.read() == old)
+    return errors, kept, sorted(os.listdir(directory))

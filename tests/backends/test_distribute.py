@@ -181,6 +181,15 @@ def test_save_load_distribute_rounds_never_nest(tmp_path):
     assert os.path.getsize(tmp_path / "round2.keras") <= os.path.getsize(tmp_path / "round0.keras") * 1.05
 
 
+def test_a_save_that_fails_half_way_leaves_the_previous_file_and_nothing_else(tmp_path):
+    # Plain Keras opens the target first: its save() failing half-way leaves a truncated file. A distributed model's
+    # rank 0 writes a temporary file and renames it; on PyTorch, rank 1's throwaway copy meets the same error.
+    errors, kept, files = replicated(2, scenarios.interrupted_saves, 2, str(tmp_path))
+    assert errors == ["failed half-way", "failed half-way"]
+    assert kept == [True, True]
+    assert files == ["m.keras", "m.weights.h5"]  # no temporary file; the other ranks wrote nothing here
+
+
 # ---- bad input: a clear error that names what was asked, what exists and what to do
 
 

@@ -250,6 +250,43 @@ def test_only_rank_0_prints_and_saves(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir() if f.name.startswith(("model.", "weights."))) == ["model.0.h5", "weights.0.h5"]
 
 
+def test_a_save_that_fails_half_way_leaves_the_previous_file_and_nothing_else(tmp_path):
+    # Keras 2.3.1's save() opens (and empties) the target before it asks the layers for their config; the last
+    # layer's get_config() fails on the second save. Rank 0 wrote a temporary file, so the first save's file is kept.
+    body = """
+        import os, keras, distkeras
+        from tests.cntk import toy
+
+        class Fragile(keras.layers.Dense):
+            fail = False
+
+            def get_config(self):
+                if self.fail:
+                    raise RuntimeError("failed half-way")
+                return super(Fragile, self).get_config()
+
+        net = keras.models.Sequential([keras.layers.Dense(8, input_dim=3), Fragile(2)])
+        net.compile("sgd", loss="mse")
+        model = distkeras.distribute(net)
+        model.save("model.h5")
+        model.save_weights("weights.h5")
+        before = open("model.h5", "rb").read() if toy.rank() == 0 else None
+        net.layers[-1].fail = True
+        try:
+            model.save("model.h5")
+            error = None
+        except RuntimeError as exc:
+            error = str(exc)
+        kept = open("model.h5", "rb").read() == before if toy.rank() == 0 else None
+        toy.report(error=error, kept=kept)
+    """
+    job = run(tmp_path, body, workers=2)
+    assert job.returncode == 0, job
+    assert [job.results[r]["error"] for r in (0, 1)] == ["failed half-way"] * 2  # every rank runs Keras' save
+    assert job.results[0]["kept"] is True
+    assert sorted(f.name for f in tmp_path.iterdir() if f.name.endswith(".h5")) == ["model.h5", "weights.h5"]
+
+
 def test_the_saved_model_loads_in_plain_keras_without_distkeras_and_predicts_the_same(tmp_path):
     body = """
         import numpy as np, distkeras

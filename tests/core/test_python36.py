@@ -11,7 +11,7 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 CORE = ["__init__.py", "__main__.py", "api.py", "devices.py", "cluster.py", "sharding.py", "errors.py",
         "launch.py", "processes.py", "cli.py", "network.py", "rendezvous.py",  # `distkeras launch` starts CNTK jobs
         "exchange.py",  # what TF and JAX workers under torchrun exchange (imports torch only when it does)
-        "backends/__init__.py", "backends/base.py", "backends/keras_model.py",
+        "backends/__init__.py", "backends/base.py", "backends/keras_model.py", "backends/policies.py",
         "backends/batchnorm.py",  # the BatchNormalization rule, framework-free
         # the two Keras 2 backends, whole (keras-mxnet 2.2.4.3 itself is at home on Python 3.6-3.8)
         "backends/cntk/__init__.py", "backends/cntk/adapter.py", "backends/cntk/launch.py",

@@ -304,6 +304,42 @@ def test_saved_model_loads_in_plain_keras_mxnet_without_distkeras(tmp_path):
     np.testing.assert_allclose(np.load(paths[4]), expected, rtol=1e-5, atol=1e-6)
 
 
+def fragile_model():
+    """The scenarios' MLP whose last layer's get_config() fails once ``fail`` is set: halfway through Keras 2's
+    save(), which has opened (and emptied) the target by then."""
+
+    class Fragile(keras.layers.Dense):
+        fail = False
+
+        def get_config(self):
+            if self.fail:
+                raise RuntimeError("failed half-way")
+            return super(Fragile, self).get_config()
+
+    model = keras.models.Sequential([keras.layers.Dense(16, activation="tanh", input_shape=(5,)), Fragile(3)])
+    model.compile(optimizer=keras.optimizers.SGD(lr=0.1), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_a_save_that_fails_half_way_leaves_the_previous_file_and_nothing_else(tmp_path, distributed):
+    model = fragile_model()
+    if distributed:
+        model = distkeras.distribute(model, devices=2)
+    path = str(tmp_path / "m.h5")
+    model.save(path)
+    model.save_weights(str(tmp_path / "w.h5"))
+    with open(path, "rb") as f:
+        before = f.read()
+    model.layers[-1].fail = True
+    with pytest.raises(RuntimeError, match="half-way"):
+        model.save(path)
+    with open(path, "rb") as f:
+        kept = f.read() == before
+    assert kept == distributed  # plain Keras 2 leaves a truncated file; distkeras' rank 0 the previous one
+    assert sorted(os.listdir(str(tmp_path))) == ["m.h5", "w.h5"]  # no temporary file
+
+
 def test_save_load_distribute_rounds_never_nest(tmp_path):
     model = build()
     x, y = data(24)
@@ -522,7 +558,8 @@ def test_workers_calling_fit_differently_are_told_what_each_rank_passed():
         adapter._check_same_everywhere(Job(), "fit", [("samples", 24), ("batch_size", 8), ("epochs", 2), ("shuffle", 2),
                                                       ("validation_samples", -1), ("validation_split", 250000)])
     assert str(caught.value) == (
-        "Every worker must call fit() with the same full arrays and arguments (distkeras shards the data itself). "
+        "Every worker must call fit() with the same full arrays, batch_size, epochs, shuffle, validation_samples and "
+        "validation_split (distkeras shards the data itself). "
         "Received (samples, batch_size, epochs, shuffle, validation_samples, validation_split) by rank: "
         "0: (24, 8, 2, 'batch', None, 0.25), 1: (23, 8, 2, 'batch', None, 0.25).")
 

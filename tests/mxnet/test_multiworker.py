@@ -174,7 +174,7 @@ def check_evaluate_and_predict(out_dir, workers, index):
             rank, sum(len(rows) for rows in fed), sum(len(b) for _, b in passes)))
     for rank in range(workers):  # evaluate() with other arrays on rank 1: a ShardError on every rank, naming them
         with open(os.path.join(str(out_dir), "case{}-rank{}-error.txt".format(index, rank))) as f:
-            assert f.read() == ("Every worker must call evaluate() with the same full arrays and arguments (distkeras "
+            assert f.read() == ("Every worker must call evaluate() with the same full arrays, batch_size (distkeras "
                                 "shards the data itself). Received (samples, batch_size) by rank: " + ", ".join(
                                     "{}: ({}, 32)".format(r, 9 if r == 1 else 10) for r in range(workers)) + ".")
     for rank in range(workers):  # sample weights leaving a context with rows of output a but none of b: every

@@ -1,5 +1,5 @@
-"""What the Keras adapters share: hooks on a model instance, every optimizer a model holds, the rank-0-writes
-rule, and a rebuild for tf.keras 2.x.
+"""What the Keras adapters share: hooks on a model instance, every optimizer a model holds, and a rebuild for
+tf.keras 2.x. (The policies every backend follows, rank 0's atomic saves among them, are in :mod:`.policies`.)
 
 The adapters distribute the user's own model object in place (its variables' storage re-created or laid
 out on the devices). What changes behaviour is installed as *instance attributes* through :func:`hook`,
@@ -9,11 +9,7 @@ second ``distribute()`` replaces the first one's hooks instead of stacking on th
 :func:`clone` and :func:`compile_like` remain for tf.keras 2.x only (see the TensorFlow adapter).
 """
 
-import functools
 import importlib
-import inspect
-import os
-import tempfile
 
 from ..errors import ModelError
 from . import keras_package
@@ -33,6 +29,11 @@ def hook(obj, name, function):
     names = obj.__dict__.setdefault(_HOOKS, [])
     if name not in names:
         names.append(name)
+
+
+def is_hooked(obj, name):
+    """Whether ``obj``'s attribute ``name`` is a hook :func:`hook` set."""
+    return name in obj.__dict__.get(_HOOKS, ())
 
 
 def unhook(obj, *names):
@@ -187,50 +188,6 @@ def copy_optimizer_state(source, target, variables):
         )
     for src, dst in zip(source.variables, target.variables):
         dst.assign(src.numpy() if hasattr(src, "numpy") else src)
-
-
-def chief_speaks_and_writes(model, rank):
-    """Rank 0 prints and writes; the other workers of a job stay quiet and keep no file.
-
-    On ranks other than 0: ``fit``/``evaluate``/``predict`` run with ``verbose=0`` (no progress bar),
-    and ``save``/``save_weights`` (also when a callback such as ModelCheckpoint calls them) write a
-    throwaway copy (:func:`throwaway_saves`). Instance attributes: nothing is saved.
-    """
-    if rank == 0:
-        return
-    for name in ("fit", "evaluate", "predict"):
-        method = getattr(model, name)
-        signature = inspect.signature(method)
-
-        def quiet(*args, _method=method, _signature=signature, **kwargs):
-            bound = _signature.bind(*args, **kwargs)
-            bound.arguments["verbose"] = 0
-            return _method(*bound.args, **bound.kwargs)
-
-        hook(model, name, functools.wraps(method)(quiet))
-    for name in ("save", "save_weights"):
-        hook(model, name, throwaway_saves(getattr(model, name), rank))
-
-
-def throwaway_saves(method, rank):
-    """``method`` (a model's bound ``save`` or ``save_weights``), writing to a throwaway folder: the rule
-    for ranks other than 0.
-
-    The file is written under its own name in a new temporary folder, which is deleted when the call
-    returns; nothing is written at the path given, and the call never waits for another rank. It still
-    runs: reading a multi-process JAX array can be a collective step every process must take, and an
-    error (a bad file name) is raised on every rank alike.
-    """
-    signature = inspect.signature(method)
-
-    @functools.wraps(method)
-    def throwaway(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        with tempfile.TemporaryDirectory(prefix="distkeras-rank{}-".format(rank)) as folder:
-            bound.arguments["filepath"] = os.path.join(folder, os.path.basename(str(bound.arguments["filepath"])))
-            return method(*bound.args, **bound.kwargs)
-
-    return throwaway
 
 
 def layers_of(model):

@@ -35,8 +35,8 @@ from typing import Mapping
 from ... import sharding
 from ...cluster import Cluster
 from ...devices import Device
-from ...errors import ClusterError, DeviceSpecError, ModelError, OptionError, ShardError
-from .. import keras_model
+from ...errors import ClusterError, DeviceSpecError, ModelError, OptionError
+from .. import policies
 from ..base import Adapter
 
 logger = logging.getLogger("distkeras")
@@ -147,7 +147,7 @@ class CNTKAdapter(Adapter):
         model._distkeras_cntk = _Replica(self, rank, workers, num_quantization_bits)
         weights = model.get_weights()
         model.set_weights(_unflat(self.all_sum(_flat(weights, rank)), weights))
-        keras_model.chief_speaks_and_writes(model, rank)
+        policies.rank0_speaks_and_writes(model, rank)
         model._make_train_function = functools.partial(_make_train_function, model, model._make_train_function)
         # Keras calls these before every evaluate/predict (and fit()'s validation); they wrap its functions in
         # steps that keep this worker's rows of every global batch while the calls below are under way.
@@ -314,7 +314,7 @@ def _make_train_function(model, make):
         return
     model.train_function = None  # one Keras made before distribute() has the plain loss: make it anew
     total_loss = model.total_loss
-    model.total_loss = total_loss * (1.0 / state.workers)  # the trainer's loss; evaluate() keeps Keras' own
+    model.total_loss = total_loss * policies.even_share(state.workers)  # the trainer's; evaluate() keeps Keras' own
     try:
         make()
     finally:
@@ -455,7 +455,7 @@ def _split(model, call, method, args, kwargs):
     bound, samples = sharding.on_arrays(method, args, kwargs)
     if samples is None or state.workers == 1:
         return method(*bound.args, **bound.kwargs)
-    _check_same_everywhere(state, call, [("samples", samples), ("batch_size", bound.arguments["batch_size"] or 32)])
+    _check_same_everywhere(state, call, policies.array_call_values(samples, bound.arguments["batch_size"]))
     return _splitting(state, method, bound.args, bound.kwargs)
 
 
@@ -488,7 +488,7 @@ def _fit(model, fit, *args, **kwargs):
     if data is None:
         return fit(*bound.args, **bound.kwargs)  # each worker trains on what it is given, weighed 1/workers
     given = bound.arguments
-    batch = given["batch_size"] or 32
+    batch = given["batch_size"] or policies.DEFAULT_BATCH_SIZE
     n = sharding.num_samples([part for part in data if part is not None])
     split = given["validation_split"]
     if given["validation_data"] is None and 0.0 < split < 1.0:  # as Keras 2.3.1 splits: the last rows
@@ -512,21 +512,5 @@ def _fit(model, fit, *args, **kwargs):
 
 
 def _check_same_everywhere(state, call, values):
-    """Raise on every worker if their ``call`` (``fit``, ``evaluate``, ``predict``) calls differ in ``values``,
-    ``[(name, int)]``, samples first: they would take different numbers of steps, and the job would hang in
-    the first step one of them skips."""
-    import numpy as np
-
-    mine = np.zeros((state.workers, len(values), 2), "float32")
-    for i, (_, value) in enumerate(values):
-        mine[state.rank, i] = divmod(int(value) + 1, 4096)  # float32 holds each part exactly; +1: -1 means none
-    everyone = state.adapter.all_sum(mine.ravel()).reshape(mine.shape)
-    if (everyone != everyone[0]).any():
-        names = [name for name, _ in values]
-        arguments = names[1:]
-        said = arguments[0] if len(arguments) == 1 else "{} and {}".format(", ".join(arguments[:-1]), arguments[-1])
-        raise ShardError(
-            "Every worker must call {}() with the same full arrays, {} (distkeras shards the data itself). Received "
-            "({}) by rank: {}.".format(call, said, ", ".join(names), ", ".join(
-                "{}: ({})".format(r, ", ".join(str(int(a) * 4096 + int(b) - 1) for a, b in row))
-                for r, row in enumerate(everyone))))
+    """:func:`~distkeras.backends.policies.check_same_everywhere` over this job's workers."""
+    policies.check_same_everywhere(state.adapter.all_sum, state.rank, state.workers, call, values)

@@ -50,7 +50,7 @@ from typing import List
 
 from ...devices import Device
 from ...errors import ClusterError, DistKerasError, NetworkError, OptionError, TooLateError
-from .. import keras_model, when_imported
+from .. import keras_model, policies, when_imported
 from ..base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
 
 logger = logging.getLogger("distkeras")
@@ -234,8 +234,7 @@ class JaxAdapter(Adapter):
                               jax_steps.WIRE[compression], cluster.rank)
         for name in _SCOPED:
             keras_model.hook(model, name, _scoped(getattr(model, name), model, distribution, name))
-        if cluster.is_multi_worker:
-            keras_model.chief_speaks_and_writes(model, cluster.rank)
+        policies.rank0_speaks_and_writes(model, cluster.rank)
         return model
 
     def _global_mesh_devices(self, cluster, devices, local_devices, strategy):

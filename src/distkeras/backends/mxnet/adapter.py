@@ -84,7 +84,7 @@ from ... import sharding
 from ...cluster import Cluster
 from ...devices import Device
 from ...errors import ClusterError, DistKerasError, NetworkError, OptionError, ShardError
-from .. import keras_model
+from .. import policies
 from ..base import Adapter
 
 _KVSTORES = ("device", "local")
@@ -224,6 +224,7 @@ class MXNetAdapter(Adapter):
         model._make_train_function = functools.partial(_install, model, "train_function", _train_step)
         model._make_test_function = functools.partial(_install, model, "test_function", _test_step)
         model._make_predict_function = functools.partial(_install, model, "predict_function", _predict_step)
+        policies.rank0_writes(model, cluster.rank)  # one process: its saves atomic
         return model
 
     def _distribute_in_job(self, model, devices, cluster, kvstore, compression):
@@ -253,7 +254,7 @@ class MXNetAdapter(Adapter):
         model._make_test_function = functools.partial(_install, model, "test_function", _test_step)
         model._make_predict_function = functools.partial(_install, model, "predict_function", _predict_step)
         if not getattr(model, "_distkeras_fit", False):
-            keras_model.chief_speaks_and_writes(model, cluster.rank)  # first: it binds verbose in Keras' signature
+            policies.rank0_speaks_and_writes(model, cluster.rank)  # first: it binds verbose in Keras' signature
             model.fit = functools.partial(_fit, model, model.fit)
             model.evaluate = functools.partial(_evaluate, model, model.evaluate)
             model.predict = functools.partial(_predict, model, model.predict)
@@ -522,17 +523,16 @@ def _context_rows(model, batch, real=None):
 
 
 def _context_weights(model, inputs, batch):
-    """Each context's share of the batch: its rows with nonzero sample weight over the batch's.
+    """Each context's share of the batch (:func:`~distkeras.backends.policies.batch_shares`): its rows with
+    nonzero sample weight over the batch's.
 
     Keras divides each context's weighted loss by its own count of nonzero sample weights, so these
     shares make the weighted sum of the contexts' losses and gradients the single-device ones.
     """
     counts = _context_counts(model, inputs, batch)
-    total = float(sum(counts))
-    if total == 0:  # every sample weight is 0: fall back to row counts
-        counts = _context_rows(model, batch)
-        total = float(batch)
-    return [count / total for count in counts]
+    if not sum(counts):  # every sample weight is 0: fall back to row counts
+        return policies.batch_shares(_context_rows(model, batch), batch)
+    return policies.batch_shares(counts)
 
 
 def _counted_by_samples(model, count):
@@ -567,7 +567,7 @@ def _weighted_outputs(model, count, inputs, batch):
     """The step's ``count`` values of the whole batch: the contexts' values weighed by their shares of the
     batch's samples or rows (:func:`_counted_by_samples`)."""
     by_samples = _context_weights(model, inputs, batch)
-    by_rows = [rows / float(batch) for rows in _context_rows(model, batch)]
+    by_rows = policies.batch_shares(_context_rows(model, batch), batch)
     outputs = model._module.get_outputs(merge_multi_context=False)[:count]
     # A context with nothing to count (all its sample weights 0) has a value of 0/0 in Keras: left out, as NaN * 0
     # would be NaN.
@@ -811,12 +811,12 @@ def _fit(model, fit, *args, **kwargs):
     given = bound.arguments
     shuffle = given["shuffle"]
     validation = given["validation_data"]
-    _check_same_everywhere(job, "fit", [
-        ("samples", sharding.num_samples([part for part in data if part is not None])),
-        ("batch_size", given["batch_size"] or 32), ("epochs", given["epochs"]),
-        ("shuffle", 2 if shuffle == "batch" else int(bool(shuffle))),
-        ("validation_samples", sharding.num_samples([p for p in validation if p is not None]) if _arrays(validation) else -1),
-        ("validation_split", int(round(given["validation_split"] * 1e6)))])
+    _check_same_everywhere(job, "fit", policies.array_call_values(
+        sharding.num_samples([part for part in data if part is not None]), given["batch_size"]) + [
+        (name, policies.fit_code(name, value)) for name, value in (
+            ("epochs", given["epochs"]), ("shuffle", shuffle),
+            ("validation_samples", sharding.num_samples([p for p in validation if p is not None]) if _arrays(validation) else None),
+            ("validation_split", given["validation_split"]))])
     given["callbacks"] = list(given["callbacks"] or []) + [_same_random_state(job)]  # last: after any user's draw
     model._distkeras_shard = (job.rank, job.workers)
     try:
@@ -833,7 +833,7 @@ def _evaluate(model, evaluate, *args, **kwargs):
     if samples is None:
         return evaluate(*bound.args, **bound.kwargs)
     job = model._distkeras_job
-    _check_same_everywhere(job, "evaluate", [("samples", samples), ("batch_size", bound.arguments["batch_size"] or 32)])
+    _check_same_everywhere(job, "evaluate", policies.array_call_values(samples, bound.arguments["batch_size"]))
     return _sharded(model, job, evaluate, bound)
 
 
@@ -844,7 +844,7 @@ def _predict(model, predict, *args, **kwargs):
     if samples is None:
         return predict(*bound.args, **bound.kwargs)
     job = model._distkeras_job
-    _check_same_everywhere(job, "predict", [("samples", samples), ("batch_size", bound.arguments["batch_size"] or 32)])
+    _check_same_everywhere(job, "predict", policies.array_call_values(samples, bound.arguments["batch_size"]))
     if not model.compiled:
         # A model never compiled predicts with a module of its own made at every step (keras-mxnet), which no
         # train step has given rank 0's weights: every worker takes them here, each worker's rows being one model's.
@@ -879,31 +879,18 @@ def _take_rank0_weights(model, job):
 
 
 def _same_random_state(job):
-    """A Keras callback that gives every worker rank 0's state of NumPy's global random generator at the start
-    of every epoch, before Keras' fit loop shuffles with it (``np.random.shuffle``; ``shuffle='batch'`` too)."""
+    """A Keras callback that gives every worker rank 0's state of NumPy's (and Python's) global random generator
+    at the start of every epoch, before Keras' fit loop shuffles with it (``np.random.shuffle``; ``shuffle='batch'``
+    too): :func:`~distkeras.backends.policies.sync_random_state`, its bytes summed through the job's KVStore."""
     import keras
+
+    broadcast = policies.broadcast_by_sum(job.all_sum, job.rank)
 
     class SameRandomState(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            sync_numpy_random_state(job)
+            policies.sync_random_state(broadcast)
 
     return SameRandomState()
-
-
-def sync_numpy_random_state(job):
-    """Every worker takes rank 0's state of NumPy's global random generator (collective: every worker calls it).
-
-    The state (MT19937: 624 32-bit keys, a position, a cached Gaussian) travels as 16-bit pieces in float32,
-    which holds each exactly: rank 0 pushes them, the others zeros, and all take the sum."""
-    import numpy as np
-
-    name, keys, position, has_gauss, gauss = np.random.get_state()
-    pieces = np.concatenate([np.asarray(keys, "<u4").view("<u2"), np.array([position, has_gauss], "<u2"),
-                             np.array([gauss], "<f8").view("<u2")])
-    vector = pieces.astype("float32") if job.rank == 0 else np.zeros(len(pieces), "float32")
-    pieces = job.all_sum(vector).astype("<u2")
-    np.random.set_state((name, pieces[:1248].view("<u4").astype(np.uint32), int(pieces[1248]), int(pieces[1249]),
-                         float(pieces[1250:].view("<f8")[0])))
 
 
 def _arrays(value):
@@ -915,26 +902,5 @@ def _arrays(value):
 
 
 def _check_same_everywhere(job, call, values):
-    """Raise on every worker if their ``call`` (``fit``, ``evaluate``, ``predict``) calls differ in ``values``,
-    ``[(name, int)]`` (samples, batch size, epochs...): they would take different numbers of steps, and the job
-    would wait forever in the first step one of them skips."""
-    import numpy as np
-
-    mine = np.zeros((job.workers, len(values), 2), "float32")
-    for i, (_, value) in enumerate(values):
-        mine[job.rank, i] = divmod(int(value) + 1, 4096)  # float32 holds each part exactly; +1: -1 means none
-    everyone = job.all_sum(mine.ravel()).reshape(mine.shape)
-    if (everyone != everyone[0]).any():
-        names = ", ".join(name for name, _ in values)
-        shown = [_SHOWN.get(name, str) for name, _ in values]
-        raise ShardError(
-            "Every worker must call {}() with the same full arrays and arguments (distkeras shards the data itself). "
-            "Received ({}) by rank: {}.".format(call, names, ", ".join(
-                "{}: ({})".format(r, ", ".join(show(int(a) * 4096 + int(b) - 1) for show, (a, b) in zip(shown, row)))
-                for r, row in enumerate(everyone))))
-
-
-#: How :func:`_check_same_everywhere` shows the values it compares as codes (the others are plain ints).
-_SHOWN = {"shuffle": lambda code: ["False", "True", "'batch'"][code],
-          "validation_samples": lambda code: "None" if code < 0 else str(code),
-          "validation_split": lambda code: repr(code / 1e6)}
+    """:func:`~distkeras.backends.policies.check_same_everywhere` over this job's workers."""
+    policies.check_same_everywhere(job.all_sum, job.rank, job.workers, call, values)

@@ -66,7 +66,7 @@ from ... import exchange, network
 from ...environments import tf_config
 from ...devices import Device
 from ...errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
-from .. import batchnorm, keras_model, when_imported
+from .. import batchnorm, keras_model, policies, when_imported
 from . import steps as tensorflow_steps
 from ..base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
 
@@ -227,8 +227,8 @@ class TensorFlowAdapter(Adapter):
         _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(model, tf)
-            keras_model.chief_speaks_and_writes(model, cluster.rank)
             _py_datasets_as_global_batches(model, tf)
+        policies.rank0_speaks_and_writes(model, cluster.rank)
         return model
 
     def _multi_worker_strategy(self, tf, cluster, devices):
@@ -775,8 +775,8 @@ def _global_batch_of_each_run(tf, strategy):
 
 def _weigh_replicas_by_batch_share(model, tf, replicas, global_batch=None):
     """For a tf.keras 2.x model: have its ``compute_loss`` (whose losses tf.keras divides by the replica count)
-    weigh each replica's gradient by its share of the global batch (an instance attribute: nothing of it
-    is saved). ``global_batch()`` gives the step's global batch size where it is known
+    weigh each replica's gradient by its share of the global batch (:func:`~distkeras.backends.policies.relative_share`,
+    computed in the graph; an instance attribute: nothing of it is saved). ``global_batch()`` gives the step's global batch size where it is known
     without communication (see :func:`_global_batch_of_each_run`); elsewhere the replicas all-reduce
     their batch sizes."""
     original = model.compute_loss
@@ -801,7 +801,7 @@ def _weigh_replicas_by_batch_share(model, tf, replicas, global_batch=None):
             global_ = tf.cast(known, total.dtype)
         else:
             global_ = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-        share = tf.math.divide_no_nan(local * replicas, global_)
+        share = policies.relative_share(local, global_, replicas, divide=tf.math.divide_no_nan)
         weighted = compiled * share + extra  # its gradient: this replica's share of the global batch's
         if custom_step:
             # A train_step of the user's (the Keras guide's GradientTape step) reports the value it gets:

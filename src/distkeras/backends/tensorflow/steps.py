@@ -57,6 +57,8 @@ import inspect
 import threading
 from typing import NamedTuple
 
+from .. import policies
+
 _held = threading.local()
 
 
@@ -139,7 +141,8 @@ def scalar_share(tf, replicas):
         rows = current()
         if rows is None or not rows.exact_losses:
             return None
-        return tf.math.divide_no_nan(tf.cast(rows.local * replicas, tf.float32), tf.cast(rows.total, tf.float32))
+        return policies.relative_share(rows.local, rows.total, replicas, divide=lambda a, b: tf.math.divide_no_nan(
+            tf.cast(a, tf.float32), tf.cast(b, tf.float32)))
 
     return share
 
@@ -174,12 +177,12 @@ def depends_on_batch(tf, tensor):
 
 
 def batch_share(tf, dtype):
-    """``n_r / N`` for the replica step running in this thread (its weight in the global gradient), or None
-    where the loss rule is off."""
+    """``n_r / N`` for the replica step running in this thread (its weight in the global gradient:
+    :func:`~distkeras.backends.policies.batch_share`, computed in the graph), or None where the loss rule is off."""
     rows = current()
     if rows is None or not rows.exact_losses:
         return None
-    return tf.math.divide_no_nan(tf.cast(rows.local, dtype), tf.cast(rows.total, dtype))
+    return policies.batch_share(tf.cast(rows.local, dtype), tf.cast(rows.total, dtype), divide=tf.math.divide_no_nan)
 
 
 def gate_keras_loss_scaling():

@@ -44,6 +44,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .. import policies
 from . import collectives
 
 logger = logging.getLogger("distkeras")
@@ -167,8 +168,7 @@ class Buckets(object):
         if tuple(id(v) for v in variables) != self._ids:
             self._layout(variables)
         replica = self.replica
-        total = replica.total or 1
-        self.weight = replica.count / total if replica.count else 0.0
+        self.weight = policies.batch_share(replica.count, replica.total)
         self.seen = [None] * len(self._variables)
         self.versions = [0] * len(self._variables)
         self.reason = None

@@ -7,14 +7,13 @@ every rank derives alike (the model's variable order; metric names sorted).
 
 import collections
 import math
-import random
 
 import keras
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import keras_model
+from .. import keras_model, policies
 
 
 def broadcast_from_rank0(model):
@@ -57,7 +56,8 @@ def average_gradients(grads, variables, count, compression=None):
     precision), each rank scales its gradients by its share ``count / total`` so the sum is already the
     average (no overflow in fp16 from large counts), and the gradients travel in the compressed dtype, half
     the bytes; they are cast back before the optimizer (``bf16_compress_hook`` of PyTorch DDP, with the
-    weighting kept). A variable without a gradient on any rank keeps None (Keras skips it, as on one device).
+    weighting kept). The weight is :func:`~distkeras.backends.policies.batch_share`; uncompressed, the division by
+    the total comes after the sum, since the total travels in the same all-reduce. A variable without a gradient on any rank keeps None (Keras skips it, as on one device).
     """
     dtype = torch.float64 if any(g is not None and g.dtype == torch.float64 for g in grads) else torch.float32
     device = next((g.device for g in grads if g is not None), variables[0].value.device)
@@ -69,7 +69,7 @@ def average_gradients(grads, variables, count, compression=None):
         counts = torch.tensor(meta, dtype=torch.float64, device=device)
         dist.all_reduce(counts)
         meta = counts.tolist()
-        weight = count / (meta[-1] or 1.0)
+        weight = policies.batch_share(count, meta[-1])
     # One buffer; each gradient is written into its slice already weighted (no per-variable temporaries).
     flat = torch.empty(length + (len(grads) + 1 if compression is None else 0), dtype=dtype, device=device)
     offset = 0
@@ -195,10 +195,18 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+#: torch's global random state, for :func:`~distkeras.backends.policies.random_states`.
+TORCH_RANDOM = (torch.get_rng_state, torch.set_rng_state)
+
+
+def broadcast_bytes(data):
+    """Rank 0's ``data`` (bytes) on every rank (collective)."""
+    box = [data]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def sync_random_state():
-    """Every rank takes rank 0's state of Python's, NumPy's and torch's global random generators."""
-    state = [random.getstate(), np.random.get_state(), torch.get_rng_state()]
-    dist.broadcast_object_list(state, src=0)
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.set_rng_state(state[2])
+    """Every rank takes rank 0's state of Python's, NumPy's and torch's global random generators
+    (:func:`~distkeras.backends.policies.sync_random_state` over torch.distributed)."""
+    policies.sync_random_state(broadcast_bytes, TORCH_RANDOM)

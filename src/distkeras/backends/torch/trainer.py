@@ -75,8 +75,7 @@ so distributing a model twice replaces the hooks instead of stacking them.
   rows of array data.
 - ``save`` / ``save_weights`` (also when a callback such as ModelCheckpoint calls them): rank 0 writes
   (a temporary file, then a rename); the other ranks write a throwaway copy into a temporary folder of
-  their own, deleted when the call returns (:func:`~distkeras.backends.keras_model.throwaway_saves`, as on
-  TensorFlow and JAX). No rank waits for another, whatever path each one names, and calling ``save()``
+  their own, deleted when the call returns, as on every backend (:func:`~distkeras.backends.policies.rank0_writes`). No rank waits for another, whatever path each one names, and calling ``save()``
   on rank 0 alone works as well. A rank that must read rank 0's file waits for it itself, for example
   after a ``torch.distributed.barrier()`` that every rank reaches once rank 0's ``save()`` returned.
 
@@ -103,7 +102,7 @@ import keras
 import torch
 
 from ...errors import DistKerasError, LaunchError
-from .. import batchnorm, keras_model
+from .. import batchnorm, keras_model, policies
 from . import buckets as torch_buckets
 from . import collectives
 from . import random as torch_random
@@ -149,7 +148,7 @@ class Replica(object):
         weight :func:`~distkeras.backends.keras_model.weigh_scalar_means` gives a Mean tracker's scalar update)."""
         if self.count is None or not self.total:
             return None
-        return float(self.world * self.count) / float(self.total)
+        return policies.relative_share(self.count, self.total, self.world)
 
     def split(self, data):
         """What this rank's step runs on, its sample count and the global batch's: ``(rows, count, total)``.
@@ -417,8 +416,6 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb):
         "fit": _entry(model.fit, replica, sync_random=True, sharded=True),
         "evaluate": _entry(model.evaluate, replica, sharded=True),
         "predict": _entry(model.predict, replica, sharded=True),
-        "save": _rank0_writes(model.save, replica),
-        "save_weights": _rank0_writes(model.save_weights, replica),
     }
     # Keras after 3.15 (keras-nightly 3.16.0.dev) does data parallelism of its own once torch.distributed
     # is initialized: its make_*_function wraps the model in DistributedDataParallel (the private
@@ -436,6 +433,7 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb):
         hooks[_BUCKETS] = replica.buckets
     for name, hook in hooks.items():
         keras_model.hook(model, name, hook)
+    policies.rank0_writes(model, replica.rank)
     model.train_function = model.test_function = model.predict_function = None
 
 
@@ -653,41 +651,3 @@ def _entry(method, replica, sync_random=False, sharded=False):
             raise
 
     return entry
-
-
-def _local_path(filepath):
-    if not isinstance(filepath, (str, os.PathLike)):
-        return None
-    path = os.fspath(filepath)
-    return None if "://" in path else os.path.abspath(path)
-
-
-def _write_atomically(method, path, args, kwargs):
-    if args or kwargs.get("overwrite", True) is False or kwargs.get("zipped", True) is False or kwargs.get(
-        "max_shard_size"
-    ):
-        return method(path, *args, **kwargs)  # Keras' own prompts, folders and shards: written in place
-    directory, name = os.path.split(path)
-    temporary = os.path.join(directory, ".distkeras-{}-{}".format(os.getpid(), name))
-    try:
-        result = method(temporary, *args, **kwargs)
-        os.replace(temporary, path)
-        return result
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-
-
-def _rank0_writes(method, replica):
-    """``save``/``save_weights``: rank 0 writes (a local path atomically); the others a throwaway copy."""
-    if replica.rank != 0:
-        return keras_model.throwaway_saves(method, replica.rank)
-
-    @functools.wraps(method)
-    def save(filepath, *args, **kwargs):
-        path = _local_path(filepath)
-        if path is None:  # not a local path (a remote one): written as it is
-            return method(filepath, *args, **kwargs)
-        return _write_atomically(method, path, args, kwargs)
-
-    return save

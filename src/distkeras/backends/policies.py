@@ -1,0 +1,374 @@
+"""The policies every backend follows, written once; each backend brings only its mechanism.
+
+Horovod's ``horovod/_keras/__init__.py`` is the model: the logic lives here, and what differs between
+frameworks (a collective, a tensor op) is passed in as a parameter. Nothing here imports a framework
+(NumPy only inside the functions that need it), and the module runs on Python 3.6, as the CNTK and MXNet
+adapters do.
+
+- **Batch-share weights** (:func:`batch_share`, :func:`batch_shares`, :func:`relative_share`,
+  :func:`even_share`): in an average over replicas, each replica weighs its rows over the global batch's
+  rows; an empty replica weighs 0. Where the weight must be computed from tensors inside a compiled graph
+  (TensorFlow's replica steps), the caller passes its framework's zero-safe division as ``divide``.
+- **Rank 0 writes, atomically** (:func:`rank0_speaks_and_writes`, :func:`rank0_writes`,
+  :func:`write_atomically`): only rank 0 writes at the path given, into a temporary file in the target's
+  folder renamed onto the target once complete; the other ranks leave nothing on disk.
+- **The fit-argument checks** (:func:`check_same_everywhere`): every worker of a job must make the same
+  ``fit()``/``evaluate()``/``predict()`` calls on arrays, or the job hangs in the first step one of them skips.
+- **Random-state sync** (:func:`sync_random_state`): every rank takes rank 0's global random states, given
+  the backend's "broadcast these bytes from rank 0".
+"""
+
+import functools
+import inspect
+import os
+import pickle
+import random
+import tempfile
+
+from ..errors import ShardError
+from . import keras_model
+
+# ---- batch-share weights
+
+
+def batch_share(rows, total, divide=None):
+    """A replica's weight in an average over the replicas: its ``rows`` over the global batch's ``total``;
+    0 for a replica without rows, and 0 when ``total`` is 0.
+
+    Summed over the replicas, ``share * value`` is the global batch's mean of a per-replica mean (a loss,
+    a gradient), however unevenly the batch splits. Used by TensorFlow (each replica's gradient, inside its
+    replica step), PyTorch (each rank's gradient, in the bucketed and the compressed all-reduce) and MXNet
+    (each context's gradient and logged values); CNTK's 1/W is :func:`even_share`.
+
+    Args:
+        rows: this replica's rows (samples) in the step: a number, or a tensor when ``divide`` is given.
+        total: the global batch's rows.
+        divide: ``None`` for Python numbers; else the framework's division that gives 0 for ``x / 0``
+            (``tf.math.divide_no_nan``), applied to ``rows`` and ``total`` as they are: the form for a weight
+            computed from tensors inside a compiled graph.
+
+    Example:
+        >>> batch_share(3, 8), batch_share(0, 8), batch_share(0, 0)
+        (0.375, 0.0, 0.0)
+    """
+    if divide is not None:
+        return divide(rows, total)
+    if not rows or not total:
+        return 0.0
+    return rows / float(total)
+
+
+def batch_shares(counts, total=None):
+    """Every replica's :func:`batch_share`, from each one's rows (``counts``) and the global batch's ``total``
+    (default: their sum). Used by MXNet (a process' contexts, weighed by samples or by rows).
+
+    Example:
+        >>> batch_shares([3, 3, 2])
+        [0.375, 0.375, 0.25]
+    """
+    total = sum(counts) if total is None else total
+    return [batch_share(count, total) for count in counts]
+
+
+def relative_share(rows, total, replicas, divide=None):
+    """A replica's rows over an equal share of the global batch, ``replicas * rows / total``: 1 where the
+    batch splits evenly. The weight that turns a per-replica mean which the framework averages equally over
+    the replicas (a tf.keras 2.x loss, a ``keras.metrics.Mean`` updated with a scalar) into the global
+    batch's. Used by TensorFlow (tf.keras 2.x losses, scalar Mean updates) and PyTorch (scalar Mean
+    updates); ``divide`` as in :func:`batch_share` (TensorFlow passes ``tf.math.divide_no_nan``).
+
+    Example:
+        >>> relative_share(3, 8, 2)
+        0.75
+    """
+    return batch_share(rows * replicas, total, divide)
+
+
+def even_share(parts):
+    """Each part's weight when a batch splits into ``parts`` equal parts: ``1 / parts``. Used by CNTK, whose
+    workers each train on an equal part of every global batch (an uneven last batch is evened out with
+    sample weights, :func:`distkeras.sharding.batch_rows`), so each worker's loss weighs 1/W."""
+    return batch_share(1, parts)
+
+
+# ---- rank 0 writes, atomically
+
+#: The suffixes of the single files Keras writes (``.keras``, ``.h5``, ``.weights.h5``): written atomically.
+_FILE_SUFFIXES = (".keras", ".h5", ".hdf5")
+
+
+def write_atomically(path, write):
+    """Call ``write(temporary_path)``, flush the file to disk, then rename it onto ``path`` (atomic on POSIX):
+    a crash at any moment leaves the previous ``path`` intact, never a half-written one.
+
+    The temporary file is ``.tmp-<name>`` in ``path``'s folder (a rename within one file system), removed
+    when ``write`` fails. Used by every backend's ``save``/``save_weights`` (:func:`rank0_writes`) and by
+    :class:`distkeras.callbacks.BackupAndRestore`. Returns what ``write`` returned."""
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, ".tmp-" + name)
+    try:
+        result = write(temporary)
+        with open(temporary, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+        return result
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def rank0_speaks_and_writes(model, rank):
+    """Rank 0 prints and writes; the other workers of a job stay quiet and keep no file.
+
+    Every backend calls it from ``distribute()`` (TensorFlow, JAX, MXNet and CNTK; PyTorch installs
+    :func:`rank0_writes` and its own quiet entry points). On ranks other than 0, ``fit``/``evaluate``/``predict``
+    run with ``verbose=0``; ``save``/``save_weights`` (also when a callback such as ModelCheckpoint calls
+    them) follow :func:`rank0_writes`. Instance attributes (:func:`~distkeras.backends.keras_model.hook`):
+    nothing is saved. Call it after the backend's own hooks of ``fit``/``evaluate``/``predict`` are gone
+    (``unhook``) or before it sets them (MXNet: it binds ``verbose`` in Keras' own signature).
+    """
+    if rank != 0:
+        for name in ("fit", "evaluate", "predict"):
+            method = getattr(model, name)
+            signature = inspect.signature(method)
+
+            def quiet(*args, _method=method, _signature=signature, **kwargs):
+                bound = _signature.bind(*args, **kwargs)
+                bound.arguments["verbose"] = 0
+                return _method(*bound.args, **bound.kwargs)
+
+            keras_model.hook(model, name, functools.wraps(method)(quiet))
+    rank0_writes(model, rank)
+
+
+def rank0_writes(model, rank):
+    """Make the model's ``save`` and ``save_weights`` follow the one saving rule (instance hooks):
+
+    - rank 0 writes a single file (``.keras``, ``.h5``, ``.weights.h5``) into a temporary file in the
+      target's folder and renames it onto the target (:func:`write_atomically`): a crash or an error half-way
+      leaves the previous file intact and no temporary file. Folders, shards, remote paths (``gs://``), file
+      objects and ``overwrite=False`` (Keras asks first) are written as Keras writes them.
+    - the other ranks write nothing at the path given (:func:`throwaway_saves`).
+
+    Used by every backend (TensorFlow, JAX, PyTorch, MXNet, CNTK); a second ``distribute()`` replaces the
+    first one's hooks instead of wrapping them.
+    """
+    for name in ("save", "save_weights"):
+        method = getattr(model, name)
+        if keras_model.is_hooked(model, name):  # an earlier distribute()'s: the class' own
+            method = getattr(type(model), name).__get__(model)
+        keras_model.hook(model, name, atomic_saves(method) if rank == 0 else throwaway_saves(method, rank))
+
+
+def _arguments(signature, args, kwargs):
+    """``args``/``kwargs`` bound to ``signature``, and every argument by name (``**kwargs`` ones included)."""
+    bound = signature.bind(*args, **kwargs)
+    named = dict(bound.arguments)
+    for parameter in signature.parameters.values():
+        if parameter.kind == parameter.VAR_KEYWORD:
+            named.update(named.pop(parameter.name, {}))
+    return bound, named
+
+
+def _local_file(named):
+    """The absolute path of the single local file a save with arguments ``named`` writes, else None."""
+    filepath = named.get("filepath")
+    if not isinstance(filepath, (str, os.PathLike)):
+        return None  # a file object (an h5py.File, io.BytesIO): written as it is
+    path = os.fspath(filepath)
+    if "://" in path or not path.endswith(_FILE_SUFFIXES):
+        return None  # remote, or a folder (tf.keras' SavedModel): Keras' own rules
+    if named.get("overwrite", True) is False or named.get("zipped", True) is False or named.get("max_shard_size"):
+        return None  # Keras' prompt before overwriting; a folder; shards
+    if named.get("save_format") not in (None, "h5", "keras"):
+        return None
+    return os.path.abspath(path)
+
+
+def atomic_saves(method):
+    """``method`` (a model's bound ``save`` or ``save_weights``) writing a single local file atomically
+    (:func:`write_atomically`); anything else as ``method`` writes it. The rule for rank 0 (and a single
+    process); see :func:`rank0_writes`."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def atomic(*args, **kwargs):
+        bound, named = _arguments(signature, args, kwargs)
+        path = _local_file(named)
+        if path is None:
+            return method(*args, **kwargs)
+
+        def write(temporary):
+            bound.arguments["filepath"] = temporary
+            return method(*bound.args, **bound.kwargs)
+
+        return write_atomically(path, write)
+
+    return atomic
+
+
+def throwaway_saves(method, rank):
+    """``method`` (a model's bound ``save`` or ``save_weights``), writing to a throwaway folder: the rule
+    for ranks other than 0.
+
+    The file is written under its own name in a new temporary folder, which is deleted when the call
+    returns; nothing is written at the path given, and the call never waits for another rank. It still
+    runs: reading a multi-process JAX array (or a TensorFlow variable of a multi-worker strategy) can be a
+    collective step every process must take, and an error (a bad file name) is raised on every rank alike.
+    """
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def throwaway(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        with tempfile.TemporaryDirectory(prefix="distkeras-rank{}-".format(rank)) as folder:
+            bound.arguments["filepath"] = os.path.join(folder, os.path.basename(str(bound.arguments["filepath"])))
+            return method(*bound.args, **bound.kwargs)
+
+    return throwaway
+
+
+# ---- the fit-argument checks
+
+#: Keras' batch size when ``fit``/``evaluate``/``predict`` are given none.
+DEFAULT_BATCH_SIZE = 32
+
+
+def array_call_values(samples, batch_size):
+    """What every worker's ``evaluate()``/``predict()`` call on arrays must agree on (:func:`check_same_everywhere`)."""
+    return [("samples", samples), ("batch_size", batch_size or DEFAULT_BATCH_SIZE)]
+
+
+def fit_code(name, value):
+    """``fit()``'s argument ``value`` as the int :func:`check_same_everywhere` compares (and :func:`shown` shows):
+    ``shuffle`` False/True/'batch' as 0/1/2, ``validation_split`` in millionths, a count that doesn't apply
+    (``validation_samples`` of data that isn't arrays) as -1."""
+    if name == "shuffle":
+        return 2 if value == "batch" else int(bool(value))
+    if name == "validation_split":
+        return int(round(value * 1e6))
+    return -1 if value is None else int(value)
+
+
+#: How :func:`shown` writes back the codes of :func:`fit_code` (the other values are plain ints).
+_SHOWN = {"shuffle": lambda code: ["False", "True", "'batch'"][code],
+          "validation_samples": lambda code: "None" if code < 0 else str(code),
+          "validation_split": lambda code: repr(code / 1e6)}
+
+
+def shown(name, code):
+    """The value a worker passed, from its code (:func:`fit_code`), as the error message shows it."""
+    return _SHOWN.get(name, str)(code)
+
+
+def encode_call(values):
+    """``values`` (``[(name, int)]``) as float32-exact pairs: each int ``v`` as ``divmod(v + 1, 4096)`` (``-1``,
+    "none", becomes 0). A float32 sum of rows that are zero but one rank's carries them exactly."""
+    return [divmod(int(value) + 1, 4096) for _, value in values]
+
+
+def decode_call(pairs):
+    """The ints :func:`encode_call` encoded."""
+    return [int(high) * 4096 + int(low) - 1 for high, low in pairs]
+
+
+def calls_differ_error(call, names, by_rank):
+    """The :class:`~distkeras.errors.ShardError` for workers whose ``call`` calls differ, or None when every
+    rank's values (``by_rank``: one list of ints per rank, in ``names``' order, samples first) are the same."""
+    if all(list(row) == list(by_rank[0]) for row in by_rank):
+        return None
+    arguments = list(names[1:])
+    said = arguments[0] if len(arguments) == 1 else "{} and {}".format(", ".join(arguments[:-1]), arguments[-1])
+    return ShardError(
+        "Every worker must call {}() with the same full arrays, {} (distkeras shards the data itself). Received "
+        "({}) by rank: {}.".format(call, said, ", ".join(names), ", ".join(
+            "{}: ({})".format(r, ", ".join(shown(name, value) for name, value in zip(names, row)))
+            for r, row in enumerate(by_rank))))
+
+
+def check_same_everywhere(all_sum, rank, workers, call, values):
+    """Raise on every worker if their ``call`` (``fit``, ``evaluate``, ``predict``) calls differ in ``values``,
+    ``[(name, int)]`` (samples first, then batch size, epochs...: :func:`array_call_values`, :func:`fit_code`):
+    they would take different numbers of steps, and the job would wait forever in the first step one of them
+    skips.
+
+    Collective: every worker calls it, in the same order as every other collective. ``all_sum`` is the
+    backend's sum over the workers of a 1-D float32 NumPy vector (MXNet's KVStore, CNTK's distributed learner);
+    each worker fills in its row of a ``workers x len(values)`` table, and one sum gives every worker every row.
+    Used by MXNet and CNTK.
+    """
+    import numpy as np
+
+    mine = np.zeros((workers, len(values), 2), "float32")
+    mine[rank] = encode_call(values)
+    everyone = np.asarray(all_sum(mine.ravel())).reshape(mine.shape)
+    error = calls_differ_error(call, [name for name, _ in values], [decode_call(row) for row in everyone])
+    if error is not None:
+        raise error
+
+
+# ---- random-state sync
+
+
+def random_states(framework=None):
+    """Python's and NumPy's global random states, and the framework's (``framework``: a ``(get, set)`` pair,
+    such as ``(torch.get_rng_state, torch.set_rng_state)``), as one dict."""
+    import numpy as np
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state()}
+    if framework is not None:
+        states["framework"] = framework[0]()
+    return states
+
+
+def set_random_states(states, framework=None):
+    """Restore what :func:`random_states` gave."""
+    import numpy as np
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    if framework is not None and "framework" in states:
+        framework[1](states["framework"])
+
+
+def sync_random_state(broadcast, framework=None):
+    """Every rank takes rank 0's Python, NumPy (and framework) global random states, so whatever draws from
+    them next (Keras' shuffle of array data, a DataLoader's, augmentation) draws alike on every rank.
+
+    Collective: every rank calls it. ``broadcast(data)`` is the backend's "broadcast these bytes from rank 0":
+    every rank passes its own bytes and gets rank 0's back (PyTorch: ``broadcast_object_list``; MXNet:
+    :func:`broadcast_by_sum` over its KVStore). ``framework``: as in :func:`random_states`. Used by PyTorch
+    (at ``fit()``'s start and every epoch's) and MXNet (every epoch's start, before Keras 2 shuffles).
+    """
+    data = pickle.dumps(random_states(framework), protocol=2)
+    set_random_states(pickle.loads(broadcast(data)), framework)
+
+
+#: Bytes :func:`broadcast_by_sum` carries: Python's and NumPy's pickled states take about 7 KiB.
+BROADCAST_BYTES = 1 << 14
+
+
+def broadcast_by_sum(all_sum, rank, size=BROADCAST_BYTES):
+    """A "broadcast these bytes from rank 0" (for :func:`sync_random_state`) made of the backend's sum over
+    the workers of a 1-D float32 NumPy vector, for backends whose engine only sums (MXNet's KVStore).
+
+    Rank 0's bytes travel as 16-bit pieces in float32 (each held exactly), after their length, in a vector
+    of a fixed size (``size`` bytes at most: one shape, so the engine makes one key for it); the other ranks
+    send zeros, and the sum is rank 0's.
+    """
+
+    def broadcast(data):
+        import numpy as np
+
+        if len(data) > size:
+            raise ValueError("Expected at most {} bytes to broadcast. Received: {} bytes".format(size, len(data)))
+        pieces = np.zeros(1 + size // 2, "float32")
+        if rank == 0:
+            padded = np.frombuffer(data + b"\0" * (size - len(data)), "<u2")
+            pieces[0] = len(data)
+            pieces[1:] = padded
+        summed = np.asarray(all_sum(pieces))
+        length = int(summed[0])
+        return summed[1:].astype("<u2").tobytes()[:length]
+
+    return broadcast

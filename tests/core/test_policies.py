@@ -1,0 +1,227 @@
+"""The shared policies (distkeras.backends.policies), without any framework: batch shares, atomic rank-0 saving,
+the checks that every worker calls fit()/evaluate()/predict() alike, and random-state sync."""
+
+import os
+import pickle
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from distkeras.backends import policies
+from distkeras.errors import ShardError
+
+# ---- batch shares
+
+
+def test_a_replica_weighs_its_rows_over_the_global_batch():
+    assert policies.batch_share(3, 8) == 0.375
+    assert policies.batch_shares([3, 3, 2]) == [0.375, 0.375, 0.25]
+    assert sum(policies.batch_shares([5, 4, 4])) == pytest.approx(1.0)
+
+
+def test_an_empty_replica_weighs_zero():
+    assert policies.batch_share(0, 7) == 0.0
+    assert policies.batch_share(None, 7) == 0.0  # no step in flight
+    assert policies.batch_shares([0, 0]) == [0.0, 0.0]  # no rows at all: no division by zero
+    assert policies.batch_shares([2, 0, 1], total=4) == [0.5, 0.0, 0.25]  # a process' contexts of a larger batch
+
+
+def test_the_share_relative_to_an_even_split_and_the_even_share():
+    assert policies.relative_share(4, 8, 2) == 1.0  # even: weight 1
+    assert policies.relative_share(3, 7, 2) == pytest.approx(6 / 7)
+    assert policies.relative_share(0, 5, 3) == 0.0
+    assert policies.even_share(4) == 0.25
+
+
+def test_the_shares_take_the_frameworks_division_inside_a_graph():
+    calls = []
+
+    def divide_no_nan(a, b):
+        calls.append((a, b))
+        return np.divide(a, b, out=np.zeros_like(a), where=b != 0)
+
+    rows, total = np.array([3.0, 0.0]), np.array([8.0, 0.0])
+    np.testing.assert_array_equal(policies.batch_share(rows, total, divide=divide_no_nan), [0.375, 0.0])
+    np.testing.assert_array_equal(policies.relative_share(rows, total, 2, divide=divide_no_nan), [0.75, 0.0])
+    assert len(calls) == 2
+
+
+def test_shares_weigh_replica_means_into_the_global_mean():
+    values = np.arange(13, dtype="float64")
+    parts = [values[r::3] for r in range(3)]
+    shares = policies.batch_shares([len(p) for p in parts])
+    assert sum(s * p.mean() for s, p in zip(shares, parts)) == pytest.approx(values.mean())
+    # Means the framework averages equally over the replicas, each weighed by its relative share.
+    weighted = [policies.relative_share(len(p), len(values), 3) * p.mean() for p in parts]
+    assert np.mean(weighted) == pytest.approx(values.mean())
+
+
+# ---- rank 0 writes, atomically
+
+
+class Model(object):
+    """Stands in for a Keras model's save/save_weights: writes ``chunks`` to the file, failing half-way when told."""
+
+    def __init__(self):
+        self.fail = False
+        self.paths = []
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        self.paths.append(filepath)
+        with open(filepath, "wb") as f:
+            f.write(b"new-start ")
+            if self.fail:
+                raise RuntimeError("failed half-way")
+            f.write(b"new-end")
+
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+        self.paths.append(filepath)
+        with open(filepath, "wb") as f:
+            f.write(b"weights")
+
+
+def test_rank0_saves_atomically_and_a_failed_save_leaves_the_previous_file(tmp_path):
+    model = Model()
+    policies.rank0_writes(model, 0)
+    target = tmp_path / "model.keras"
+    model.save(str(target))
+    assert target.read_bytes() == b"new-start new-end"
+    assert os.path.dirname(model.paths[0]) == str(tmp_path) and model.paths[0] != str(target)  # a temporary file
+    model.fail = True
+    with pytest.raises(RuntimeError, match="half-way"):
+        model.save(target)  # a pathlib.Path too
+    assert target.read_bytes() == b"new-start new-end"
+    assert os.listdir(str(tmp_path)) == ["model.keras"]  # no temporary file left behind
+
+
+def test_other_ranks_write_nothing_at_the_path_and_leave_nothing(tmp_path):
+    model = Model()
+    policies.rank0_writes(model, 1)
+    model.save(str(tmp_path / "model.h5"))
+    model.save_weights(str(tmp_path / "model.weights.h5"))
+    assert os.listdir(str(tmp_path)) == []
+    assert [os.path.basename(p) for p in model.paths] == ["model.h5", "model.weights.h5"]  # Keras still ran
+    assert not any(os.path.exists(os.path.dirname(p)) for p in model.paths)  # its throwaway folders are gone
+
+
+def test_folders_shards_prompts_and_file_objects_are_written_as_keras_writes_them(tmp_path):
+    model = Model()
+    policies.rank0_writes(model, 0)
+    for path, kwargs in [("saved_model", {}), ("m.keras", {"overwrite": False}), ("m.keras", {"zipped": False}),
+                         ("gs://bucket/m.keras", {})]:
+        model.paths = []
+        try:
+            model.save(path if "://" in path else str(tmp_path / path), **kwargs)
+        except OSError:
+            pass  # gs:// is no local file
+        assert model.paths[0].endswith(path)
+    model.paths = []
+    model.save_weights(str(tmp_path / "w.weights.h5"), max_shard_size=1)
+    assert model.paths == [str(tmp_path / "w.weights.h5")]
+
+
+def test_a_second_distribute_replaces_the_save_hooks_instead_of_wrapping_them(tmp_path):
+    model = Model()
+    policies.rank0_writes(model, 0)
+    policies.rank0_writes(model, 0)
+    model.save(str(tmp_path / "m.keras"))
+    assert len(model.paths) == 1 and os.path.basename(model.paths[0]) == ".tmp-m.keras"
+
+
+def test_write_atomically_returns_what_the_writer_returns(tmp_path):
+    target = str(tmp_path / "checkpoint.json")
+
+    def write(path):
+        with open(path, "w") as f:
+            f.write("{}")
+        return "done"
+
+    assert policies.write_atomically(target, write) == "done"
+    assert os.listdir(str(tmp_path)) == ["checkpoint.json"]
+
+
+# ---- every worker calls fit()/evaluate()/predict() alike
+
+
+class Job(object):
+    """A job's float32 all-sum over ``rows`` (each worker's values, by rank): the sum of the table every worker
+    fills in its row of."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def all_sum(self, vector):
+        table = np.asarray(vector, "float32").reshape(len(self.rows), -1, 2).copy()
+        for rank, values in enumerate(self.rows):
+            table[rank] = policies.encode_call(values)
+        return table.ravel()
+
+
+def test_equal_calls_pass():
+    values = policies.array_call_values(24, None)
+    assert values == [("samples", 24), ("batch_size", 32)]
+    policies.check_same_everywhere(Job([values, values]).all_sum, 0, 2, "evaluate", values)
+
+
+def test_different_calls_raise_a_shard_error_that_says_what_each_rank_passed():
+    mine = policies.array_call_values(24, 8) + [(name, policies.fit_code(name, value)) for name, value in (
+        ("epochs", 2), ("shuffle", "batch"), ("validation_samples", None), ("validation_split", 0.25))]
+    theirs = [("samples", 23)] + mine[1:]
+    with pytest.raises(ShardError) as caught:
+        policies.check_same_everywhere(Job([mine, theirs]).all_sum, 0, 2, "fit", mine)
+    assert str(caught.value) == (
+        "Every worker must call fit() with the same full arrays, batch_size, epochs, shuffle, validation_samples and "
+        "validation_split (distkeras shards the data itself). Received (samples, batch_size, epochs, shuffle, "
+        "validation_samples, validation_split) by rank: 0: (24, 8, 2, 'batch', None, 0.25), "
+        "1: (23, 8, 2, 'batch', None, 0.25).")
+
+
+def test_the_codes_survive_a_float32_sum_exactly():
+    values = [("samples", 10 ** 7 + 1), ("batch_size", 4097), ("validation_samples", -1)]
+    pairs = np.asarray(policies.encode_call(values), "float32")
+    assert policies.decode_call(pairs) == [10 ** 7 + 1, 4097, -1]
+    assert [policies.fit_code("shuffle", v) for v in (False, True, "batch")] == [0, 1, 2]
+
+
+# ---- random-state sync
+
+
+def test_every_rank_takes_rank0s_random_states():
+    """Rank 1 of two, its broadcast made of a float32 sum (as MXNet's is): rank 0's states, exactly."""
+    random.seed(0)
+    np.random.seed(0)
+    np.random.randn(1)  # a cached Gaussian in NumPy's state too
+    rank0 = policies.random_states()
+    sent = []  # the vector rank 0 adds to the sum
+    policies.broadcast_by_sum(lambda vector: sent.append(vector) or vector, 0)(pickle.dumps(rank0, protocol=2))
+    random.seed(1)
+    np.random.seed(1)
+    policies.sync_random_state(policies.broadcast_by_sum(lambda vector: sent[0] + vector, 1))
+    assert random.getstate() == rank0["python"]
+    after = np.random.get_state()
+    np.testing.assert_array_equal(after[1], rank0["numpy"][1])
+    assert after[2:] == rank0["numpy"][2:]
+
+
+def test_a_framework_state_travels_along():
+    held = {"state": b"rank 1"}
+    framework = (lambda: held["state"], lambda state: held.update(state=state))
+    rank0 = pickle.dumps(dict(policies.random_states(), framework=b"rank 0"), protocol=2)
+    policies.sync_random_state(lambda data: rank0, framework)
+    assert held["state"] == b"rank 0"
+
+
+def test_a_broadcast_by_sum_refuses_more_bytes_than_it_carries():
+    with pytest.raises(ValueError, match="at most 4 bytes"):
+        policies.broadcast_by_sum(lambda v: v, 0, size=4)(b"12345")
+
+
+def test_the_policies_import_no_framework():
+    code = ("import sys; from distkeras.backends import policies; "
+            "print(sorted(m for m in ('tensorflow', 'jax', 'torch', 'mxnet', 'cntk', 'keras') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.stdout.strip() == "[]", done.stderr
