@@ -39,8 +39,8 @@ import threading
 import keras
 
 from . import backends
-from .backends import policies
 from . import cluster as cluster_lib
+from .backends import policies
 from .launch import EXIT_PREEMPTED
 
 MANIFEST = "checkpoint.json"

@@ -43,11 +43,10 @@ SHIMS = {
     "cntk": "distkeras.backends.mxnet.shims:install",  # the same multi-backend Keras 2 and h5py 3
 }
 
-_adapters = {}  # type: Dict[str, object]
+_adapters: Dict[str, object] = {}
 
 
-def is_installed(module):
-    # type: (str) -> bool
+def is_installed(module: str) -> bool:
     """True when ``module`` can be imported (checked without importing it). The one place tests patch."""
     try:
         return importlib.util.find_spec(module) is not None
@@ -70,8 +69,7 @@ def _check_name(name, where):
     )
 
 
-def _config_file_backend():
-    # type: () -> Optional[str]
+def _config_file_backend() -> Optional[str]:
     home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
     path = os.path.join(home, "keras.json")
     try:
@@ -82,8 +80,7 @@ def _config_file_backend():
     return value if isinstance(value, str) else None
 
 
-def keras_package(model):
-    # type: (object) -> Optional[str]
+def keras_package(model: object) -> Optional[str]:
     """The Keras package a model comes from: ``"keras"`` (Keras 3, or a multi-backend Keras 2 such as
     keras-mxnet, whose models are ``keras.engine`` classes) or ``"tf_keras"``; None if it is no Keras model."""
     for cls in type(model).__mro__:
@@ -93,8 +90,7 @@ def keras_package(model):
     return None
 
 
-def _installed_keras_default():
-    # type: () -> str
+def _installed_keras_default() -> str:
     """The backend the installed ``keras`` uses when nothing names one, found without importing it."""
     try:
         spec = importlib.util.find_spec("keras")
@@ -106,8 +102,7 @@ def _installed_keras_default():
     return "tensorflow"
 
 
-def active_name(model=None):
-    # type: (object) -> str
+def active_name(model: object = None) -> str:
     """The name of the Keras backend in use (validated against :data:`REGISTRY`).
 
     Raises:
@@ -145,8 +140,7 @@ def adapter_class(name):
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def install_shims():
-    # type: () -> None
+def install_shims() -> None:
     """Apply the shims of the active backend's Keras, if it has any (:data:`SHIMS`); called by ``import distkeras``."""
     try:
         name = active_name()
@@ -205,8 +199,7 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.callback()
 
 
-def when_imported(module, callback):
-    # type: (str, Callable[[], None]) -> None
+def when_imported(module: str, callback: Callable[[], None]) -> None:
     """Call ``callback()`` once ``module`` is imported: now if it already is, else right after its import."""
     if module in sys.modules:
         callback()

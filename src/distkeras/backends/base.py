@@ -8,15 +8,13 @@ from ..cluster import Cluster
 from ..devices import Device
 from ..errors import ClusterError, OptionError
 
-
 #: Values of the ``compression`` option: the dtype gradients travel in during the all-reduce.
 COMPRESSIONS = ("bf16", "fp16")
 COMPRESSION_HELP = ("the dtype gradients are all-reduced in: 'bf16' or 'fp16' (half the bytes; cast back before "
                     "the optimizer), default None (the gradients' own dtype)")
 
 
-def check_compression(value):
-    # type: (object) -> Optional[str]
+def check_compression(value: object) -> Optional[str]:
     """``None``, ``"bf16"`` or ``"fp16"`` (also ``"bfloat16"``/``"float16"``); anything else is an OptionError."""
     aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
     if value is None:
@@ -32,8 +30,9 @@ def check_compression(value):
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
 
 
-def pin_local_gpus(cluster, environ=None, gpus_dir=NVIDIA_GPUS):
-    # type: (Cluster, Optional[Dict[str, str]], str) -> Optional[str]
+def pin_local_gpus(cluster: Cluster,
+                   environ: Optional[Dict[str, str]] = None,
+                   gpus_dir: str = NVIDIA_GPUS) -> Optional[str]:
     """Give this task its share of the node's GPUs by local rank, in ``CUDA_VISIBLE_DEVICES``, before the
     framework starts (:func:`distkeras.environments.local_gpus` decides; a scheduler's binding is kept).
 
@@ -85,37 +84,32 @@ class Adapter(abc.ABC):
     #: The pip requirement that installs the framework, for error messages.
     install_hint = ""
     #: Option names :meth:`distribute` accepts, with a one-line description each.
-    options = {}  # type: Dict[str, str]
+    options: Dict[str, str] = {}
     #: Whether :meth:`distribute` takes a model that is not built yet (Keras 3): the variables it creates
     #: later, when its first ``fit()`` builds it, are created distributed. Keras 2 adapters need them now.
     late_variables = False
 
     @abc.abstractmethod
-    def list_devices(self):
-        # type: () -> List[Device]
+    def list_devices(self) -> List[Device]:
         """The devices this process can use, in the backend's order (accelerators first)."""
 
     @abc.abstractmethod
-    def set_cpu_devices(self, count):
-        # type: (int) -> None
+    def set_cpu_devices(self, count: int) -> None:
         """Split the host CPU into ``count`` devices. Raises TooLateError once the backend is initialised."""
 
     @abc.abstractmethod
-    def distribute(self, model, devices, cluster, **options):
-        # type: (object, Sequence[Device], Cluster, **object) -> object
+    def distribute(self, model: object, devices: Sequence[Device], cluster: Cluster, **options: object) -> object:
         """Return a Keras model equal to ``model`` (architecture, weights, compile config) that trains
         data-parallel over ``devices`` on every worker of ``cluster``."""
 
-    def prepare(self, cluster):
-        # type: (Cluster) -> None
+    def prepare(self, cluster: Cluster) -> None:
         """Called by ``import distkeras`` in a worker of a multi-worker job, before any model exists.
 
         Engines that must start before the framework runs its first op (TensorFlow's collectives,
         ``jax.distributed``) start here, usually through ``backends.when_imported``. Default: nothing.
         """
 
-    def replicas(self, devices, cluster):
-        # type: (Sequence[Device], Cluster) -> int
+    def replicas(self, devices: Sequence[Device], cluster: Cluster) -> int:
         """How many replicas train in ``cluster`` when each process is given ``devices``: the devices
         training, over all processes of the job (``describe()["replicas"]``).
 
@@ -125,8 +119,7 @@ class Adapter(abc.ABC):
         """
         return len(devices) * cluster.world_size
 
-    def any_process(self, model, flag):
-        # type: (object, bool) -> bool
+    def any_process(self, model: object, flag: bool) -> bool:
         """Whether ``flag`` is true in any process of ``model``'s job: every process calls it at the same
         point of training (after the same step), and every process gets the same answer.
 
@@ -147,24 +140,20 @@ class Adapter(abc.ABC):
                 "epoch).".format(self.name, cluster.rank, cluster.world_size, cluster.source))
         return bool(flag)
 
-    def random_states(self):
-        # type: () -> Dict[str, object]
+    def random_states(self) -> Dict[str, object]:
         """The framework's global random states that decide a data order (a torch DataLoader's shuffle), for a
         checkpoint taken mid-epoch (:class:`~distkeras.callbacks.BackupAndRestore`). Default: none."""
         return {}
 
-    def set_random_states(self, states):
-        # type: (Dict[str, object]) -> None
+    def set_random_states(self, states: Dict[str, object]) -> None:
         """Restore the states :meth:`random_states` gave (``states`` may hold others too). Default: nothing."""
 
-    def check_alone(self):
-        # type: () -> None
+    def check_alone(self) -> None:
         """Called by :func:`distkeras.distribute` where no environment describes a job of several processes:
         raise ClusterError if the framework itself says this process is one of several (an engine someone else
         started), which would otherwise train alone. Default: nothing."""
 
-    def shutdown(self):
-        # type: () -> None
+    def shutdown(self) -> None:
         """Called by :func:`distkeras.shutdown`: stop what the adapter started for a multi-worker job
         (CNTK finalizes MPI). No collective operation may follow. Default: nothing."""
 
@@ -172,29 +161,29 @@ class Adapter(abc.ABC):
     # ---- framework (the launcher may run where the backend's framework is not installed).
 
     @classmethod
-    def engine_ports(cls, nproc_per_node):
-        # type: (int) -> int
+    def engine_ports(cls, nproc_per_node: int) -> int:
         """How many ports the engine needs on every host, from the engine's port up. Default: one rendezvous."""
         return 1
 
     @classmethod
-    def workers_env(cls, job, environ):
-        # type: (LaunchJob, Dict[str, str]) -> List[Dict[str, str]]
+    def workers_env(cls, job: LaunchJob, environ: Dict[str, str]) -> List[Dict[str, str]]:
         """The variables this backend's engine reads, for each of this host's workers (local rank order), on top
         of the ones every worker gets (RANK, WORLD_SIZE, MASTER_ADDR, JAX_*: :func:`distkeras.launch.worker_env`).
         Default: none."""
         return [{} for _ in range(job.nproc_per_node)]
 
     @classmethod
-    def launch_roles(cls, job, environ):
-        # type: (LaunchJob, Dict[str, str]) -> List[Role]
+    def launch_roles(cls, job: LaunchJob, environ: Dict[str, str]) -> List[Role]:
         """Processes the engine needs beside the workers on this host (MXNet's parameter-server scheduler and
         servers), watched by the launcher like the workers. Default: none."""
         return []
 
     @classmethod
-    def launch_command(cls, script_args, nproc_per_node, nnodes, environ):
-        # type: (List[str], int, int, Dict[str, str]) -> Optional[Tuple[List[List[str]], List[Dict[str, str]], List[object]]]
+    def launch_command(cls,
+                       script_args: List[str],
+                       nproc_per_node: int,
+                       nnodes: int,
+                       environ: Dict[str, str]) -> Optional[Tuple[List[List[str]], List[Dict[str, str]], List[object]]]:
         """Where the backend's engine starts the workers itself (CNTK: ``mpiexec``): the ``(commands, envs,
         labels)`` the launcher runs instead of one process per worker. Default None: the launcher starts them.
 
@@ -211,8 +200,7 @@ class Adapter(abc.ABC):
         itself before it calls the function (keras/src/backend/torch/trainer.py)."""
         return lambda *args: {}
 
-    def check_options(self, options):
-        # type: (Dict[str, object]) -> None
+    def check_options(self, options: Dict[str, object]) -> None:
         """Reject options this adapter doesn't know, naming the ones it does."""
         unknown = sorted(set(options) - set(self.options))
         if unknown:

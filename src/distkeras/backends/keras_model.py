@@ -14,7 +14,6 @@ import importlib
 from ..errors import ModelError
 from . import keras_package
 
-
 #: The instance attribute that lists the names :func:`hook` set on an object.
 _HOOKS = "_distkeras_hooks"
 

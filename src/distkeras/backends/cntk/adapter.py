@@ -46,8 +46,7 @@ logger = logging.getLogger("distkeras")
 _NO_QUANTIZATION = ("1BitSGD", "not supported for this build")
 
 
-def check_joinable(cluster, env):
-    # type: (Cluster, Mapping[str, str]) -> None
+def check_joinable(cluster: Cluster, env: Mapping[str, str]) -> None:
     """Raise ClusterError when this process is one of several workers that MPI doesn't know: CNTK's
     distributed learner all-reduces through MPI, so its workers must be MPI ranks (mpiexec, which
     ``distkeras launch --backend cntk`` runs). Slurm's tasks pass where srun gave them MPI ranks (``--mpi``:

@@ -10,14 +10,15 @@ from ...errors import LaunchError
 from ...processes import python_command
 
 
-def mpiexec_command(script_args, nproc, python=None):
-    # type: (List[str], int, Optional[str]) -> List[str]
+def mpiexec_command(script_args: List[str], nproc: int, python: Optional[str] = None) -> List[str]:
     """The ``mpiexec`` command line that starts ``nproc`` MPI ranks running ``script_args``."""
     return ["mpiexec", "-n", str(nproc)] + python_command(script_args, python or sys.executable)
 
 
-def launch_command(script_args, nproc_per_node, nnodes, environ):
-    # type: (List[str], int, int, Dict[str, str]) -> Tuple[List[List[str]], List[Dict[str, str]], List[object]]
+def launch_command(script_args: List[str],
+                   nproc_per_node: int,
+                   nnodes: int,
+                   environ: Dict[str, str]) -> Tuple[List[List[str]], List[Dict[str, str]], List[object]]:
     """One ``mpiexec`` that starts the job's ranks on this host (see :meth:`CNTKAdapter.launch_command`).
 
     Raises:

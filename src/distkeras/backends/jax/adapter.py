@@ -142,8 +142,7 @@ class JaxAdapter(Adapter):
             "jax.distributed.".format(jax.process_count(), jax.process_index())
         )
 
-    def list_devices(self):
-        # type: () -> List[Device]
+    def list_devices(self) -> List[Device]:
         return [device for device, _ in _local_devices()]
 
     def set_cpu_devices(self, count):
@@ -195,7 +194,6 @@ class JaxAdapter(Adapter):
         import keras
 
         from . import steps as jax_steps
-
         from . import uneven as jax_uneven
 
         compression = check_compression(compression)

@@ -153,7 +153,7 @@ def _hook_metrics(model):
         if group is None or "update_state" in group.__dict__:
             continue
 
-        def masked(y_true, y_pred, sample_weight=None, _own=type(group).update_state.__get__(group)):
+        def masked(y_true, y_pred, sample_weight=None, _own=type(group).update_state.__get__(group)):  # noqa: B008 (binds this group)
             call = current()
             if sample_weight is None and call is not None and call.model is model and call.mask is not None:
                 sample_weight = call.mask
@@ -216,10 +216,9 @@ def pad(data, parts, call):
         DistKerasError: a sample weight with its sign bit set (negative, or -0.0) while padding is on:
             it would be read as padding.
     """
+    import jax
     import keras
     from keras.src.trainers.data_adapters import data_adapter_utils
-
-    import jax
 
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
     leaves = [a for a in keras.tree.flatten(x) if a is not None and getattr(a, "shape", ())]

@@ -98,8 +98,7 @@ SCHEDULER_TIMEOUT = 60.0
 _OPTIMIZER_EXTRAS = ("clip_gradient", "wd", "rescale_grad", "multi_precision")
 
 
-def check_joinable(cluster, env):
-    # type: (Cluster, Mapping[str, str]) -> None
+def check_joinable(cluster: Cluster, env: Mapping[str, str]) -> None:
     """Raise ClusterError when this process is one of several workers but no worker of an MXNet
     parameter-server job -- started by Slurm's srun, torchrun, Ray, MPI, Kubernetes... which start workers
     but not MXNet's scheduler and servers, nor give the ``DMLC_*`` variables ps-lite reads. It would

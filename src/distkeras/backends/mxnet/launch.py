@@ -11,8 +11,7 @@ from ...network import parse_address
 from ...processes import LAUNCHER_ENV
 
 
-def dmlc_env(role, engine, nnodes, world_size, node_host=None):
-    # type: (str, str, int, int, Optional[str]) -> Dict[str, str]
+def dmlc_env(role: str, engine: str, nnodes: int, world_size: int, node_host: Optional[str] = None) -> Dict[str, str]:
     """The ``DMLC_*`` variables MXNet's parameter server (ps-lite) reads, for a process of ``role``.
 
     Every process meets the scheduler at ``engine`` (HOST:PORT); the job has one server per host and
@@ -31,8 +30,13 @@ def dmlc_env(role, engine, nnodes, world_size, node_host=None):
     }
 
 
-def ps_roles(engine, nnodes, node_rank, world_size, node_host=None, python=None, environ=None):
-    # type: (str, int, int, int, Optional[str], Optional[str], Optional[Dict[str, str]]) -> List[Tuple[List[str], Dict[str, str], str]]
+def ps_roles(engine: str,
+             nnodes: int,
+             node_rank: int,
+             world_size: int,
+             node_host: Optional[str] = None,
+             python: Optional[str] = None,
+             environ: Optional[Dict[str, str]] = None) -> List[Tuple[List[str], Dict[str, str], str]]:
     """``(command, env, label)`` of this host's MXNet parameter-server processes: on node rank 0 the
     scheduler, on every host one server (server ``node_rank``). Each is a Python importing mxnet with its
     ``DMLC_ROLE``: ``mxnet/kvstore/kvstore_server.py`` then runs the role until the workers finish, and exits."""

@@ -63,12 +63,12 @@ from typing import List
 
 from ... import cluster as cluster_lib
 from ... import exchange, network
-from ...environments import tf_config
 from ...devices import Device
+from ...environments import tf_config
 from ...errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
 from .. import batchnorm, keras_model, policies, when_imported
-from . import steps as tensorflow_steps
 from ..base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
+from . import steps as tensorflow_steps
 
 _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 #: The wire dtype of each ``compression`` (TensorFlow's names).
@@ -140,8 +140,7 @@ class TensorFlowAdapter(Adapter):
         except Exception as exc:  # raised again, with advice, by distribute()
             self._multi_worker_error = exc
 
-    def list_devices(self):
-        # type: () -> List[Device]
+    def list_devices(self) -> List[Device]:
         import tensorflow as tf
 
         local = _local_task_prefix()

@@ -202,7 +202,7 @@ def gate_keras_loss_scaling():
         if getattr(keras_fn, "_distkeras_gated", False):
             continue
 
-        def gated(value, _keras_fn=keras_fn, _logged=name.startswith("un")):
+        def gated(value, _keras_fn=keras_fn, _logged=name.startswith("un")):  # noqa: B008 (binds this name)
             rows = current()
             if rows is None or not rows.exact_losses:
                 return _keras_fn(value)

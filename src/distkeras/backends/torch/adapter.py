@@ -72,8 +72,7 @@ class TorchAdapter(Adapter):
         Keras builds the model there (Keras' torch backend puts variables on the current CUDA device)."""
         when_imported("torch", lambda: use_local_gpu(cluster.local_rank))
 
-    def list_devices(self):
-        # type: () -> List[Device]
+    def list_devices(self) -> List[Device]:
         """The CUDA GPUs; without any, DISTKERAS_CPU_DEVICES CPU devices (one process each).
 
         Without that variable a launched process reports as many CPU devices as its launcher started
@@ -83,8 +82,8 @@ class TorchAdapter(Adapter):
 
         if torch.cuda.is_available() and torch.cuda.device_count():
             return [Device("gpu", i) for i in range(torch.cuda.device_count())]
-        from ...devices import CPU_DEVICES_ENV
         from ...cluster import from_env
+        from ...devices import CPU_DEVICES_ENV
 
         value = os.environ.get(CPU_DEVICES_ENV, "").strip()
         count = int(value) if value.isdigit() and int(value) > 0 else from_env().local_world_size
@@ -141,7 +140,6 @@ class TorchAdapter(Adapter):
         import torch
 
         from . import launch as torch_launch
-
         from . import trainer as torch_trainer
 
         # Everything that can fail on what the user gave fails here, before any process is started.
