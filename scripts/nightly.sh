@@ -30,6 +30,8 @@ export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 export PATH="$VENV_NIGHTLY/bin:$PATH"
 PY="$VENV_NIGHTLY/bin/python"
 echo "keras-nightly: $("$PY" -c 'import keras; print(keras.__version__, "from", keras.__file__)')"
+# The full matrices (tests/full.py): every pattern at N=2 and N=3, every save reloaded in every backend.
+DISTKERAS_FULL_TESTS="${DISTKERAS_FULL_TESTS:-1}" \
 DISTKERAS_SUITES=tensorflow,jax,torch \
 DISTKERAS_TESTS=tests/backends/test_compat.py,tests/backends/test_distribute.py \
   exec "$PY" "$ROOT/scripts/run_tests.py" "$@"

@@ -5,6 +5,8 @@ Each case asserts: the weights (every one, optimizer-free) equal single-device t
 equals it; the weights moved; the model distkeras returned is the user's own object (checked in
 ``patterns.run``); and N replicas really ran, as the framework itself reports it (not ``describe()``).
 Patterns live in ``patterns.py``; on PyTorch they run on every rank of a worker job (rank 0's result).
+The default run takes each pattern at one of N=2 and N=3, in turn (both counts run, on different patterns); the
+full run (DISTKERAS_FULL_TESTS=1, ``tests/full.py``) takes every pattern at both.
 """
 
 import re
@@ -14,6 +16,7 @@ import pytest
 
 from tests.backends.harness import BACKEND, keras, replicated  # noqa: F401 (skips if the backend is missing)
 from tests.backends import patterns
+from tests.full import alternating
 
 _single = {}
 
@@ -36,8 +39,7 @@ def assert_same_training(expected, got, atol):
         np.testing.assert_allclose(got["history"][key], values, rtol=max(atol, 1e-5), atol=max(atol, 1e-6), err_msg=key)
 
 
-@pytest.mark.parametrize("devices", [2, 3])
-@pytest.mark.parametrize("name", patterns.names(BACKEND))
+@pytest.mark.parametrize("name, devices", alternating(patterns.names(BACKEND)))
 def test_pattern_trains_as_on_one_device(name, devices):
     _, atol = patterns.PATTERNS[name]
     expected = single_device(name)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.backends.harness import BACKEND, PROCESS_BACKENDS
+from tests.full import only_in_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,6 +23,8 @@ def run(args, tmp_path, **env):
                           timeout=600)
 
 
+@only_in_full("the README's demo command (test_the_readme_demo_command_runs_and_exits) runs this demo and checks "
+              "the same output; this adds only --out")
 def test_demo_trains_on_two_devices_reaches_90_percent_and_reloads(tmp_path):
     done = run(["-m", "distkeras", "demo", "--devices", "2", "--out", str(tmp_path)], tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -98,7 +101,10 @@ def test_the_readme_demo_command_runs_and_exits(tmp_path):
     assert not left, "`{}` left processes behind: {}".format(command, [" ".join(p.cmdline()[:4]) for p in left])
     assert stdout.count("demo OK") == 1, stdout[-2000:]
     workers = 2 if BACKEND in PROCESS_BACKENDS else 1  # on torch the demo is a job of one process per device
-    assert "replicas: 2 | backend: {} | rank 0 of {} worker(s)".format(BACKEND, workers) in stdout
+    assert "devices: cpu:0, cpu:1 | replicas: 2 | backend: {} | rank 0 of {} worker(s)".format(BACKEND, workers) in stdout
+    assert "Epoch 30/30" in stdout  # Keras' own progress output
+    assert float(re.search(r"test accuracy: ([0-9.]+)", stdout).group(1)) >= 0.9
+    assert "distkeras imported: False" in stdout
     saved = re.search(r"saved (\S+)/digits_mlp.keras -> reloaded", stdout).group(1)
     assert os.path.dirname(saved) == str(tmp_path) and os.path.exists(os.path.join(saved, "digits_mlp.keras"))
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("distkeras")) == [os.path.basename(saved)]

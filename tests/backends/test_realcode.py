@@ -7,6 +7,8 @@ every optimizer the model holds, evaluate()'s results and predict()'s output, to
 replicas really ran, as the framework reports it (``patterns.replicas_seen``). On PyTorch each program
 runs on every rank of a worker job (``harness.replicated``), rank 0's result compared.
 
+The default run takes each program at one of N=2 and N=3, in turn; the full run (DISTKERAS_FULL_TESTS=1) at both.
+
 ``test_suite_catches_a_perturbed_run`` shows the comparison can fail: one training sample altered on the
 distributed run only must make it raise.
 """
@@ -19,6 +21,7 @@ import pytest
 from tests.backends.harness import BACKEND, keras, replicated  # noqa: F401 (skips if the backend is missing)
 from tests.backends import realcode
 from tests.backends.test_compat import assert_same_training
+from tests.full import alternating
 
 _single = {}
 
@@ -58,8 +61,7 @@ def assert_same_results(expected, got, atol):
         assert got["saved_class"] == expected["saved_class"]
 
 
-@pytest.mark.parametrize("devices", [2, 3])
-@pytest.mark.parametrize("name", sorted(realcode.PROGRAMS))
+@pytest.mark.parametrize("name, devices", alternating(realcode.PROGRAMS))
 def test_program_runs_as_on_one_device(name, devices):
     _, atol = realcode.PROGRAMS[name]
     expected = single_device(name)

@@ -20,13 +20,16 @@ import time
 import numpy as np
 import pytest
 
+from tests import full
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(ROOT, "tests", "clusters", "torchrun_job.py")
 JOB_TIMEOUT = 300
-#: DISTKERAS_TORCHRUN_TESTS=all: every backend in both tests (about twice the time). By default each backend forms
-#: a torchrun job once: JAX in the plain test, PyTorch and TensorFlow in the restart test, whose jobs also train
-#: as one process and count their replicas (its first attempt forms the job, and so does the restarted one).
-ALL = os.environ.get("DISTKERAS_TORCHRUN_TESTS", "") == "all"
+#: DISTKERAS_TORCHRUN_TESTS=all (or the full run, DISTKERAS_FULL_TESTS=1): every backend in both tests (about
+#: twice the time). By default each backend forms a torchrun job once: JAX in the plain test, PyTorch and TensorFlow
+#: in the restart test, whose jobs also train as one process and count their replicas (its first attempt forms the
+#: job, and so does the restarted one).
+ALL = os.environ.get("DISTKERAS_TORCHRUN_TESTS", "") == "all" or full.FULL
 PLAIN = ["tensorflow", "jax", "torch"] if ALL else ["jax"]
 RESTART = ["torch", "tensorflow", "jax"] if ALL else ["torch", "tensorflow"]
 #: The framework each backend needs besides torch (torchrun itself).
@@ -224,7 +227,7 @@ def test_the_exchange_through_a_real_store_is_per_attempt_and_bounded(tmp_path):
     assert out["jax_unshared"]["0"].startswith("127.0.0.1:")
 
 
-@pytest.mark.skipif(not ALL, reason="two namespace hosts under torchrun: DISTKERAS_TORCHRUN_TESTS=all")
+@pytest.mark.skipif(not ALL, reason="two namespace hosts under torchrun: DISTKERAS_TORCHRUN_TESTS=all or DISTKERAS_FULL_TESTS=1")
 @pytest.mark.parametrize("backend", ["tensorflow", "jax"])
 def test_two_hosts_under_torchrun_c10d_train_as_one_process(backend, tmp_path, tmp_path_factory):
     """One worker on each of two network-namespace hosts, torchrun's c10d rendezvous on host 0: the workers'
