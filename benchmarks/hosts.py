@@ -70,10 +70,11 @@ def _setting(name):
 
 def job(args):
     """One worker: time the settings' windows interleaved; rank 0 prints one JSON line."""
+    import distkeras  # first: the engine starts at import
+
     import keras
     import numpy as np
 
-    import distkeras  # first: the engine starts at import
     from benchmarks import workloads
 
     rank = distkeras.cluster.from_env().rank

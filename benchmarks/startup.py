@@ -57,10 +57,9 @@ def build_parser():
 
 def child(args):
     """One run, in this process: the figures as one line of JSON on stdout."""
+    import distkeras  # first: applies DISTKERAS_CPU_DEVICES before the framework starts
     import keras
     import numpy as np
-
-    import distkeras  # first: applies DISTKERAS_CPU_DEVICES before the framework starts
 
     from . import measure, variants, workloads
 

@@ -139,9 +139,8 @@ def plain(workload, devices, fit=fit_variant):
 def distributed(workload, devices, options=None, fit=fit_variant, key="distkeras"):
     """b (or b2, ``key``): the plain model handed to ``distkeras.distribute`` (with ``options``, the adapter's
     keyword arguments); ``marks["distribute"]`` is the call. ``fit``: as :func:`fit_variant`."""
-    import keras
-
     import distkeras
+    import keras
 
     marks = {"setup": time.perf_counter()}
     model = workload.build(keras)

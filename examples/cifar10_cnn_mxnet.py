@@ -13,11 +13,10 @@ On a machine with GPUs, leave DISTKERAS_CPU_DEVICES unset and every GPU is used.
 
 import argparse
 
+import distkeras  # distkeras: import before keras (on Python >= 3.10 keras-mxnet imports only after it)
 import keras
 import numpy as np
 from keras.preprocessing.image import ImageDataGenerator
-
-import distkeras  # distkeras: import before keras (on Python >= 3.10 keras-mxnet imports only after it)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--quick", action="store_true", help="512 images, 3 epochs: well under a minute on a CPU")

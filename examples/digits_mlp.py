@@ -8,11 +8,10 @@ On a machine with GPUs, leave DISTKERAS_CPU_DEVICES unset and every GPU is used.
 
 import argparse
 
+import distkeras  # distkeras: import before Keras, so DISTKERAS_CPU_DEVICES can split the CPU
 import keras
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
-
-import distkeras  # distkeras: import before Keras, so DISTKERAS_CPU_DEVICES can split the CPU
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=30)

@@ -16,13 +16,13 @@ Needs CNTK 2.7 and Keras 2.3.1 (CPython 3.5/3.6) and mpiexec (Open MPI: 1.10, wh
 
 import argparse
 
-import keras
 import numpy as np
+
+import distkeras  # distkeras: before keras
+import keras
 from keras.layers import Dense, Dropout
 from keras.models import Sequential
 from keras.optimizers import RMSprop
-
-import distkeras  # distkeras: before keras
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--quick", action="store_true", help="4096 images, 2 epochs: seconds on a CPU")

@@ -15,10 +15,9 @@ sees, --backup); rank 0 alone prints and saves the model, a plain Keras model.
 import argparse
 import os
 
+import distkeras  # distkeras: import before keras, so the job forms before the backend starts
 import keras
 import numpy as np
-
-import distkeras  # distkeras: import before keras, so the job forms before the backend starts
 from distkeras.callbacks import BackupAndRestore  # distkeras: atomic checkpoints, written by rank 0
 
 parser = argparse.ArgumentParser()
