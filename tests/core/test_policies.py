@@ -97,6 +97,45 @@ def test_rank0_saves_atomically_and_a_failed_save_leaves_the_previous_file(tmp_p
     assert os.listdir(str(tmp_path)) == ["model.keras"]  # no temporary file left behind
 
 
+class Talker(Model):
+    """Stands in for a Keras model's fit/evaluate/predict: records the verbosity each call ran with."""
+
+    def __init__(self):
+        Model.__init__(self)
+        self.verbosity = []
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None):
+        self.verbosity.append(verbose)
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto"):
+        self.verbosity.append(verbose)
+
+    def predict(self, x, batch_size=None, verbose="auto"):
+        self.verbosity.append(verbose)
+
+
+@pytest.mark.parametrize("backend_hook", [False, True])
+def test_other_ranks_run_quietly_also_through_a_backends_own_hook(backend_hook):
+    """Rank 1's fit/evaluate/predict run with verbose=0 however the call passes it, also when a backend hooked the
+    method first with a plain ``(*args, **kwargs)`` wrapper (TensorFlow's PyDataset one did, and rank 1 printed)."""
+    from distkeras.backends import keras_model
+
+    model = Talker()
+    if backend_hook:
+        for name in ("fit", "evaluate", "predict"):
+            keras_model.hook(model, name, lambda *args, _m=getattr(model, name), **kwargs: _m(*args, **kwargs))
+    policies.rank0_speaks_and_writes(model, 1)
+    model.fit([1], [1], 4, 2, 2)  # verbose=2 given by position
+    model.fit(x=[1], verbose=1)
+    model.evaluate([1], [1])
+    model.predict([1], verbose=1)
+    assert model.verbosity == [0, 0, 0, 0]
+    rank0 = Talker()
+    policies.rank0_speaks_and_writes(rank0, 0)
+    rank0.fit([1], verbose=2)
+    assert rank0.verbosity == [2]
+
+
 def test_other_ranks_write_nothing_at_the_path_and_leave_nothing(tmp_path):
     model = Model()
     policies.rank0_writes(model, 1)

@@ -131,6 +131,8 @@ def rank0_speaks_and_writes(model, rank):
         for name in ("fit", "evaluate", "predict"):
             method = getattr(model, name)
             signature = inspect.signature(method)
+            if "verbose" not in signature.parameters:  # a backend's hook taking (*args, **kwargs): Keras' own
+                signature = inspect.signature(getattr(type(model), name).__get__(model))
 
             def quiet(*args, _method=method, _signature=signature, **kwargs):
                 bound = _signature.bind(*args, **kwargs)

@@ -688,6 +688,7 @@ def _py_datasets_as_global_batches(model, tf):
     for name in ("fit", "evaluate", "predict"):
         method = getattr(model, name)
 
+        @functools.wraps(method)
         def call(*args, _method=method, **kwargs):
             data = args[0] if args else kwargs.get("x")
             if isinstance(data, keras.utils.PyDataset):
