@@ -716,7 +716,7 @@ def distiller(devices, perturb=False):
 
 def siamese_contrastive(devices, perturb=False):
     keras = _keras()
-    layers, ops = keras.layers, keras.ops
+    _layers, ops = keras.layers, keras.ops
     keras.utils.set_random_seed(0)
 
     def euclidean_distance(vects):

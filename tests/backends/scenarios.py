@@ -214,7 +214,7 @@ def save_load_rounds(devices, directory, rounds=3):
         model.save(path)
         after_rank0_wrote()
         model = keras.saving.load_model(path)
-        seen.append(([type(l).__name__ for l in model.layers], len(model.weights)))
+        seen.append(([type(layer).__name__ for layer in model.layers], len(model.weights)))
     return seen
 
 

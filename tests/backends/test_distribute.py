@@ -6,7 +6,6 @@ process for TensorFlow and JAX, on every rank of a ``devices``-process job for P
 The assertions stay here and are the same on every backend."""
 
 import json
-import logging
 import os
 import re
 import subprocess

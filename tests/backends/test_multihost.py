@@ -151,7 +151,7 @@ def test_a_lost_host_ends_the_job_within_the_bound_naming_its_rank_and_the_job_r
     again = time.time()
     results = finish(start(hosts, commands(hosts, 1, tmp_path, "resume")))
     print("resumed job ran {:.1f} s".format(time.time() - again))
-    for i, (code, out, err) in results.items():
+    for i, (code, _out, err) in results.items():
         assert code == 0, "host {}:\n{}".format(i, err[-4000:])
     assert "[rank 0] Epoch 3/4" in results[0][1] and "Epoch 1/4" not in results[0][1]
     assert_close(single_process_weights(), rank_weights(tmp_path, 0))

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest

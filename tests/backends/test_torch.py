@@ -193,7 +193,7 @@ def test_cpu_processes_share_the_cores():
     """N processes on one CPU: cores // N threads each, not N times the cores; OMP_NUM_THREADS is kept."""
     for threads, cores in (o.result for o in job(2).run(threads_after_distribute, 2, None, timeout=TIMEOUT)):
         assert threads == max(1, cores // 2)
-    for threads, cores in (o.result for o in job(2).run(threads_after_distribute, 2, 3, timeout=TIMEOUT)):
+    for threads, _ in (o.result for o in job(2).run(threads_after_distribute, 2, 3, timeout=TIMEOUT)):
         assert threads == os.cpu_count()
 
 

@@ -27,8 +27,6 @@ def framework_facts(model):
 
     backend = keras.backend.backend()
     if backend == "tensorflow":
-        import tensorflow as tf
-
         resolver = model.distribute_strategy.cluster_resolver
         return {"replicas": model.distribute_strategy.num_replicas_in_sync, "rank": resolver.task_id}
     if backend == "jax":

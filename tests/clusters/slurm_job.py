@@ -19,11 +19,11 @@ import time
 MODE = sys.argv[2] if len(sys.argv) > 2 else "train"
 if MODE != "single":
     import distkeras  # first: a multi-worker engine starts before the backend's first op
-import keras
-import numpy as np
+import keras  # noqa: E402 (after distkeras, on purpose)
+import numpy as np  # noqa: E402
 
-from tests.backends import scenarios
-from tests.backends.multiworker_job import framework_replicas  # the replica count as the framework reports it
+from tests.backends import scenarios  # noqa: E402
+from tests.backends.multiworker_job import framework_replicas  # noqa: E402 (the replica count as the framework reports it)
 
 EPOCHS = 4
 

@@ -123,7 +123,7 @@ def run_block(where, env, code):
 def test_every_block_is_run_or_says_why():
     entries = plan()
     assert any(env for _, env, _, _ in entries), "no runnable python block found"
-    for where, env, reason, code in entries:
+    for where, env, reason, _code in entries:
         if env is None:
             assert len(reason) >= 10, "{}: say why the block can't run".format(where)
 

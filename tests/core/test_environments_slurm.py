@@ -121,7 +121,7 @@ def test_srun_two_tasks_per_node():
     cluster = Slurm().read(N2_PER_NODE2_RANK3)
     port = coordinator_port(N2_PER_NODE2_RANK3)
     assert (cluster.rank, cluster.world_size, cluster.local_rank, cluster.local_world_size) == (3, 4, 1, 2)
-    assert cluster.workers == tuple("n{}:{}".format(n, port + 1 + l) for n in (0, 1) for l in (0, 1))
+    assert cluster.workers == tuple("n{}:{}".format(n, port + 1 + local) for n in (0, 1) for local in (0, 1))
 
 
 def test_cyclic_steps_place_ranks_round_robin():

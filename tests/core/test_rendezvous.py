@@ -131,7 +131,7 @@ def test_a_preempted_worker_on_one_host_ends_every_host_with_75_not_as_a_crash(t
     """Exit 75 (a worker stopped after a SIGTERM, its checkpoint written) on node 1: node 0's launcher is told,
     lets its workers stop after the same step on their own (no SIGTERM), and exits 75 as well."""
     node0, node1, _ = two_hosts(tmp_path, "--backend", "torch", env={"FAIL_RANK": "1", "FAIL_CODE": "75"})
-    (code0, out0, err0), (code1, out1, err1) = finish(node0), finish(node1)
+    (code0, out0, err0), (code1, _out1, err1) = finish(node0), finish(node1)
     assert code1 == launch.EXIT_PREEMPTED and code0 == launch.EXIT_PREEMPTED, err0 + err1
     assert "rank 1 was preempted (exit code 75)" in err1 and "died" not in err0 + err1
     assert "this host's workers stop after the same step" in err0 and "sigterm" not in out0

@@ -10,7 +10,7 @@ def test_block_bounds_match_the_cntk_recipe_for_every_size_up_to_1000_by_16():
         for n in range(0, 1001):
             bounds = [shard_bounds(n, r, workers) for r in range(workers)]
             assert bounds[0][0] == 0 and bounds[-1][1] == n
-            for (s0, e0), (s1, _) in zip(bounds, bounds[1:]):
+            for (_s0, e0), (s1, _) in zip(bounds, bounds[1:]):
                 assert e0 == s1  # contiguous, disjoint, in order
             sizes = [e - s for s, e in bounds]
             assert max(sizes) - min(sizes) <= 1

@@ -270,7 +270,7 @@ x = np.load(sys.argv[3])
 np.save(sys.argv[4], model.predict(x))
 np.save(sys.argv[5], plain.predict(x))
 print(json.dumps({"distkeras": "distkeras" in sys.modules, "class": type(model).__name__,
-                  "layers": [type(l).__name__ for l in model.layers],
+                  "layers": [type(layer).__name__ for layer in model.layers],
                   "optimizer": [type(model.optimizer).__name__, model.optimizer.get_config()]}))
 """
 
@@ -349,7 +349,7 @@ def test_save_load_distribute_rounds_never_nest(tmp_path):
         path = str(tmp_path / "round{}.h5".format(round_))
         model.save(path)
         model = keras.models.load_model(path)
-        assert [type(l).__name__ for l in model.layers] == ["Dense", "Dense"]
+        assert [type(layer).__name__ for layer in model.layers] == ["Dense", "Dense"]
         assert len(model.weights) == 4
     assert os.path.getsize(str(tmp_path / "round2.h5")) <= os.path.getsize(str(tmp_path / "round0.h5")) * 1.05
 
