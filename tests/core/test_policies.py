@@ -123,7 +123,8 @@ def test_other_ranks_run_quietly_also_through_a_backends_own_hook(backend_hook):
     model = Talker()
     if backend_hook:
         for name in ("fit", "evaluate", "predict"):
-            keras_model.hook(model, name, lambda *args, _m=getattr(model, name), **kwargs: _m(*args, **kwargs))
+            own = getattr(model, name)
+            keras_model.hook(model, name, lambda *args, _m=own, **kwargs: _m(*args, **kwargs))
     policies.rank0_speaks_and_writes(model, 1)
     model.fit([1], [1], 4, 2, 2)  # verbose=2 given by position
     model.fit(x=[1], verbose=1)
