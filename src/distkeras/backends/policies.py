@@ -344,6 +344,27 @@ def sync_random_state(broadcast, framework=None):
     set_random_states(pickle.loads(broadcast(data)), framework)
 
 
+def every_epoch(callback_class, broadcast, framework=None):
+    """A Keras callback (an instance of a subclass of ``callback_class``, the ``keras.callbacks.Callback`` of the
+    model's Keras) that calls :func:`sync_random_state` with ``broadcast`` and ``framework`` at every epoch's start:
+    every rank then shuffles (and draws) alike in that epoch. Collective, like :func:`sync_random_state`.
+    Used by JAX and TensorFlow across processes."""
+
+    class SameRandomState(callback_class):
+        def on_epoch_begin(self, epoch, logs=None):
+            sync_random_state(broadcast, framework)
+
+    return SameRandomState()
+
+
+def with_callback(callbacks, callback):
+    """``fit()``'s ``callbacks`` argument with ``callback`` added last (after any draw of the user's callbacks),
+    or None where the caller gave a ready ``CallbackList``, which distkeras leaves as it is."""
+    if callbacks is None or isinstance(callbacks, (list, tuple)):
+        return list(callbacks or []) + [callback]
+    return None
+
+
 #: Bytes :func:`broadcast_by_sum` carries: Python's and NumPy's pickled states take about 7 KiB.
 BROADCAST_BYTES = 1 << 14
 
