@@ -7,9 +7,10 @@ with) at every epoch's start, and on TensorFlow rank 0's global seed for the tf.
 fit(). A job whose workers shuffled apart would train on some samples twice and skip others in an epoch."""
 
 import numpy as np
+import pytest
 
 from tests.backends import scenarios
-from tests.backends.harness import keras
+from tests.backends.harness import BACKEND, keras
 from tests.backends.multiworker_job import EPOCHS, SHUFFLE_SEED
 from tests.backends.test_multiworker import assert_close, launch, rank_weights
 
@@ -30,3 +31,32 @@ def test_workers_seeded_apart_shuffle_as_rank_0_and_train_as_one_process(tmp_pat
     for a, b in zip(r0, r1):
         np.testing.assert_array_equal(a, b)
     assert_close(one_process_seeded_as_rank_0(), r0)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's global seed, fixed into Keras' tf.data shuffle")
+def test_tensorflow_builds_the_shuffle_of_arrays_under_the_held_seed_and_keeps_its_own_seed():
+    """The window a multi-worker fit() call holds rank 0's seed in: the pipeline built there shuffles as one built
+    under that global seed (every epoch alike, as Keras' seeded shuffle does), and the process' own global seed
+    (here none) is TensorFlow's again afterwards."""
+    import tensorflow as tf
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+    from tensorflow.python.eager import context
+
+    from distkeras.backends.tensorflow import adapter
+
+    def permutations(epochs=2):
+        dataset = ArrayDataAdapter(np.arange(64), batch_size=64, shuffle=True).get_tf_dataset()
+        return [next(iter(dataset)).numpy().tolist() for _ in range(epochs)]
+
+    assert adapter._build_shuffles_under_held_seed("keras")
+    tf.random.set_seed(7)
+    seeded = permutations()
+    tf.random.set_seed(None)
+    adapter._shuffle_seed.value = 7
+    try:
+        held = permutations()
+    finally:
+        adapter._shuffle_seed.value = None
+    assert held == seeded and held[0] == held[1] and sorted(held[0]) == list(range(64))
+    assert context.global_seed() is None
+    assert permutations(1)[0] != seeded[0]  # unseeded again: a permutation of its own (equal with p = 1/64!)
