@@ -14,8 +14,9 @@ adapters do.
   folder renamed onto the target once complete; the other ranks leave nothing on disk.
 - **The fit-argument checks** (:func:`check_same_everywhere`): every worker of a job must make the same
   ``fit()``/``evaluate()``/``predict()`` calls on arrays, or the job hangs in the first step one of them skips.
-- **Random-state sync** (:func:`sync_random_state`): every rank takes rank 0's global random states, given
-  the backend's "broadcast these bytes from rank 0".
+- **Random-state sync** (:func:`sync_random_state`, :func:`every_epoch`): every rank takes rank 0's global random
+  states, given the backend's "broadcast these bytes from rank 0", at fit()'s start and every epoch's: each
+  worker holds the whole data set and takes its part of every global batch, so every worker must shuffle alike.
 """
 
 import functools
@@ -338,7 +339,9 @@ def sync_random_state(broadcast, framework=None):
     Collective: every rank calls it. ``broadcast(data)`` is the backend's "broadcast these bytes from rank 0":
     every rank passes its own bytes and gets rank 0's back (PyTorch: ``broadcast_object_list``; MXNet:
     :func:`broadcast_by_sum` over its KVStore). ``framework``: as in :func:`random_states`. Used by PyTorch
-    (at ``fit()``'s start and every epoch's) and MXNet (every epoch's start, before Keras 2 shuffles).
+    (at ``fit()``'s start and every epoch's), MXNet and JAX (every epoch's start, before Keras shuffles with NumPy)
+    and TensorFlow (at ``fit()``'s start, ``framework`` carrying rank 0's global seed for the tf.data shuffle, and
+    every epoch's).
     """
     data = pickle.dumps(random_states(framework), protocol=2)
     set_random_states(pickle.loads(broadcast(data)), framework)
