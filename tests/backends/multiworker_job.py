@@ -17,6 +17,7 @@ many replicas the framework itself counts ("framework replicas N").
 """
 
 import os
+import random
 import signal
 import sys
 import time
@@ -137,6 +138,8 @@ def main(out_dir, mode):
         keras.utils.set_random_seed(SHUFFLE_SEED + rank)  # a different random state on every rank
     model.fit(epochs=EPOCHS, verbose=1, shuffle=mode == "shuffle", callbacks=callbacks, **data)
     np.savez(os.path.join(out_dir, "rank{}.npz".format(rank)), *model.get_weights())
+    if mode == "shuffle":  # the states every rank took from rank 0 at the last epoch's start, drawn alike since
+        print("drawn after fit", np.random.randint(1 << 30), random.getrandbits(30))
     print("describe", distkeras.describe(model))
     print("framework replicas", framework_replicas(model))
 

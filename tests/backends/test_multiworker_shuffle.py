@@ -31,6 +31,9 @@ def test_workers_seeded_apart_shuffle_as_rank_0_and_train_as_one_process(tmp_pat
     for a, b in zip(r0, r1):
         np.testing.assert_array_equal(a, b)
     assert_close(one_process_seeded_as_rank_0(), r0)
+    # Python's and NumPy's states too: taken from rank 0 at the last epoch's start, the same on both ranks after.
+    drawn = [line.split("] ", 1)[1] for line in done.stdout.splitlines() if "drawn after fit" in line]
+    assert len(drawn) == 2 and drawn[0] == drawn[1], drawn
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's global seed, fixed into Keras' tf.data shuffle")

@@ -274,7 +274,7 @@ def _same_random_state_every_epoch(model):
     epoch. With rank 0's state on every process, every step takes the rows rank 0 alone would take.
     """
     fit = model.fit
-    signature = inspect.signature(fit)
+    signature = inspect.signature(type(model).fit.__get__(model))  # Keras' own, whatever wraps it
 
     @functools.wraps(fit)
     def same_shuffle_fit(*args, **kwargs):

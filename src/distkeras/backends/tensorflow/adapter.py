@@ -703,6 +703,7 @@ def _py_datasets_as_global_batches(model, tf):
     for name in ("fit", "evaluate", "predict"):
         method = getattr(model, name)
 
+        @functools.wraps(method)  # Keras' signature, which rank0_speaks_and_writes binds verbose=0 into
         def call(*args, _method=method, **kwargs):
             data = args[0] if args else kwargs.get("x")
             if isinstance(data, keras.utils.PyDataset):
@@ -745,7 +746,7 @@ def _same_shuffle_on_every_worker(model, tf, strategy, rank):
     reached = _build_shuffles_under_held_seed(package)
     callback_class = keras_model.keras_module(model).callbacks.Callback
     fit = model.fit
-    signature = inspect.signature(fit)
+    signature = inspect.signature(type(model).fit.__get__(model))  # Keras' own, whatever wraps it
 
     @functools.wraps(fit)
     def same_shuffle_fit(*args, **kwargs):
