@@ -9,12 +9,15 @@ mid-epoch 2), "raise" (rank 1 raises mid-epoch 2), "resume" (like train, with
 distkeras.callbacks.BackupAndRestore in OUT_DIR/ckpt), "stall"
 (like resume, but mid-epoch 2 every rank other than 0 writes OUT_DIR/stalled-rank{R} and sleeps, so rank 0
 waits in a collective: the test then takes a host away), "preempt" (like resume, but after batch 3 of epoch 2
-rank 1 writes its pid to OUT_DIR/ready and waits for OUT_DIR/sent: the test SIGTERMs it in between). Every
+rank 1 writes its pid to OUT_DIR/ready and waits for OUT_DIR/sent: the test SIGTERMs it in between), "shuffle"
+(like train, with fit's default shuffle=True after every rank seeds Python, NumPy and the backend with
+keras.utils.set_random_seed(SHUFFLE_SEED + rank): each rank's own random state). Every
 worker is given the whole data set; every rank writes its final weights to OUT_DIR/rank{R}.npz and prints how
 many replicas the framework itself counts ("framework replicas N").
 """
 
 import os
+import random
 import signal
 import sys
 import time
@@ -27,6 +30,8 @@ from distkeras.callbacks import BackupAndRestore
 from tests.backends import scenarios
 
 EPOCHS = 4
+#: Rank R seeds its random generators with SHUFFLE_SEED + R in mode "shuffle".
+SHUFFLE_SEED = 100
 
 
 class KillRankOne(keras.callbacks.Callback):
@@ -129,8 +134,12 @@ def main(out_dir, mode):
         data = {"x": Batches(x, y, 12)}
     else:
         data = {"x": x, "y": y, "batch_size": 11 if mode == "uneven" else 12}
-    model.fit(epochs=EPOCHS, verbose=1, shuffle=False, callbacks=callbacks, **data)
+    if mode == "shuffle":
+        keras.utils.set_random_seed(SHUFFLE_SEED + rank)  # a different random state on every rank
+    model.fit(epochs=EPOCHS, verbose=1, shuffle=mode == "shuffle", callbacks=callbacks, **data)
     np.savez(os.path.join(out_dir, "rank{}.npz".format(rank)), *model.get_weights())
+    if mode == "shuffle":  # the states every rank took from rank 0 at the last epoch's start, drawn alike since
+        print("drawn after fit", np.random.randint(1 << 30), random.getrandbits(30))
     print("describe", distkeras.describe(model))
     print("framework replicas", framework_replicas(model))
 

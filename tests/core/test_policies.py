@@ -254,6 +254,18 @@ def test_a_framework_state_travels_along():
     assert held["state"] == b"rank 0"
 
 
+def test_the_epoch_callback_takes_rank0s_states_and_goes_last():
+    rank0 = pickle.dumps(dict(policies.random_states(), python=random.Random(0).getstate()), protocol=2)
+    callback = policies.every_epoch(object, lambda data: rank0)
+    random.seed(1)
+    callback.on_epoch_begin(0)
+    assert random.getstate() == random.Random(0).getstate()
+    mine = object()
+    assert policies.with_callback(None, callback) == [callback]
+    assert policies.with_callback((mine,), callback) == [mine, callback]
+    assert policies.with_callback(object(), callback) is None  # a CallbackList: left as the user made it
+
+
 def test_a_broadcast_by_sum_refuses_more_bytes_than_it_carries():
     with pytest.raises(ValueError, match="at most 4 bytes"):
         policies.broadcast_by_sum(lambda v: v, 0, size=4)(b"12345")

@@ -14,8 +14,9 @@ adapters do.
   folder renamed onto the target once complete; the other ranks leave nothing on disk.
 - **The fit-argument checks** (:func:`check_same_everywhere`): every worker of a job must make the same
   ``fit()``/``evaluate()``/``predict()`` calls on arrays, or the job hangs in the first step one of them skips.
-- **Random-state sync** (:func:`sync_random_state`): every rank takes rank 0's global random states, given
-  the backend's "broadcast these bytes from rank 0".
+- **Random-state sync** (:func:`sync_random_state`, :func:`every_epoch`): every rank takes rank 0's global random
+  states, given the backend's "broadcast these bytes from rank 0", at fit()'s start and every epoch's: each
+  worker holds the whole data set and takes its part of every global batch, so every worker must shuffle alike.
 """
 
 import functools
@@ -340,10 +341,33 @@ def sync_random_state(broadcast, framework=None):
     Collective: every rank calls it. ``broadcast(data)`` is the backend's "broadcast these bytes from rank 0":
     every rank passes its own bytes and gets rank 0's back (PyTorch: ``broadcast_object_list``; MXNet:
     :func:`broadcast_by_sum` over its KVStore). ``framework``: as in :func:`random_states`. Used by PyTorch
-    (at ``fit()``'s start and every epoch's) and MXNet (every epoch's start, before Keras 2 shuffles).
+    (at ``fit()``'s start and every epoch's), MXNet and JAX (every epoch's start, before Keras shuffles with NumPy)
+    and TensorFlow (at ``fit()``'s start, ``framework`` carrying rank 0's global seed for the tf.data shuffle, and
+    every epoch's).
     """
     data = pickle.dumps(random_states(framework), protocol=2)
     set_random_states(pickle.loads(broadcast(data)), framework)
+
+
+def every_epoch(callback_class, broadcast, framework=None):
+    """A Keras callback (an instance of a subclass of ``callback_class``, the ``keras.callbacks.Callback`` of the
+    model's Keras) that calls :func:`sync_random_state` with ``broadcast`` and ``framework`` at every epoch's start:
+    every rank then shuffles (and draws) alike in that epoch. Collective, like :func:`sync_random_state`.
+    Used by JAX and TensorFlow across processes."""
+
+    class SameRandomState(callback_class):
+        def on_epoch_begin(self, epoch, logs=None):
+            sync_random_state(broadcast, framework)
+
+    return SameRandomState()
+
+
+def with_callback(callbacks, callback):
+    """``fit()``'s ``callbacks`` argument with ``callback`` added last (after any draw of the user's callbacks),
+    or None where the caller gave a ready ``CallbackList``, which distkeras leaves as it is."""
+    if callbacks is None or isinstance(callbacks, (list, tuple)):
+        return list(callbacks or []) + [callback]
+    return None
 
 
 #: Bytes :func:`broadcast_by_sum` carries: Python's and NumPy's pickled states take about 7 KiB.

@@ -232,6 +232,8 @@ class JaxAdapter(Adapter):
                               jax_steps.WIRE[compression], cluster.rank)
         for name in _SCOPED:
             keras_model.hook(model, name, _scoped(getattr(model, name), model, distribution, name))
+        if cluster.is_multi_worker:
+            _same_random_state_every_epoch(model)
         policies.rank0_speaks_and_writes(model, cluster.rank)
         return model
 
@@ -259,6 +261,49 @@ class JaxAdapter(Adapter):
                     devices[0].kind, [str(d) for d in devices], len(local_devices), len(mine))
             )
         return [d for d in jax.devices() if d.platform == local_devices[0].platform]
+
+
+def _same_random_state_every_epoch(model):
+    """fit() across processes: every process takes rank 0's Python and NumPy random states at every epoch's start
+    (:func:`~distkeras.backends.policies.sync_random_state` over :func:`_broadcast_bytes`; a callback added last).
+
+    Keras' JAX trainer shuffles arrays with NumPy's global generator (``np.random.permutation``, drawn when the
+    epoch's first batch is taken, after ``on_epoch_begin``), and each process materialises its devices' slices of
+    the global batch from its own permutation (``jax.make_array_from_callback``): processes whose states differed
+    (another seed, or draws of their own before fit) would train on some samples twice and skip others in an
+    epoch. With rank 0's state on every process, every step takes the rows rank 0 alone would take.
+    """
+    fit = model.fit
+    signature = inspect.signature(type(model).fit.__get__(model))  # Keras' own, whatever wraps it
+
+    @functools.wraps(fit)
+    def same_shuffle_fit(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        callback = policies.every_epoch(keras_model.keras_module(model).callbacks.Callback, _broadcast_bytes)
+        callbacks = policies.with_callback(bound.arguments.get("callbacks"), callback)
+        if callbacks is None:
+            logger.warning("fit() was given a CallbackList: its callbacks run as given, and the processes take "
+                           "rank 0's random state at no epoch's start, so a shuffle differs between processes "
+                           "unless they are seeded alike. Pass a list of callbacks instead.")
+        else:
+            bound.arguments["callbacks"] = callbacks
+        return fit(*bound.args, **bound.kwargs)
+
+    keras_model.hook(model, "fit", same_shuffle_fit)
+
+
+def _broadcast_bytes(data):
+    """Process 0's ``data`` (bytes) on every process: ``broadcast_one_to_all`` of a buffer of one size
+    (:data:`~distkeras.backends.policies.BROADCAST_BYTES`, after a 4-byte length), every process calling it."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    size = policies.BROADCAST_BYTES
+    if len(data) > size:
+        raise ValueError("Expected at most {} bytes to broadcast. Received: {} bytes".format(size, len(data)))
+    buffer = np.frombuffer((len(data).to_bytes(4, "little") + data).ljust(4 + size, b"\0"), np.uint8)
+    received = np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes()
+    return received[4:4 + int.from_bytes(received[:4], "little")]
 
 
 def _local_devices():
