@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.backends.harness import BACKEND, PROCESS_BACKENDS
-from tests.full import only_in_full
+from tests.full import FULL, only_in_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -110,6 +110,10 @@ def test_the_readme_demo_command_runs_and_exits(tmp_path):
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("distkeras")) == [os.path.basename(saved)]
 
 
+@pytest.mark.skipif(not FULL and BACKEND != "tensorflow", reason=(
+    "full run only (DISTKERAS_FULL_TESTS=1): the example is the same backend-neutral script on every backend; the "
+    "default run runs it on TensorFlow, and the README demo command (the same model through `distkeras demo`) on "
+    "every backend"))
 def test_example_script_runs_unchanged(tmp_path):
     done = run([os.path.join(ROOT, "examples", "digits_mlp.py"), "--epochs", "20"], tmp_path, DISTKERAS_CPU_DEVICES="2")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
