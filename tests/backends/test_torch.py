@@ -17,7 +17,7 @@ import pytest
 
 from tests.backends.harness import BACKEND, job, keras
 from tests.backends import scenarios, torch_cases
-from tests.full import at
+from tests.full import at, only_in_full
 
 import distkeras
 
@@ -291,6 +291,7 @@ def test_ranks_saving_to_different_paths_never_wait_for_each_other(tmp_path):
     assert len(reloaded.weights) == len(scenarios.build(keras).weights)
 
 
+@only_in_full("tests/backends/test_multihost.py trains 2 namespace hosts x 2 processes to one process' weights")
 def test_two_hosts_of_two_processes():
     # 4 processes as 2 simulated hosts: the rendezvous doesn't care where the ranks are.
     outcomes = job(4, local_size=2).run(scenarios.describe, 2, timeout=TIMEOUT)
