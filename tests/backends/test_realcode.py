@@ -21,7 +21,7 @@ import pytest
 from tests.backends.harness import BACKEND, keras, replicated  # noqa: F401 (skips if the backend is missing)
 from tests.backends import realcode
 from tests.backends.test_compat import assert_same_training
-from tests.full import alternating
+from tests.full import FULL, alternating
 
 _single = {}
 
@@ -70,6 +70,9 @@ def test_program_runs_as_on_one_device(name, devices):
     assert_same_results(expected, got, atol)
 
 
+@pytest.mark.skipif(not FULL and BACKEND != "tensorflow", reason=(
+    "full run only (DISTKERAS_FULL_TESTS=1): it checks the comparison (the same code on every backend); the default "
+    "run checks it on TensorFlow"))
 def test_suite_catches_a_perturbed_run():
     """One training sample altered on the distributed run only: the comparison must raise."""
     name = "callbacks"
