@@ -239,7 +239,7 @@ def distribute(model, devices=None, **options):
         ModelError: ``model`` is not a Keras model, or a Keras 2 model that is not built.
         DeviceSpecError: ``devices`` is malformed or names a device that isn't there.
         BackendError / BackendUnavailableError: the Keras backend is unsupported or not installed.
-        OptionError: an option the backend doesn't know.
+        OptionError: an option the backend doesn't know, or ``shard`` on a backend that can't shard.
 
     Examples:
         >>> model = distkeras.distribute(model, devices=2)   # distkeras: the one added line
@@ -247,6 +247,8 @@ def distribute(model, devices=None, **options):
     """
     adapter = _adapter_for(model)
     adapter.check_options(options)
+    if "shard" not in adapter.options:
+        options.pop("shard", None)  # None, which check_options allowed on a backend that doesn't shard
     if not getattr(model, "built", False) and not adapter.late_variables:
         raise ModelError(
             "The {} backend replicates the variables a model has when it is distributed, and this {} is not "

@@ -26,6 +26,23 @@ def check_compression(value: object) -> Optional[str]:
     return name
 
 
+#: Values of the ``shard`` option besides None (ZeRO's stages 1, 2 and 3).
+SHARD_MODES = ("optimizer", "gradients", "all")
+SHARD_HELP = ("sharded training state (ZeRO): None (default: every replica holds everything), 'optimizer' (each "
+              "replica keeps 1/N of the optimizer state), 'gradients' (and gradients are reduce-scattered), 'all' "
+              "(and the weights themselves, gathered when a layer runs)")
+#: The backends whose adapters take ``shard`` (named in the error the others give).
+SHARDING_BACKENDS = ("torch", "jax")
+
+
+def check_shard(value: object) -> Optional[str]:
+    """``None``, ``"optimizer"``, ``"gradients"`` or ``"all"``; anything else is an OptionError listing them."""
+    if value is None or (isinstance(value, str) and value in SHARD_MODES):
+        return value  # type: ignore[return-value]
+    raise OptionError(
+        "Expected shard to be one of None, 'optimizer', 'gradients', 'all'. Received: shard={!r}".format(value))
+
+
 #: Where the NVIDIA driver lists the node's GPUs, one folder each: counted without a framework.
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
 
@@ -85,6 +102,9 @@ class Adapter(abc.ABC):
     install_hint = ""
     #: Option names :meth:`distribute` accepts, with a one-line description each.
     options: Dict[str, str] = {}
+    #: Why this backend can't shard training state (``shard=``), for the OptionError; None where it can (its
+    #: :attr:`options` then name ``shard``).
+    shard_unsupported: Optional[str] = "it has no sharded variables"
     #: Whether :meth:`distribute` takes a model that is not built yet (Keras 3): the variables it creates
     #: later, when its first ``fit()`` builds it, are created distributed. Keras 2 adapters need them now.
     late_variables = False
@@ -201,7 +221,20 @@ class Adapter(abc.ABC):
         return lambda *args: {}
 
     def check_options(self, options: Dict[str, object]) -> None:
-        """Reject options this adapter doesn't know, naming the ones it does."""
+        """Reject options this adapter doesn't know, naming the ones it does.
+
+        ``shard`` is checked on every backend (a bad value lists the valid ones); a backend that can't shard
+        accepts ``shard=None`` and stops at any other value with its reason and the backends that shard.
+        """
+        if "shard" in options and "shard" not in self.options:
+            mode = check_shard(options["shard"])
+            if mode is not None:
+                raise OptionError(
+                    "shard={!r} needs sharded training state, and the {} backend can't hold it: {}. Sharding runs "
+                    "on the {} backends (set KERAS_BACKEND); on {} use shard=None (the default).".format(
+                        mode, self.name, self.shard_unsupported,
+                        " and ".join("PyTorch" if n == "torch" else "JAX" for n in SHARDING_BACKENDS), self.name))
+            options = {k: v for k, v in options.items() if k != "shard"}
         unknown = sorted(set(options) - set(self.options))
         if unknown:
             known = ", ".join("{} ({})".format(k, v) for k, v in sorted(self.options.items())) or "none"

@@ -72,6 +72,8 @@ class CNTKAdapter(Adapter):
     name = "cntk"
     framework = "cntk"
     install_hint = "cntk==2.7.post2 keras==2.3.1 (CPython 3.5/3.6, Open MPI; scripts/cntk-env.sh builds such an environment)"
+    shard_unsupported = (
+        "CNTK's data_parallel_distributed_learner keeps the whole model on every MPI rank")
     options = {
         "num_quantization_bits": "bits per gradient value in the all-reduce, 1..32 (default 32; fewer: quantized SGD)",
         "distributed_after": "samples each worker trains alone before aggregation starts; only 0 (the default)",

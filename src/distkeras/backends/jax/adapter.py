@@ -51,7 +51,7 @@ from typing import List
 from ...devices import Device
 from ...errors import ClusterError, DistKerasError, NetworkError, OptionError, TooLateError
 from .. import keras_model, policies, when_imported
-from ..base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
+from ..base import COMPRESSION_HELP, SHARD_HELP, Adapter, check_compression, check_shard, pin_local_gpus
 
 logger = logging.getLogger("distkeras")
 
@@ -72,7 +72,9 @@ class JaxAdapter(Adapter):
     framework = "jax"
     late_variables = True
     install_hint = "jax (or 'jax[cuda12]' for NVIDIA GPUs)"
+    shard_unsupported = None
     options = {
+        "shard": SHARD_HELP,
         "strategy": "'data' (a replica on every device, the default) or 'model' (kernels sharded)",
         "layout_map": "strategy='model': {variable path regex: axes}, e.g. {'.*dense.*kernel': (None, 'model')}; "
         "default: the last axis of every kernel and embedding table that the 'model' axis divides",
@@ -162,7 +164,7 @@ class JaxAdapter(Adapter):
         return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
     def distribute(self, model, devices, cluster, strategy="data", layout_map=None, model_shards=None,
-                   compression=None):
+                   compression=None, shard=None):
         """Lay ``model`` out under a Keras distribution over exactly ``devices``, in place.
 
         Args:
@@ -197,6 +199,9 @@ class JaxAdapter(Adapter):
         from . import uneven as jax_uneven
 
         compression = check_compression(compression)
+        shard = check_shard(shard)
+        if shard is not None:
+            raise OptionError("shard={!r}: not built yet on JAX".format(shard))
         if compression is not None and strategy != "data":
             raise OptionError("compression applies to strategy='data' (the gradient all-reduce of replicas). Received: "
                               "strategy={!r}, compression={!r}".format(strategy, compression))

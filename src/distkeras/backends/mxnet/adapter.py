@@ -134,6 +134,8 @@ class MXNetAdapter(Adapter):
     name = "mxnet"
     framework = "mxnet"
     install_hint = "mxnet==1.9.1 keras-mxnet==2.2.4.3 'numpy<1.24'"
+    shard_unsupported = (
+        "keras-mxnet's contexts each hold a full copy of the weights, and its KVStore holds whole arrays")
     options = {
         "kvstore": "where the contexts' gradients are added: 'device' (default, on the GPUs) or 'local' (CPU); in a "
         "multi-worker job 'dist_sync' (default) or 'dist_sync_device'",

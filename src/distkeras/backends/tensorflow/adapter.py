@@ -97,6 +97,10 @@ class TensorFlowAdapter(Adapter):
     framework = "tensorflow"
     late_variables = True
     install_hint = "tensorflow (or tensorflow-cpu)"
+    shard_unsupported = (
+        "MirroredStrategy and MultiWorkerMirroredStrategy keep a full copy of every variable on every replica; TF's "
+        "sharded variables belong to ParameterServerStrategy, and the DTensor layouts of Keras' TF distribution "
+        "prototype are deprecated (keras/src/backend/tensorflow/distribution_lib.py opens with \"DO NOT USE\")")
     options = {
         "cross_device_ops": "how MirroredStrategy all-reduces: " + ", ".join(_CROSS_DEVICE_OPS),
         "exact_loss_scaling": "every loss a replica's own mean, gradients weighed by each replica's share of the "

@@ -38,7 +38,7 @@ from ... import exchange, network
 from ...devices import Device
 from ...errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
 from .. import batchnorm, keras_model, when_imported
-from ..base import COMPRESSION_HELP, Adapter, check_compression
+from ..base import COMPRESSION_HELP, SHARD_HELP, Adapter, check_compression, check_shard
 
 #: torch.distributed's own default: how long a collective (or the rendezvous) may wait.
 DEFAULT_TIMEOUT = 1800.0
@@ -57,7 +57,9 @@ class TorchAdapter(Adapter):
     framework = "torch"
     late_variables = True
     install_hint = "torch"
+    shard_unsupported = None
     options = {
+        "shard": SHARD_HELP,
         "timeout": "seconds a collective or the rendezvous may wait for the other processes (default 1800)",
         "backend": "torch.distributed backend: " + ", ".join(_BACKENDS) + " (default: nccl on GPUs, gloo on CPU)",
         "sync_batchnorm": batchnorm.OPTION_HELP,
@@ -136,7 +138,7 @@ class TorchAdapter(Adapter):
         return bool(value.item())
 
     def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None, sync_batchnorm=True,
-                   compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB):
+                   compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB, shard=None):
         import torch
 
         from . import launch as torch_launch
@@ -145,6 +147,9 @@ class TorchAdapter(Adapter):
         # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
         compression = check_compression(compression)
+        shard = check_shard(shard)
+        if shard is not None:
+            raise OptionError("shard={!r}: not built yet on PyTorch".format(shard))
         sync_batchnorm = batchnorm.check_option(sync_batchnorm)
         if not isinstance(overlap, bool):
             raise OptionError("Expected True or False for overlap. Received: overlap={!r}".format(overlap))
