@@ -31,8 +31,9 @@ SHARD_MODES = ("optimizer", "gradients", "all")
 SHARD_HELP = ("sharded training state (ZeRO): None (default: every replica holds everything), 'optimizer' (each "
               "replica keeps 1/N of the optimizer state), 'gradients' (and gradients are reduce-scattered), 'all' "
               "(and the weights themselves, gathered when a layer runs)")
-#: The backends whose adapters take ``shard`` (named in the error the others give).
+#: The backends whose adapters take ``shard``, and their names in the error the others give.
 SHARDING_BACKENDS = ("torch", "jax")
+_SHARDING_NAMES = "PyTorch and JAX"
 
 
 def check_shard(value: object) -> Optional[str]:
@@ -232,8 +233,7 @@ class Adapter(abc.ABC):
                 raise OptionError(
                     "shard={!r} needs sharded training state, and the {} backend can't hold it: {}. Sharding runs "
                     "on the {} backends (set KERAS_BACKEND); on {} use shard=None (the default).".format(
-                        mode, self.name, self.shard_unsupported,
-                        " and ".join("PyTorch" if n == "torch" else "JAX" for n in SHARDING_BACKENDS), self.name))
+                        mode, self.name, self.shard_unsupported, _SHARDING_NAMES, self.name))
             options = {k: v for k, v in options.items() if k != "shard"}
         unknown = sorted(set(options) - set(self.options))
         if unknown:
