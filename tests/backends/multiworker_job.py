@@ -116,8 +116,8 @@ def main(out_dir, mode):
     rank = distkeras.cluster.from_env().rank
     model = scenarios.build(keras)
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
-    model = distkeras.distribute(model, compression="bf16" if mode == "bf16" else None,
-                                 shard="all" if mode == "shard" else None)
+    options = {"shard": "all"} if mode == "shard" else {}  # JAX's test_jax_shard.py
+    model = distkeras.distribute(model, compression="bf16" if mode == "bf16" else None, **options)
     x, y = scenarios.data(100)
     callbacks = []
     if mode == "preempt":  # first: the SIGTERM comes during this step's end, which then stops the job

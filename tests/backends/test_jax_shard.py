@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="JAX adapter tests; KER
 from tests.backends import patterns, scenarios  # noqa: E402
 from tests.backends.test_compat import assert_same_training, single_device  # noqa: E402
 from tests.backends.test_jax import _collectives  # noqa: E402
+from tests.full import only_in_full  # noqa: E402
 
 import distkeras  # noqa: E402
 from distkeras.callbacks import BackupAndRestore  # noqa: E402
@@ -63,8 +64,22 @@ def _assert_laid_out(entry, parts, sharded):
     assert all(b * parts == math.prod(entry["shape"]) * entry["itemsize"] for b in entry["bytes"]), entry
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", SHARD_PATTERNS)
+def _pattern_params():
+    """Every pattern in every mode in the full run. The default run takes every pattern with shard="all" (every
+    variable split: what "optimizer" and "gradients" split and more, gradients constrained too) and with one of
+    "optimizer" and "gradients" in turn (on CPU XLA compiles both to the same program: see
+    test_what_xla_compiles_for_each_mode)."""
+    params = []
+    for i, name in enumerate(SHARD_PATTERNS):
+        for mode in MODES:
+            default = mode == "all" or mode == MODES[i % 2]
+            marks = () if default else only_in_full("{} runs with shard='all' and '{}' in the default run".format(
+                name, MODES[i % 2]))
+            params.append(pytest.param(name, mode, marks=marks, id="{}-{}".format(name, mode)))
+    return params
+
+
+@pytest.mark.parametrize("name, mode", _pattern_params())
 def test_pattern_trains_as_on_one_device(name, mode):
     index = SHARD_PATTERNS.index(name) + MODES.index(mode)
     devices = 3 if name == "steps_per_execution" else 2 + index % 2  # 10 rows on 3 devices: an uneven batch
@@ -108,7 +123,9 @@ def compiled_steps(monkeypatch):
 
         def call(*args):
             if not texts:
-                texts.append(jitted.lower(*args).compile().as_text())
+                lowered = jitted.lower(*args)
+                texts.append(lowered.compile().as_text())
+                texts.append(lowered.as_text())  # before XLA's passes: the sharding constraints as written
             return jitted(*args)
 
         return call
@@ -128,6 +145,9 @@ def test_what_xla_compiles_for_each_mode(mode, compiled_steps, capsys):
       "optimizer"'s program.
     - "all": no weight and no weight-sized gradient crosses devices at all: XLA partitions each matmul by the
       weight's split (gathering the batch's activations instead, which are smaller here).
+
+    Before XLA's passes, "gradients" and "all" carry a sharding constraint on every gradient (4 here) that
+    "optimizer" lacks: what lets a GPU pipeline turn the all-reduce into a reduce-scatter.
     """
     import jax
 
@@ -148,6 +168,9 @@ def test_what_xla_compiles_for_each_mode(mode, compiled_steps, capsys):
             assert "reduce-scatter" in {op for op, _, _ in found}, found
     else:
         assert not kernels & (gathered | reduced), found
+    # Shardy's spelling (JAX >= 0.7) or GSPMD's custom call.
+    constraints = len(re.findall(r"sharding_constraint|@Sharding\b", compiled_steps[1]))
+    assert constraints == (len(model.trainable_variables) if mode in ("gradients", "all") else 0), compiled_steps[1]
     err = capsys.readouterr().err
     if mode == "all":  # the 32-wide output bias divides by 2: only Adam's scalars are left whole, unnamed
         assert "stay whole" not in err
