@@ -40,6 +40,16 @@ CASES = [
     ("subclassed_without_config", "gradients", {}),
     ("uneven", "gradients", {"overlap": False}),
     ("uneven", "optimizer", {}),
+    ("clipnorm", "all", {}),
+    ("global_clipnorm", "all", {"overlap": False}),
+    ("adamw_schedule", "all", {}),
+    ("ema", "all", {}),
+    ("accumulation", "all", {}),
+    ("mixed_float16", "all", {}),
+    ("batchnorm_convnet", "all", {}),
+    ("subclassed_without_config", "all", {}),
+    ("uneven", "all", {}),
+    ("uneven", "all", {"overlap": False}),
 ]
 
 
@@ -219,8 +229,6 @@ def test_bad_values_and_combinations():
     model, _, _ = _balanced(keras)
     with pytest.raises(OptionError, match="one of None, 'optimizer', 'gradients', 'all'"):
         distkeras.distribute(model, devices=DEVICES, shard="everything")
-    with pytest.raises(OptionError, match="shard='all'.*not built yet"):
-        distkeras.distribute(model, devices=DEVICES, shard="all")
 
 
 @pytest.mark.parametrize("overlap", [True, False])
