@@ -1,4 +1,4 @@
-"""Sharded training state on PyTorch (ZeRO stages 1 and 2): ``distribute(model, shard="optimizer" | "gradients")``.
+"""Sharded training state on PyTorch (ZeRO stages 1, 2 and 3): ``distribute(model, shard="optimizer" | "gradients" | "all")``.
 
 - **Ownership by whole variables** (:func:`owners`): each trainable variable has one owner rank, chosen
   greedily by bytes (largest first, to the least-loaded rank, ties to the lower rank; the same on every rank),
@@ -31,6 +31,27 @@
   release it again; ``load_weights``/``load`` re-allocate, load and release (every rank read the same
   file, so the owners hold the right values). A checkpoint of a sharded run is the single-device one and
   resumes into any ``shard`` value or none.
+- **"all"** (ZeRO-3, FSDP1's technique on Keras' layers; :meth:`Sharding.prepare_weights`): gradients as with
+  "gradients", and a trainable variable's storage is freed on every rank but its owner. Each layer that
+  made trainable variables itself (``Layer._trainable_variables``, a Keras private; a nested layer gets
+  its own hook) has an instance hook on ``call``: before, its weights are gathered (the freed storage
+  re-allocated in place with ``resize_`` and filled by a broadcast from each owner, through ``.data``:
+  the same Parameter and storage, so what autograd saved stays valid and no version counter moves);
+  after, freed again. When the outputs need gradients, a ``register_multi_grad_hook`` on them gathers
+  the weights again before that call's part of the backward pass, and once every one of the layer's
+  weights had its gradient accumulated (``register_post_accumulate_grad_hook``) they are freed again;
+  whatever a step leaves held (a weight without a gradient) is freed when the step ends. A layer called
+  twice in a step gathers once per use (a use in flight is counted) and frees after the last gradient.
+  The owners update their own weights (never freed there) and nothing is broadcast after ``apply``. Non
+  trainable state (BatchNorm statistics, seed generators) stays replicated. On every rank, the owner's
+  too, a sharded weight's Keras variable gets a subclass (:func:`_guarded_class`) whose ``value``,
+  outside its layer's call, is a shape-only :class:`_ReleasedView`: ``value.grad`` works (Keras' torch
+  ``train_step`` reads it), any computation raises :class:`~distkeras.errors.ShardError` naming the
+  weight and its layer (a layer reading another layer's weight, as tied weights do, a regularizer, a
+  callback computing with ``layer.kernel``): the same error on every rank, so none waits for the
+  others. ``model.get_weights()``, ``save()``, ``save_weights()`` gather every weight on every rank
+  (collective), ``set_weights()``/``load_weights()`` re-allocate them all and free again after;
+  ``predict()``/``evaluate()`` gather per layer as the forward pass does.
 """
 
 import contextlib
@@ -290,7 +311,7 @@ class Sharding(object):
     """The sharded state of one distributed model (see the module docstring).
 
     Args:
-        mode: ``"optimizer"`` or ``"gradients"``.
+        mode: ``"optimizer"``, ``"gradients"`` or ``"all"``.
         model: the Keras model.
         rank: this process' rank.
         world: the number of processes.
@@ -735,7 +756,8 @@ def install(sharding):
 
 
 def uninstall(model):
-    """Give back every optimizer's full state on every rank (collective) and forget the sharding."""
+    """Give back every optimizer's full state (and with "all" every weight) on every rank (collective) and forget
+    the sharding."""
     sharding = model.__dict__.get(_SHARDING)
     if sharding is None:
         return

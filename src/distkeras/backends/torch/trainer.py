@@ -140,7 +140,7 @@ class Replica(object):
         self.last_count = None  # samples of the last train or test step
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
         self.buckets = None  # the overlapping all-reduce (torch_buckets.Buckets), when on
-        self.shard = None  # the sharded optimizer state (torch_shard.Sharding), with distribute(shard=...)
+        self.shard = None  # the sharded training state (torch_shard.Sharding), with distribute(shard=...)
         self.known = {}  # id -> weak reference of each variable broadcast from rank 0 so far
         # (rows, count, total) of the batches the sharded loader in its pass read and no step has taken yet.
         self.read = collections.deque()
@@ -394,8 +394,10 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None):
     Hooks an earlier call installed are removed first. Keras' cached step functions are dropped, so a
     model trained before makes them again. With ``overlap`` (and more than one rank) the gradients are
     all-reduced in buckets of ``bucket_mb`` MiB during the backward pass
-    (:class:`~distkeras.backends.torch_buckets.Buckets`). With ``shard`` (``"optimizer"``, ``"gradients"``)
-    the training state is sharded (:mod:`~distkeras.backends.torch.shard`).
+    (:class:`~distkeras.backends.torch_buckets.Buckets`). With ``shard`` (``"optimizer"``, ``"gradients"``,
+    ``"all"``) the training state is sharded (:mod:`~distkeras.backends.torch.shard`); with ``"all"`` each
+    step first shards the weights of layers built since (``Sharding.prepare_weights``) and ends with every
+    weight freed again off its owner.
     """
     uninstall(model)
     _gate_sum_reduction()
