@@ -18,7 +18,9 @@ its own (below).
   all-gathered to the replicated weights. With ``compression`` the slices travel in 16 bits (an ``all_to_all``
   of their bits: XLA's CPU compiler widens 16-bit float collectives). Where that step can't replace the model's
   (its class' own ``train_step``, a batch the devices don't divide) the gradients keep a sharding constraint as
-  they enter the optimizer and XLA places the collectives: the same math.
+  they enter the optimizer and XLA places the collectives: the same math. Measured (2 CPU devices, the MLP
+  below, ``compiled.memory_analysis()``): 7.4 MB of temporary memory per device against "optimizer"'s 10.6 MB
+  at batch 32 (the whole averaged gradient is never held), the same at batch 2048 (activations dominate).
 - ``"all"``: also the trainable variables; XLA partitions the step by their layout (each matmul split by the
   weight's split, the activations gathered instead of the weights where they are smaller). Not the step above
   with the weights gathered into the shard_map (FSDP's "gather the weights, compute on the batch shard,
