@@ -5,6 +5,7 @@
     python -m benchmarks report a.json b.json --out DIR    one table and plot from several results files
     python -m benchmarks hosts measure [options]   across network-namespace hosts over shaped links
     python -m benchmarks hosts summary a.json b.json --out DIR   their table and plot (benchmarks/hosts.py)
+    python -m benchmarks memory [options]       per-rank bytes of sharded training state (benchmarks/memory.py)
 
 See benchmarks/README.md.
 """
@@ -37,6 +38,10 @@ def main(argv=None):
         from . import hosts
 
         return hosts.main(argv[1:])
+    if argv[:1] == ["memory"]:  # its own options: benchmarks/memory.py
+        from . import memory
+
+        return memory.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "run":
         args.command_line = "python -m benchmarks " + " ".join(shlex.quote(a) for a in argv)
