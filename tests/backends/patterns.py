@@ -300,8 +300,9 @@ def replicas_seen(model):
     return dist.get_world_size(), len(set(pids))
 
 
-def run(name, devices):
-    """Train pattern ``name`` on ``devices`` (1: plain Keras); initial and final weights, History, replicas."""
+def run(name, devices, **options):
+    """Train pattern ``name`` on ``devices`` (1: plain Keras); initial and final weights, History, replicas.
+    ``options`` go to ``distribute()`` (``shard="optimizer"``...)."""
     import keras
 
     import distkeras
@@ -311,7 +312,7 @@ def run(name, devices):
     model, x, y, kwargs = build(keras)
     initial = [np.asarray(w, dtype="float32") for w in model.get_weights()]
     if devices > 1:
-        distributed = distkeras.distribute(model, devices=devices)
+        distributed = distkeras.distribute(model, devices=devices, **options)
         assert distributed is model, "distribute() must return the user's own model"
     kwargs = dict(kwargs)
     fit_kwargs = {"batch_size": BATCH, "epochs": kwargs.pop("epochs", 2), "shuffle": False, "verbose": 0}

@@ -148,8 +148,9 @@ class TorchAdapter(Adapter):
         timeout = _check_timeout(timeout)
         compression = check_compression(compression)
         shard = check_shard(shard)
-        if shard is not None:
-            raise OptionError("shard={!r}: not built yet on PyTorch".format(shard))
+        if shard == "all":
+            raise OptionError("shard='all' (weights sharded too) is not built yet on PyTorch; shard='optimizer' and "
+                              "shard='gradients' are. Received: shard='all'")
         sync_batchnorm = batchnorm.check_option(sync_batchnorm)
         if not isinstance(overlap, bool):
             raise OptionError("Expected True or False for overlap. Received: overlap={!r}".format(overlap))
@@ -191,7 +192,7 @@ class TorchAdapter(Adapter):
             cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None, compression
         )
         torch_trainer.broadcast_new_variables(model, replica)  # all of them, this first time
-        torch_trainer.install(model, replica, sync_batchnorm, overlap, bucket_mb)
+        torch_trainer.install(model, replica, sync_batchnorm, overlap, bucket_mb, shard)
         return model
 
 

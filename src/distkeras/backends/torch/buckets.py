@@ -44,6 +44,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ...errors import DistKerasError
 from .. import policies
 from . import collectives
 
@@ -88,8 +89,9 @@ def assign(sizes, keys, bucket_bytes, first_bytes=FIRST_BUCKET_BYTES):
 
 
 class _Bucket(object):
-    def __init__(self, indices, offsets, length, dtype, device):
+    def __init__(self, indices, offsets, length, dtype, device, owner=None):
         self.indices, self.offsets, self.length, self.dtype, self.device = indices, offsets, length, dtype, device
+        self.owner = owner  # with shard="gradients": the rank the bucket is reduced to (None: all-reduced)
         self.buffer = self.work = None
         self.pending = 0
 
@@ -115,6 +117,11 @@ class Buckets(object):
         self.group = bucket_group(replica.timeout)
         self.enabled = True
         self.collecting = False
+        #: With shard="gradients": ``owner_of(variables)`` -> {id(variable): owner rank}. Buckets then hold one
+        #: owner's variables and are reduced to it, and a rank drops the gradients it doesn't own once sent.
+        self.owner_of = None
+        self.freed = False
+        self._owned = []
         self._ids, self._slot = (), {}
         self._variables, self._where, self._buckets, self._handles = [], [], [], []
 
@@ -128,7 +135,9 @@ class Buckets(object):
         self._slot = {id(v): i for i, v in enumerate(variables)}
         dtypes = [_buffer_dtype(v, compression) for v in variables]
         sizes = [v.value.numel() * dtype.itemsize for v, dtype in zip(variables, dtypes)]
-        keys = [(dtype, v.value.device) for v, dtype in zip(variables, dtypes)]
+        owner = self.owner_of(variables) if self.owner_of is not None else {}
+        keys = [(dtype, v.value.device, owner.get(id(v))) for v, dtype in zip(variables, dtypes)]
+        self._owned = [owner.get(id(v), self.replica.rank) == self.replica.rank for v in variables]
         self._buckets, self._where = [], [None] * len(variables)
         for indices in assign(sizes, keys, self.bucket_bytes):
             offsets, length = [], 0
@@ -148,6 +157,9 @@ class Buckets(object):
         def on_grad(parameter):
             if self.collecting and self.replica.count is not None:
                 self._accumulated(index, parameter.grad)
+                if not self._owned[index] and self.reason is None:
+                    parameter.grad = None  # in its bucket now, on its way to its owner: not kept here (ZeRO-2)
+                    self.freed = True
 
         return on_grad
 
@@ -172,8 +184,11 @@ class Buckets(object):
         self.seen = [None] * len(self._variables)
         self.versions = [0] * len(self._variables)
         self.reason = None
+        self.freed = False
         self.next = 0
-        last = self._buckets[-1]  # with the flags after its gradients; held back until apply()
+        # With the flags after its gradients, held back until apply(); reduced buckets carry none (a flag
+        # must reach every rank): the flags are all-reduced on their own then.
+        last = self._buckets[-1] if self.owner_of is None else None
         for bucket in self._buckets:
             flags = 1 + len(self._variables) if bucket is last else 0
             bucket.buffer = torch.empty(bucket.length + flags, dtype=bucket.dtype, device=bucket.device)
@@ -201,7 +216,10 @@ class Buckets(object):
     def _launch_ready(self):
         while self.next < len(self._buckets) and not self._buckets[self.next].pending:
             bucket = self._buckets[self.next]
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            if bucket.owner is None:
+                bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            else:
+                bucket.work = dist.reduce(bucket.buffer, dst=bucket.owner, group=self.group, async_op=True)
             self.next += 1
 
     def _check(self, grads, variables):
@@ -210,6 +228,8 @@ class Buckets(object):
             slot = self._slot.get(id(variable))
             # Tensor._version (a torch private, pinned by the tests) counts in-place changes of a tensor.
             other = slot is None or grad is not self.seen[slot]
+            if slot is not None and grad is None and not self._owned[slot] and self.seen[slot] is not None:
+                continue  # sent to its owner and dropped by the hook (shard="gradients")
             if other or (grad is not None and grad._version != self.versions[slot]):
                 return "optimizer.apply() received other gradients than the .grad tensors of the backward pass"
         return None
@@ -227,13 +247,25 @@ class Buckets(object):
                 if self.seen[index] is None:
                     bucket.buffer[offset : offset + self._where[index][2]].zero_()
             bucket.pending = 0
-        last = self._buckets[-1]
         flags = [float(reason is not None)] + [float(bool(count) and grad is not None) for grad in self.seen]
-        last.buffer[last.length :].copy_(torch.tensor(flags))
-        self._launch_ready()
+        if self.owner_of is None:
+            last = self._buckets[-1]
+            last.buffer[last.length :].copy_(torch.tensor(flags))
+            self._launch_ready()
+        else:
+            self._launch_ready()
+            table = torch.tensor(flags + [float(self.freed)], dtype=torch.float32, device=self._buckets[0].device)
+            dist.all_reduce(table, group=self.group)
         for bucket in self._buckets:
             bucket.work.wait()
-        flags = last.buffer[last.length :].tolist()
+        flags = last.buffer[last.length :].tolist() if self.owner_of is None else table.tolist()
+        if flags[0] and self.owner_of is not None and flags[-1]:
+            self.end()
+            raise DistKerasError(
+                "With shard='gradients' each gradient is sent to the replica that owns it during the backward pass "
+                "and dropped by the others, and this step {} (on this or another replica), so the gradients it wants "
+                "applied are gone. Pass overlap=False to distribute() to send them after the backward pass "
+                "instead.".format(reason or "applied other gradients than the backward pass' own"))
         if flags[0]:
             self.end()
             self.enabled = False
@@ -248,7 +280,7 @@ class Buckets(object):
         averaged = []
         for variable in variables:
             slot = self._slot[id(variable)]
-            if not flags[1 + slot]:
+            if not flags[1 + slot] or not self._owned[slot]:
                 averaged.append(None)
                 continue
             bucket, offset, size = self._where[slot]

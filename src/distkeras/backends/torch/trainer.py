@@ -106,6 +106,7 @@ from .. import batchnorm, keras_model, policies
 from . import buckets as torch_buckets
 from . import collectives
 from . import random as torch_random
+from . import shard as torch_shard
 
 _PRIVATE_LOGS = "_get_metrics_result_or_logs"
 _PRIVATE_LAYERS = "_flatten_layers"
@@ -139,6 +140,7 @@ class Replica(object):
         self.last_count = None  # samples of the last train or test step
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
         self.buckets = None  # the overlapping all-reduce (torch_buckets.Buckets), when on
+        self.shard = None  # the sharded optimizer state (torch_shard.Sharding), with distribute(shard=...)
         self.known = {}  # id -> weak reference of each variable broadcast from rank 0 so far
         # (rows, count, total) of the batches the sharded loader in its pass read and no step has taken yet.
         self.read = collections.deque()
@@ -311,6 +313,7 @@ def sharded_batches(replica):
 def uninstall(model):
     """Remove the hooks of an earlier :func:`install` from ``model``, its layers, its optimizers and its
     variables' parameters."""
+    torch_shard.uninstall(model)  # first: every rank gets the full optimizer state back
     buckets = model.__dict__.get(_BUCKETS)
     if buckets is not None:
         buckets.remove()
@@ -385,13 +388,14 @@ def _in_step(replica):
         _stepping.replica = outer
 
 
-def install(model, replica, sync_batchnorm, overlap, bucket_mb):
+def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None):
     """Install the hooks of the module docstring on ``model`` (already on this rank's device).
 
     Hooks an earlier call installed are removed first. Keras' cached step functions are dropped, so a
     model trained before makes them again. With ``overlap`` (and more than one rank) the gradients are
     all-reduced in buckets of ``bucket_mb`` MiB during the backward pass
-    (:class:`~distkeras.backends.torch_buckets.Buckets`).
+    (:class:`~distkeras.backends.torch_buckets.Buckets`). With ``shard`` (``"optimizer"``, ``"gradients"``)
+    the training state is sharded (:mod:`~distkeras.backends.torch.shard`).
     """
     uninstall(model)
     _gate_sum_reduction()
@@ -434,6 +438,13 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb):
     for name, hook in hooks.items():
         keras_model.hook(model, name, hook)
     policies.rank0_writes(model, replica.rank)
+    replica.shard = None
+    if shard is not None:
+        replica.shard = torch_shard.Sharding(
+            shard, model, replica.rank, replica.world, lambda: broadcast_new_variables(model, replica))
+        torch_shard.install(replica.shard)
+        if shard == "gradients" and replica.buckets is not None:
+            replica.buckets.owner_of = replica.shard.owner_map
     model.train_function = model.test_function = model.predict_function = None
 
 
@@ -467,13 +478,22 @@ def _wrap_optimizer(optimizer, replica):
         replica.applied += 1
         count = 1 if replica.count is None else replica.count
         buckets = replica.buckets
+
+        def update(averaged):
+            if replica.shard is not None:  # this rank's variables only, then every owner's sent to all
+                return replica.shard.apply(optimizer, apply, averaged, variables)
+            return apply(averaged, trainable_variables)
+
         if buckets is not None and buckets.collecting:  # the backward pass all-reduced them already
             averaged = buckets.finish(grads, variables, count)
             if averaged is not None:
-                return apply(averaged, trainable_variables)
+                return update(averaged)
         if not count:  # a stand-in sample's gradients: this rank joins the all-reduce with weight zero
             grads = [None] * len(grads)
-        return apply(collectives.average_gradients(grads, variables, count, replica.compression), trainable_variables)
+        if replica.shard is not None and replica.shard.mode == "gradients":  # each gradient to its owner only
+            owner = replica.shard.owner_map(variables)
+            return update(torch_shard.reduce_to_owners(grads, variables, count, owner, replica.rank, replica.compression))
+        return update(collectives.average_gradients(grads, variables, count, replica.compression))
 
     keras_model.hook(optimizer, "apply", averaged_apply)
     keras_model.hook(optimizer, "_distkeras_replica", replica)

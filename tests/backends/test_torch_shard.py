@@ -1,0 +1,223 @@
+"""``shard=`` on PyTorch (ZeRO-1 "optimizer", ZeRO-2 "gradients").
+
+Every case runs on one 3-process worker job (its start is most of the time): sharded training equals
+single-device training for the compatibility patterns, the optimizer state (and, with "gradients", the
+gradients) each rank holds is ~1/N of the whole, read from torch's storage sizes, a released slot read from
+outside fails clearly, save() writes the plain model with the full optimizer state (loaded by a process
+without distkeras), a BackupAndRestore checkpoint of a sharded run resumes into another ``shard`` value.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+from tests.backends.harness import BACKEND, keras, replicated  # noqa: F401 (skips if the backend is missing)
+from tests.backends import patterns
+from tests.backends.test_compat import assert_same_training
+
+if BACKEND != "torch":
+    pytest.skip("shard= of the PyTorch adapter", allow_module_level=True)
+
+DEVICES = 3
+_single = {}
+
+#: (pattern, shard, extra distribute() options): both modes, the overlapped buckets and the plain path.
+CASES = [
+    ("clipnorm", "gradients", {}),
+    ("global_clipnorm", "optimizer", {}),
+    ("global_clipnorm", "gradients", {"overlap": False}),
+    ("clipvalue", "optimizer", {}),
+    ("adamw_schedule", "gradients", {}),
+    ("ema", "optimizer", {}),
+    ("accumulation", "gradients", {}),
+    ("mixed_float16", "gradients", {}),
+    ("batchnorm_convnet", "optimizer", {}),
+    ("subclassed_without_config", "gradients", {}),
+    ("uneven", "gradients", {"overlap": False}),
+    ("uneven", "optimizer", {}),
+]
+
+
+def uneven(keras_module):
+    """Adam at a global batch of 10 on 3 replicas: shares 4, 3, 3 (and a last batch of 6: 2 each)."""
+    model, x, y, _ = patterns._mlp(keras_module, keras_module.optimizers.Adam(0.01))
+    return model, x[:46], y[:46], {"batch_size": 10}
+
+
+patterns.PATTERNS.setdefault("uneven", (uneven, 1e-5))
+
+
+def run_pattern(name, devices, **options):
+    patterns.PATTERNS.setdefault("uneven", (uneven, 1e-5))  # in a worker process too
+    return patterns.run(name, devices, **options)
+
+
+def single_device(name):
+    if name not in _single:
+        _single[name] = run_pattern(name, 1)
+    return _single[name]
+
+
+@pytest.mark.parametrize("name, shard, options", CASES, ids=["{}-{}{}".format(n, s, "-nooverlap" if o else "")
+                                                             for n, s, o in CASES])
+def test_sharded_training_equals_one_device(name, shard, options):
+    _, atol = patterns.PATTERNS[name]
+    expected = single_device(name)
+    got = replicated(DEVICES, run_pattern, name, DEVICES, shard=shard, **options)
+    assert_same_training(expected, got, atol)
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(expected["initial"], got["weights"]))
+    assert moved > 10 * atol
+    assert got["replicas"] == (DEVICES, DEVICES)  # torch.distributed's world size and distinct processes
+
+
+def _balanced(keras_module, seed=0):
+    """Six equal kernels (no biases): whole-variable ownership splits them 2, 2, 2 on 3 replicas."""
+    keras_module.utils.set_random_seed(seed)
+    layers = [keras_module.Input((16,))] + [keras_module.layers.Dense(16, use_bias=False, activation="tanh")
+                                           for _ in range(6)]
+    model = keras_module.Sequential(layers)
+    model.compile(optimizer=keras_module.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.default_rng(0)
+    return model, rng.normal(size=(24, 16)).astype("float32"), rng.normal(size=(24, 16)).astype("float32")
+
+
+def _storage(tensors):
+    return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+
+
+def held_bytes(shard):
+    """Bytes of optimizer slots and gradients this rank holds after fit(), and of the whole (from shapes)."""
+    import keras as keras_module
+    import torch.distributed as dist
+
+    import distkeras
+    from distkeras.errors import ShardError
+
+    model, x, y = _balanced(keras_module)
+    distkeras.distribute(model, devices=DEVICES, shard=shard)
+    model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    slots = [v for v in model.optimizer.variables if len(v.shape)]  # not iterations, learning_rate
+    full = sum(int(np.prod(v.shape)) * 4 for v in slots)
+    grads = [v.value.grad for v in model.trainable_variables]
+    errors = []
+    for variable in slots:
+        try:
+            variable.numpy()
+        except ShardError as exc:
+            errors.append(str(exc))
+    result = {
+        "slots": _storage([v._value for v in slots]), "slots_full": full,
+        "grads": _storage(grads), "grads_full": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),
+        "errors": errors,
+    }
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, result)
+    return every
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_state_is_sharded(shard):
+    every = replicated(DEVICES, held_bytes, shard)
+    for rank, held in enumerate(every):
+        assert held["slots"] <= held["slots_full"] * (1.0 / DEVICES + 0.1), (rank, held)
+        if shard == "gradients":
+            assert held["grads"] <= held["grads_full"] * (1.0 / DEVICES + 0.1), (rank, held)
+        else:
+            assert held["grads"] == held["grads_full"], (rank, held)
+        # Released slots fail clearly when read from outside, naming the variable.
+        assert len(held["errors"]) == 8 and "held by another replica" in held["errors"][0], held["errors"]
+        assert "_kernel_" in held["errors"][0]  # the released slot, by its path
+
+
+def _trained_reference(epochs):
+    model, x, y = _balanced(keras)
+    model.fit(x, y, batch_size=12, epochs=epochs, shuffle=False, verbose=0)
+    return model, x
+
+
+def save_sharded(path, shard):
+    import keras as keras_module
+
+    import distkeras
+
+    model, x, y = _balanced(keras_module)
+    distkeras.distribute(model, devices=DEVICES, shard=shard)
+    model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    model.save(path)  # every rank: the optimizer state is gathered first
+    return [np.asarray(v.numpy()) for v in model.weights]
+
+
+_LOAD = """
+import json, sys
+import numpy as np
+import keras
+model = keras.models.load_model(sys.argv[1])
+x = np.load(sys.argv[2])
+print(json.dumps({"pred": keras.ops.convert_to_numpy(model.predict(x, verbose=0)).tolist(),
+                  "opt": [np.asarray(v.numpy(), dtype="float64").tolist() for v in model.optimizer.variables],
+                  "modules": sorted(m for m in sys.modules if m.startswith("distkeras"))}))
+"""
+
+
+def test_save_is_the_plain_model_with_full_optimizer_state():
+    reference, x = _trained_reference(2)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "model.keras")
+        replicated(DEVICES, save_sharded, path, "gradients")
+        np.save(os.path.join(folder, "x.npy"), x)
+        env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH="")
+        out = subprocess.run([sys.executable, "-c", _LOAD, path, os.path.join(folder, "x.npy")], env=env,
+                             capture_output=True, text=True, timeout=120, check=True)
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded["modules"] == []
+    np.testing.assert_allclose(loaded["pred"], keras.ops.convert_to_numpy(reference.predict(x, verbose=0)),
+                               rtol=1e-5, atol=1e-5)
+    expected = [np.asarray(v.numpy(), dtype="float64") for v in reference.optimizer.variables]
+    assert len(loaded["opt"]) == len(expected)
+    for got, want in zip(loaded["opt"], expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def resume_across(folder, first, then):
+    """One epoch sharded with ``first`` (checkpoint kept), then a new run with ``then`` resumes to epoch 3."""
+    import keras as keras_module
+
+    import distkeras
+    from distkeras.callbacks import BackupAndRestore
+
+    backup = os.path.join(folder, "backup")
+    model, x, y = _balanced(keras_module)
+    distkeras.distribute(model, devices=DEVICES, shard=first)
+    model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0,
+              callbacks=[BackupAndRestore(backup, delete_checkpoint=False)])
+    model, x, y = _balanced(keras_module, seed=1)  # other initial weights: only a resume gives the reference
+    distkeras.distribute(model, devices=DEVICES, shard=then)
+    history = model.fit(x, y, batch_size=12, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[BackupAndRestore(backup)])
+    return history.epoch, [np.asarray(v.numpy()) for v in model.trainable_weights]
+
+
+@pytest.mark.parametrize("first, then", [("optimizer", "gradients"), ("gradients", None)])
+def test_backup_resumes_into_another_shard_value(first, then):
+    reference, _ = _trained_reference(3)
+    with tempfile.TemporaryDirectory() as folder:
+        epochs, got = replicated(DEVICES, resume_across, folder, first, then)
+    assert epochs == [1, 2]  # resumed after the checkpoint's epoch
+    for g, e in zip(got, reference.trainable_weights):
+        np.testing.assert_allclose(g, e.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_values_and_combinations():
+    import distkeras
+    from distkeras.errors import OptionError
+
+    model, _, _ = _balanced(keras)
+    with pytest.raises(OptionError, match="one of None, 'optimizer', 'gradients', 'all'"):
+        distkeras.distribute(model, devices=DEVICES, shard="everything")
+    with pytest.raises(OptionError, match="shard='all'.*not built yet"):
+        distkeras.distribute(model, devices=DEVICES, shard="all")
