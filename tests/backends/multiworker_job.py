@@ -13,7 +13,8 @@ rank 1 writes its pid to OUT_DIR/ready and waits for OUT_DIR/sent: the test SIGT
 (like train, with fit's default shuffle=True after every rank seeds Python, NumPy and the backend with
 keras.utils.set_random_seed(SHUFFLE_SEED + rank): each rank's own random state). Every
 worker is given the whole data set; every rank writes its final weights to OUT_DIR/rank{R}.npz and prints how
-many replicas the framework itself counts ("framework replicas N").
+many replicas the framework itself counts ("framework replicas N"). "shard" (like train, with shard="all"; every
+rank saves OUT_DIR/model.keras, which rank 0 writes).
 """
 
 import os
@@ -115,7 +116,8 @@ def main(out_dir, mode):
     rank = distkeras.cluster.from_env().rank
     model = scenarios.build(keras)
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
-    model = distkeras.distribute(model, compression="bf16" if mode == "bf16" else None)
+    options = {"shard": "all"} if mode == "shard" else {}  # JAX's test_jax_shard.py
+    model = distkeras.distribute(model, compression="bf16" if mode == "bf16" else None, **options)
     x, y = scenarios.data(100)
     callbacks = []
     if mode == "preempt":  # first: the SIGTERM comes during this step's end, which then stops the job
@@ -138,6 +140,10 @@ def main(out_dir, mode):
         keras.utils.set_random_seed(SHUFFLE_SEED + rank)  # a different random state on every rank
     model.fit(epochs=EPOCHS, verbose=1, shuffle=mode == "shuffle", callbacks=callbacks, **data)
     np.savez(os.path.join(out_dir, "rank{}.npz".format(rank)), *model.get_weights())
+    if mode == "shard":  # every rank saves (the arrays are gathered); rank 0 writes
+        kernel = model.trainable_variables[0].value
+        print("sharded spec", tuple(kernel.sharding.spec), "local", kernel.addressable_shards[0].data.shape)
+        model.save(os.path.join(out_dir, "model.keras"))
     if mode == "shuffle":  # the states every rank took from rank 0 at the last epoch's start, drawn alike since
         print("drawn after fit", np.random.randint(1 << 30), random.getrandbits(30))
     print("describe", distkeras.describe(model))

@@ -300,9 +300,11 @@ def replicas_seen(model):
     return dist.get_world_size(), len(set(pids))
 
 
-def run(name, devices, **options):
+def run(name, devices, inspect=None, **options):
     """Train pattern ``name`` on ``devices`` (1: plain Keras); initial and final weights, History, replicas.
-    ``options`` go to ``distribute()`` (``shard="optimizer"``...)."""
+
+    ``options`` go to ``distribute()``; ``inspect(model)``, called after training, adds its plain-data result
+    as "inspected"."""
     import keras
 
     import distkeras
@@ -325,6 +327,7 @@ def run(name, devices, **options):
         "paths": [w.path for w in model.weights],
         "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
         "replicas": replicas_seen(model),
+        "inspected": None if inspect is None else inspect(model),
     }
 
 

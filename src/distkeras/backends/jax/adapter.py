@@ -32,6 +32,10 @@ always in predict(), in fit() and evaluate() for models of Keras' own parts, wit
 elsewhere it runs whole on every device, with a warning naming why: the single-device result, not in
 parallel.
 
+``shard="optimizer" | "gradients" | "all"`` (ZeRO stages 1-3) is ``DataParallel`` with the training state
+split along the "batch" axis instead of replicated (:mod:`distkeras.backends.jax.shard`): the same step,
+laid out differently, and XLA places the reduce-scatters and all-gathers.
+
 Every optimizer the model holds is laid out (``keras_model.all_optimizers``: a GAN's ``d_optimizer`` and
 ``g_optimizer`` too), and a model built later (an unbuilt subclassed model) creates its variables under
 the distribution, at its first scoped fit/evaluate/predict.
@@ -181,13 +185,16 @@ class JaxAdapter(Adapter):
             model_shards: ``strategy="model"``: the size of the "model" axis (default: every device).
             compression: ``"bf16"``/``"fp16"``: gradients all-reduced in 16 bits
                 (:mod:`distkeras.backends.jax.steps`); ``strategy="data"`` only.
+            shard: ``"optimizer"``, ``"gradients"`` or ``"all"``: the training state split along the mesh's data
+                axis (:mod:`distkeras.backends.jax.shard`); ``strategy="data"`` only, and with ``compression``
+                only ``"optimizer"``.
 
         Returns:
             ``model`` itself, its variables on the mesh.
 
         Raises:
-            OptionError: a bad ``strategy``, ``layout_map``, ``model_shards`` or ``compression``, or
-                ``strategy="model"`` across processes.
+            OptionError: a bad ``strategy``, ``layout_map``, ``model_shards``, ``compression`` or ``shard`` (or a
+                combination of them that doesn't apply), or ``strategy="model"`` across processes.
             TooLateError: this process is one worker of several and ``jax.distributed`` is not running (JAX ran
                 its first computation before ``import distkeras``).
             ClusterError, NetworkError: the job's coordinator could not be found or reached.
@@ -195,13 +202,13 @@ class JaxAdapter(Adapter):
         """
         import keras
 
+        from . import shard as jax_shard
         from . import steps as jax_steps
         from . import uneven as jax_uneven
 
         compression = check_compression(compression)
         shard = check_shard(shard)
-        if shard is not None:
-            raise OptionError("shard={!r}: not built yet on JAX".format(shard))
+        _check_shard_combination(shard, strategy, compression)
         if compression is not None and strategy != "data":
             raise OptionError("compression applies to strategy='data' (the gradient all-reduce of replicas). Received: "
                               "strategy={!r}, compression={!r}".format(strategy, compression))
@@ -215,7 +222,12 @@ class JaxAdapter(Adapter):
                     "layout_map and model_shards apply to strategy='model' only. Received: strategy='data', "
                     "layout_map={!r}, model_shards={!r}".format(layout_map, model_shards)
                 )
-            distribution = keras.distribution.DataParallel(devices=mesh_devices)
+            if shard is None:
+                distribution = keras.distribution.DataParallel(devices=mesh_devices)
+            else:
+                from .shard import ShardedDataParallel
+
+                distribution = ShardedDataParallel(mesh_devices, shard, cluster.rank)
         elif strategy == "model":
             distribution = _model_parallel(keras, model, mesh_devices, layout_map, model_shards)
         else:
@@ -225,6 +237,7 @@ class JaxAdapter(Adapter):
         _ours[distribution] = set()
         _replicate_uneven_batches()
         keras_model.unhook(model)  # an earlier distribute()'s hooks
+        jax_shard.unhook_optimizers(model)
         jax_steps.uninstall(model)
         jax_uneven.install(model)
         with distribution.scope():
@@ -240,6 +253,9 @@ class JaxAdapter(Adapter):
         if cluster.is_multi_worker:
             _same_random_state_every_epoch(model)
         policies.rank0_speaks_and_writes(model, cluster.rank)
+        if shard is not None:
+            for name in ("save", "save_weights", "get_weights"):  # after the saving rule's hooks, which they wrap
+                keras_model.hook(model, name, jax_shard.gathered(getattr(model, name), model))
         return model
 
     def _global_mesh_devices(self, cluster, devices, local_devices, strategy):
@@ -425,7 +441,8 @@ def _scoped(method, model, distribution, name=None):
     @functools.wraps(method)
     def call(*args, **kwargs):
         with distribution.scope():
-            _lay_out(model, distribution)
+            # The train function is made once the optimizer is built: every variable of the step exists.
+            _lay_out(model, distribution, warn=name == "make_train_function")
             if name not in jax_uneven.MODES:
                 return method(*args, **kwargs)
             with jax_uneven.running(model, name) as running:
@@ -435,7 +452,7 @@ def _scoped(method, model, distribution, name=None):
     return call
 
 
-def _lay_out(model, distribution):
+def _lay_out(model, distribution, warn=False):
     """Every variable of ``model`` (its metrics' and optimizers' too) as an array laid out on the mesh.
 
     Also run before every scoped call: variables made outside the distribution since (a metric or
@@ -443,6 +460,14 @@ def _lay_out(model, distribution):
     Keras' jitted step refuses to mix them with the mesh's."""
     import keras
 
+    if getattr(distribution, "shard", None) is not None:
+        from . import shard as jax_shard
+
+        # Optimizers set or built since (compile() after distribute(), a slot made outside the scope).
+        jax_shard.hook_optimizers(model, distribution)
+        replicated = jax_shard.assign_layouts(model, distribution)
+        if warn:
+            jax_shard.warn_replicated(model, distribution, replicated)
     for v in keras_model.state_variables(model):
         value = v.value
         layout = distribution.get_variable_layout(v)
@@ -459,6 +484,8 @@ def _assign_layouts(model, distribution):
     ``<optimizer>/<that variable's path, "/" as "_">_<slot>``. Pinned by a test."""
     from keras.distribution import TensorLayout
 
+    if getattr(distribution, "shard", None) is not None:
+        return  # its own rule, applied by _lay_out
     by_name = {v.path.replace("/", "_"): v for v in model.trainable_variables}
     optimizer_variables = {id(v) for o in keras_model.all_optimizers(model) for v in o.variables}
     for v in keras_model.state_variables(model):
@@ -472,6 +499,24 @@ def _assign_layouts(model, distribution):
                 reference = candidate
         layout = distribution.get_variable_layout(reference if reference is not None else v)
         v._layout = TensorLayout(layout.axes, layout.device_mesh) if reference is not None else layout
+
+
+def _check_shard_combination(shard, strategy, compression):
+    """``shard`` works with strategy='data' and no compression; otherwise an OptionError saying why."""
+    if shard is None:
+        return
+    if strategy != "data":
+        raise OptionError(
+            "shard={!r} applies to strategy='data' on JAX: it splits the training state along the mesh's data axis, "
+            "and strategy='model' lays the kernels out by its layout_map over a ('batch', 'model') mesh. Received: "
+            "strategy={!r}, shard={!r}. Use strategy='data' with shard=, or put optimizer-state axes in layout_map "
+            "yourself.".format(shard, strategy, shard))
+    if compression is not None and shard != "optimizer":
+        raise OptionError(
+            "shard={!r} and compression={!r} don't combine on JAX: the compressed step averages the gradients "
+            "itself in 16 bits and leaves every device the whole gradient, which shard='gradients' and 'all' "
+            "split. Received: shard={!r}, compression={!r}. Use shard='optimizer' with compression=, or drop "
+            "one of them.".format(shard, compression, shard, compression))
 
 
 def _replicate_uneven_batches():
