@@ -221,3 +221,14 @@ def test_bad_values_and_combinations():
         distkeras.distribute(model, devices=DEVICES, shard="everything")
     with pytest.raises(OptionError, match="shard='all'.*not built yet"):
         distkeras.distribute(model, devices=DEVICES, shard="all")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_compression_with_sharded_gradients_trains_close(overlap):
+    """fp16 on the wire to each owner (buckets, or the reduce after the backward pass): close to one device,
+    at test_torch's tolerance for fp16-compressed all-reduces."""
+    expected = single_device("sequential")
+    got = replicated(DEVICES, run_pattern, "sequential", DEVICES, shard="gradients", compression="fp16",
+                     overlap=overlap)
+    for path, e, g in zip(expected["paths"], expected["weights"], got["weights"]):
+        np.testing.assert_allclose(g, e, rtol=3e-3, atol=3e-3, err_msg=path)
