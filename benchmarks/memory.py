@@ -395,6 +395,21 @@ def add_targets(results):
     return results
 
 
+def merge(sources):
+    """One results dict from several runs: every setting once (a later file's replaces an earlier one's), ordered
+    by backend, workload, N and mode; the commands and machines of all of them kept."""
+    if len(sources) == 1:
+        return sources[0]
+    runs = {}
+    for source in sources:
+        for run in source["runs"]:
+            runs[(run["backend"], run["workload"], run["devices"], run["mode"])] = run
+    order = {mode: index for index, mode in enumerate(MODES)}
+    return {"command": " ; ".join(s["command"] for s in sources), "machine": sources[-1]["machine"],
+            "machines": [s["machine"] for s in sources], "settings": [s["settings"] for s in sources],
+            "runs": [runs[k] for k in sorted(runs, key=lambda k: (k[0], k[1], k[2], order[k[3]]))]}
+
+
 def _mib(value):
     return "" if value is None else "{:.1f}".format(value / 2.0 ** 20)
 
@@ -479,6 +494,7 @@ def measure(args):
                     if "ranks" in entry:
                         entry["summary"] = summarize(entry)
                     results["runs"].append(entry)
+                    write(add_targets(results), args.out)  # after every setting: a long run stopped keeps what it has
                     brief = entry.get("summary", {}).get("total_bytes")
                     print("{} {} N={} shard={}: {}".format(
                         backend, workload, devices, _shard(mode),
@@ -486,8 +502,7 @@ def measure(args):
                         else "not built yet" if "not_built" in entry else "error: " + entry["error"][-400:]),
                         flush=True)
     results["machine"]["load_average_after"] = machine.load_average()
-    add_targets(results)
-    for path in write(results, args.out):
+    for path in write(add_targets(results), args.out):
         print("wrote " + path)
     print(table(results))
     return 0
@@ -497,12 +512,15 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["report"]:
         parser = argparse.ArgumentParser(prog="python -m benchmarks memory report")
-        parser.add_argument("results", help="a results.json written by `python -m benchmarks memory`")
-        parser.add_argument("--out", default=None, help="folder (default: the results file's)")
+        parser.add_argument("results", nargs="+", help="results.json files written by `python -m benchmarks memory` "
+                                                       "(several: their settings merged, the later file's winning)")
+        parser.add_argument("--out", default=None, help="folder (default: the first results file's)")
         args = parser.parse_args(argv[1:])
-        with open(args.results) as handle:
-            results = add_targets(json.load(handle))
-        for path in write(results, args.out or os.path.dirname(os.path.abspath(args.results))):
+        sources = []
+        for path in args.results:
+            with open(path) as handle:
+                sources.append(json.load(handle))
+        for path in write(add_targets(merge(sources)), args.out or os.path.dirname(os.path.abspath(args.results[0]))):
             print("wrote " + path)
         return 0
     if argv[:1] == ["worker"]:
