@@ -146,7 +146,7 @@ def plot(results, path):
     import matplotlib.pyplot as plt
 
     runs = [r for r in results["runs"] if "modes" in r]
-    figure, axis = plt.subplots(figsize=(max(5, 1.6 * len(runs) + 2), 4))
+    figure, axis = plt.subplots(figsize=(max(5, 1.6 * len(runs) + 2) + 2, 4))
     width = 0.8 / len(MODES)
     for index, mode in enumerate(MODES):
         heights = [r["modes"].get(mode, {}).get("over_none", float("nan")) for r in runs]
@@ -157,7 +157,7 @@ def plot(results, path):
     axis.set_xticklabels(["{}\n{}".format(r["backend"], r["place"]) for r in runs])
     axis.set_ylabel("step time / unsharded (medians)")
     axis.set_title("Cost of sharding, {} replicas, hosts linked at {}".format(results["replicas"], results["rate"]))
-    axis.legend(fontsize=7)
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
