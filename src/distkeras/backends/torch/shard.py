@@ -22,10 +22,14 @@
   optimizer's ``_trainable_variables`` and ``_model_variables_moving_average``, Keras privates, narrowed
   for the call); gradient accumulation, weight decay, ``clipnorm`` and ``clipvalue`` are per variable.
   Then each owner broadcasts its updated variables: every rank holds the full weights between steps.
-- **"gradients"** (ZeRO-2): the gradients travel to their owner only (``dist.reduce``, one flat buffer
-  per owner and dtype; in the overlapped buckets one bucket holds one owner's variables), and a rank drops
-  the gradients it does not own as soon as they are sent. Bytes moved per step: the gradients once
-  (reduce) and the weights once (broadcast), as one all-reduce.
+- **Communication** (ZeRO-1 and 2 alike): the gradients travel to their owner only (``dist.reduce``, one flat
+  buffer per owner and dtype; in the overlapped buckets one bucket holds one owner's variables), and each
+  owner broadcasts its updated variables; the reduces, and the broadcasts, of all owners are issued at once
+  (``async_op``), so that gloo's concurrent work items send both ways over a link together. Bytes moved per
+  step: the gradients once (reduce) and the weights once (broadcast), as one ring all-reduce, and in its time.
+- **"gradients"** (ZeRO-2): a rank also drops the gradients it does not own as soon as they are sent;
+  "optimizer" (ZeRO-1) keeps them (so a step whose gradients the overlapped buckets can't use still falls
+  back to reducing them after the backward pass).
 - **Saving and loading**: ``save``/``save_weights`` gather the optimizer state on every rank first
   (they are collective with ``shard``: every rank must call them, as fit()'s callbacks do), write, and
   release it again; ``load_weights``/``load`` re-allocate, load and release (every rank read the same
@@ -269,7 +273,11 @@ def is_released(variable):
 
 def broadcast_owned(groups, rank):
     """``groups``: per rank, the variables it owns (same order on every rank). Each owner's values reach every
-    rank: one broadcast per owner and (dtype, device), flattened."""
+    rank: one broadcast per owner and (dtype, device), flattened, all of them issued at once and then waited
+    for. Why at once: one owner's broadcast sends one way over each link, and gloo runs several work items
+    concurrently (``ProcessGroupGloo``'s threads), so the owners' broadcasts use both directions of a
+    full-duplex link together, as a ring all-reduce does; one after the other they took twice as long."""
+    pending = []
     for owner, variables in enumerate(groups):
         by_kind = {}
         for variable in variables:
@@ -280,14 +288,16 @@ def broadcast_owned(groups, rank):
                 flat = torch.cat([v._value.detach().reshape(-1) for v in group])
             else:
                 flat = torch.empty(sum(int(math.prod(v.shape)) for v in group), dtype=dtype, device=device)
-            dist.broadcast(flat, src=owner)
-            if owner != rank:
-                offset = 0
-                with torch.no_grad():  # .data: no autograd version bump on the weights
-                    for variable in group:
-                        size = int(math.prod(variable.shape))
-                        variable._value.data.copy_(flat[offset : offset + size].view(variable._value.shape))
-                        offset += size
+            pending.append((owner, group, flat, dist.broadcast(flat, src=owner, async_op=True)))
+    for owner, group, flat, work in pending:
+        work.wait()
+        if owner != rank:
+            offset = 0
+            with torch.no_grad():  # .data: no autograd version bump on the weights
+                for variable in group:
+                    size = int(math.prod(variable.shape))
+                    variable._value.data.copy_(flat[offset : offset + size].view(variable._value.shape))
+                    offset += size
 
 
 class _Layer(object):
@@ -672,14 +682,17 @@ class Sharding(object):
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def reduce_to_owners(grads, variables, count, owner, rank, compression=None):
-    """ZeRO-2 without overlap: each variable's gradient averaged over the ranks (weighted by their ``count`` of
+def reduce_to_owners(grads, variables, count, owner, rank, compression=None, drop=True):
+    """ZeRO-1/2 without overlap: each variable's gradient averaged over the ranks (weighted by their ``count`` of
     samples, as :func:`~distkeras.backends.torch.collectives.average_gradients`) on its owner only; None
     elsewhere, and for a variable without a gradient on any rank.
 
     One all-reduce of the has-gradient flags and the counts, then per owner and dtype one ``reduce`` of a
     flat buffer of that owner's gradients, each already scaled by this rank's share (in the 16-bit wire dtype
-    with ``compression``). The gradients this rank doesn't own are dropped from their parameters once sent.
+    with ``compression``), all issued at once and then waited for (as :func:`broadcast_owned`, for the same
+    reason: the owners' reduces use both directions of a link together). With ``drop`` (shard="gradients",
+    "all") the gradients this rank doesn't own are dropped from their parameters once sent; shard="optimizer"
+    keeps them (ZeRO-1 frees nothing early).
     """
     from .. import policies
     from .collectives import WIRE
@@ -695,6 +708,7 @@ def reduce_to_owners(grads, variables, count, owner, rank, compression=None):
         if meta[index]:
             dtype = torch.float64 if variable._value.dtype == torch.float64 else torch.float32
             groups.setdefault((owner[id(variable)], dtype), []).append(index)
+    pending = []
     for (dst, dtype), indices in sorted(groups.items(), key=lambda item: (item[0][0], str(item[0][1]))):
         sizes = [int(math.prod(variables[i].shape)) for i in indices]
         flat = torch.empty(sum(sizes), dtype=dtype, device=device)
@@ -707,10 +721,13 @@ def reduce_to_owners(grads, variables, count, owner, rank, compression=None):
                 torch.mul(grads[index].detach().reshape(-1), weight, out=piece)
             offset += size
         wire = flat if compression is None else flat.to(WIRE[compression])
-        dist.reduce(wire, dst=dst)
+        pending.append((dst, indices, sizes, flat, wire, dist.reduce(wire, dst=dst, async_op=True)))
+    for dst, indices, sizes, flat, wire, work in pending:
+        work.wait()
         if dst != rank:
-            for index in indices:
-                variables[index]._value.grad = None  # sent: not kept here
+            if drop:
+                for index in indices:
+                    variables[index]._value.grad = None  # sent: not kept here
             continue
         if wire is not flat:
             flat.copy_(wire)
