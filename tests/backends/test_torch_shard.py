@@ -52,6 +52,8 @@ CASES = [
     ("subclassed_without_config", "all", {}),
     ("uneven", "all", {}),
     ("uneven", "all", {"overlap": False}),
+    ("custom_layer_losses", "all", {}),  # weight regularizers: computed outside the layers' call
+    ("shared_layer", "all", {}),
 ]
 
 
@@ -61,11 +63,28 @@ def uneven(keras_module):
     return model, x[:46], y[:46], {"batch_size": 10}
 
 
-patterns.PATTERNS.setdefault("uneven", (uneven, 1e-5))
+def shared_layer(keras_module):
+    """One Dense applied to two inputs in each step (its weights used twice, forward and backward)."""
+    keras_module.utils.set_random_seed(0)
+    shared = keras_module.layers.Dense(6, activation="tanh")
+    first, second = keras_module.Input((6,)), keras_module.Input((6,))
+    joined = keras_module.layers.Concatenate()([shared(first), shared(second)])
+    model = keras_module.Model([first, second], keras_module.layers.Dense(3)(joined))
+    model.compile(optimizer=keras_module.optimizers.Adam(0.01), loss="mse")
+    x, y = patterns._data()
+    return model, [x, x[:, ::-1].copy()], y, {}
+
+
+def _add_patterns():
+    patterns.PATTERNS.setdefault("uneven", (uneven, 1e-5))
+    patterns.PATTERNS.setdefault("shared_layer", (shared_layer, 1e-5))
+
+
+_add_patterns()
 
 
 def run_pattern(name, devices, **options):
-    patterns.PATTERNS.setdefault("uneven", (uneven, 1e-5))  # in a worker process too
+    _add_patterns()  # in a worker process too
     return patterns.run(name, devices, **options)
 
 

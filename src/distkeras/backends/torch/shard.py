@@ -374,6 +374,9 @@ class Sharding(object):
                     layer, "_track_variables"):
                 keras_model.hook(layer, "_track_variables",
                                  _within(type(layer)._track_variables.__get__(layer), _bare_parameters))
+            if callable(getattr(type(layer), "_get_regularization_losses", None)) and not keras_model.is_hooked(
+                    layer, "_get_regularization_losses"):
+                keras_model.hook(layer, "_get_regularization_losses", self._hooked_regularization(layer))
             # Layer._trainable_variables (a Keras private): the variables the layer made itself, not its
             # nested layers' (those get their own hook); a frozen layer's are not in the owner map.
             direct = [v for v in layer.__dict__.get("_trainable_variables", ()) if id(v) in owner and id(v) not in placed]
@@ -399,23 +402,60 @@ class Sharding(object):
         def hooked(*args, **kwargs):
             if _symbolic():  # shapes only (compute_output_spec): released weights give meta stubs
                 return call(*args, **kwargs)
-            self._gather_layer(state)
-            state.uses += 1
-            try:
-                outputs = call(*args, **kwargs)
-            finally:
-                state.uses -= 1
-            if torch.is_grad_enabled():
-                needing = [t for t in _tensors(outputs) if t.requires_grad]
-                if needing:
-                    # Before this call's part of the backward pass runs, its weights are gathered again (autograd
-                    # saved the Parameters themselves, whose storage is refilled in place); once their gradients
-                    # are accumulated (_accumulated), released again. FSDP1's pre-backward hook, per call.
-                    torch.autograd.graph.register_multi_grad_hook(
-                        needing, lambda grads: self._gather_backward(state), mode="any")
-            if not state.uses:
-                self._release_layer(state)
-            return outputs
+            return self._use(state, call, *args, **kwargs)
+
+        return hooked
+
+    def _use(self, state, function, *args, **kwargs):
+        """``function(*args, **kwargs)`` with ``state``'s weights gathered (collective), released after; when
+        its outputs need gradients, gathered again for their part of the backward pass."""
+        self._gather_layer(state)
+        state.uses += 1
+        try:
+            outputs = function(*args, **kwargs)
+        finally:
+            state.uses -= 1
+        if torch.is_grad_enabled():
+            needing = [t for t in _tensors(outputs) if t.requires_grad]
+            if needing:
+                # Before this use's part of the backward pass runs, its weights are gathered again (autograd
+                # saved the Parameters themselves, whose storage is refilled in place); once their gradients
+                # are accumulated (_accumulated), released again. FSDP1's pre-backward hook, per use.
+                torch.autograd.graph.register_multi_grad_hook(
+                    needing, lambda grads: self._gather_backward(state), mode="any")
+        if not state.uses:
+            self._release_layer(state)
+        return outputs
+
+    def _hooked_regularization(self, layer):
+        """``layer._get_regularization_losses`` (a Keras private: what ``layer.losses``, and so fit()'s
+        compute_loss, calls for the weight regularizers, outside any layer's call) with each sharded weight's
+        regularizer computed while its layer's weights are gathered, as a use of that layer (:meth:`_use`:
+        released after, gathered again for the backward pass). One gather per layer, the losses in Keras'
+        order (their sum is the single-device one); every rank walks the same weights in the same order."""
+        regularization = type(layer)._get_regularization_losses.__get__(layer)
+
+        @functools.wraps(regularization)
+        def hooked():
+            from keras.src import backend as keras_backend
+
+            weights = [v for v in layer.trainable_weights if v.regularizer is not None]
+            if _symbolic() or keras_backend.in_stateless_scope() or not any(
+                    "_distkeras_state" in v.__dict__ for v in weights):
+                return regularization()
+            by_state = {}  # id(state) -> (state, [positions]); dicts keep the first use's order
+            losses = [None] * len(weights)
+            for position, variable in enumerate(weights):
+                state = variable.__dict__.get("_distkeras_state")
+                if state is None:
+                    losses[position] = variable.regularizer(variable)
+                else:
+                    by_state.setdefault(id(state), (state, []))[1].append(position)
+            for state, positions in by_state.values():
+                computed = self._use(state, lambda ps: [weights[p].regularizer(weights[p]) for p in ps], positions)
+                for position, loss in zip(positions, computed):
+                    losses[position] = loss
+            return losses
 
         return hooked
 
@@ -518,7 +558,7 @@ class Sharding(object):
                         variable.__dict__.pop(name, None)
             self._layers = {}
             for layer in keras_model.layers_of(self.model):
-                keras_model.unhook(layer, "_track_variables")
+                keras_model.unhook(layer, "_track_variables", "_get_regularization_losses")
         self._weights_ids = None
 
     # -- optimizer state
