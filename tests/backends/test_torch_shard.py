@@ -146,7 +146,7 @@ def held_bytes(shard):
         "slots": _storage([v._value for v in slots]), "slots_full": full,
         "grads": _storage(grads), "grads_full": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),
         "weights": _storage([v._value for v in model.trainable_variables]),
-        "errors": errors, "weight_errors": weight_errors,
+        "errors": errors, "weight_errors": weight_errors, "described": distkeras.describe(model)["shard"],
         # Gathered on every rank (a collective), and released again after.
         "get_weights": [np.asarray(w) for w in model.get_weights()],
         "weights_after": _storage([v._value for v in model.trainable_variables]),
@@ -160,6 +160,7 @@ def held_bytes(shard):
 def test_state_is_sharded(shard):
     every = replicated(DEVICES, held_bytes, shard)
     for rank, held in enumerate(every):
+        assert held["described"] == shard
         assert held["slots"] <= held["slots_full"] * (1.0 / DEVICES + 0.1), (rank, held)
         if shard == "all":  # weights too, at rest and after get_weights() gathered them; reads outside fail
             assert held["weights"] <= held["grads_full"] * (1.0 / DEVICES + 0.1), (rank, held)
