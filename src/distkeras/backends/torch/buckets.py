@@ -47,6 +47,7 @@ import torch.distributed as dist
 from ...errors import DistKerasError
 from .. import policies
 from . import collectives
+from .shard import OwnerReduce
 
 logger = logging.getLogger("distkeras")
 
@@ -222,7 +223,9 @@ class Buckets(object):
             if bucket.owner is None:
                 bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             else:
-                bucket.work = dist.reduce(bucket.buffer, dst=bucket.owner, group=self.group, async_op=True)
+                # Sent to the owner directly (shard.OwnerReduce: the bytes of a reduce-scatter, not gloo's reduce).
+                bucket.work = OwnerReduce(bucket.buffer, bucket.owner, self.replica.rank, self.replica.world,
+                                          group=self.group, tag=self.next)
             self.next += 1
 
     def _check(self, grads, variables):

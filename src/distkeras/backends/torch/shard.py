@@ -729,8 +729,8 @@ def reduce_to_owners(grads, variables, count, owner, rank, compression=None, dro
 
     One all-reduce of the has-gradient flags and the counts, then per owner and dtype one ``reduce`` of a
     flat buffer of that owner's gradients, each already scaled by this rank's share (in the 16-bit wire dtype
-    with ``compression``), all issued at once and then waited for (as :func:`broadcast_owned`, for the same
-    reason: the owners' reduces use both directions of a link together). With ``drop`` (shard="gradients",
+    with ``compression``), sent to it (:class:`OwnerReduce`), all at once and then waited for (as
+    :func:`broadcast_owned`, for the same reason: the owners' reduces use both directions of a link together). With ``drop`` (shard="gradients",
     "all") the gradients this rank doesn't own are dropped from their parameters once sent; shard="optimizer"
     keeps them (ZeRO-1 frees nothing early).
     """
@@ -761,7 +761,8 @@ def reduce_to_owners(grads, variables, count, owner, rank, compression=None, dro
                 torch.mul(grads[index].detach().reshape(-1), weight, out=piece)
             offset += size
         wire = flat if compression is None else flat.to(WIRE[compression])
-        pending.append((dst, indices, sizes, flat, wire, dist.reduce(wire, dst=dst, async_op=True)))
+        pending.append((dst, indices, sizes, flat, wire, OwnerReduce(wire, dst, rank, dist.get_world_size(),
+                                                                     tag=len(pending))))
     for dst, indices, sizes, flat, wire, work in pending:
         work.wait()
         if dst != rank:
@@ -777,6 +778,36 @@ def reduce_to_owners(grads, variables, count, owner, rank, compression=None, dro
             averaged[index] = flat[offset : offset + size].view(variable.shape).to(variable._value.dtype)
             offset += size
     return averaged
+
+
+class OwnerReduce(object):
+    """A sum of ``flat`` over the ranks onto ``dst`` only, as point-to-point messages: every other rank sends
+    its buffer to the owner, which sums them in rank order when waited for (``wait()``).
+
+    Why not ``dist.reduce``: gloo's reduce is a ring reduce-scatter followed by a gather to the root, so with
+    every owner reducing at once each rank sends 1.5x its share of the gradients at N=2 (and more than
+    (N-1)/N of them at any N). Sent directly, each rank sends exactly the gradients it doesn't own and
+    receives (N-1) copies of the ones it owns: the bytes of a ring reduce-scatter, both ways at once.
+    """
+
+    def __init__(self, flat, dst, rank, world, group=None, tag=0):
+        self.flat, self.rank, self.parts = flat, rank, {}
+        if dst != rank:
+            self.works = [dist.isend(flat, dst, group=group, tag=tag)]
+        else:
+            self.parts = {src: torch.empty_like(flat) for src in range(world) if src != rank}
+            self.works = [dist.irecv(part, src, group=group, tag=tag) for src, part in self.parts.items()]
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        if self.parts:
+            self.parts[self.rank] = self.flat
+            total = None
+            for src in sorted(self.parts):  # rank order: the same sum however the messages arrived
+                total = self.parts[src].clone() if total is None else total.add_(self.parts[src])
+            self.flat.copy_(total)
+            self.parts = {}
 
 
 def clip_by_global_norm(grads, clip_norm, device):
