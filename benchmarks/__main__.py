@@ -5,6 +5,8 @@
     python -m benchmarks report a.json b.json --out DIR    one table and plot from several results files
     python -m benchmarks hosts measure [options]   across network-namespace hosts over shaped links
     python -m benchmarks hosts summary a.json b.json --out DIR   their table and plot (benchmarks/hosts.py)
+    python -m benchmarks memory [options]       per-rank bytes of sharded training state (benchmarks/memory.py)
+    python -m benchmarks shard-cost [options]   step time of each shard mode against unsharded (benchmarks/shard_cost.py)
 
 See benchmarks/README.md.
 """
@@ -37,6 +39,14 @@ def main(argv=None):
         from . import hosts
 
         return hosts.main(argv[1:])
+    if argv[:1] == ["memory"]:  # its own options: benchmarks/memory.py
+        from . import memory
+
+        return memory.main(argv[1:])
+    if argv[:1] == ["shard-cost"]:  # its own options: benchmarks/shard_cost.py
+        from . import shard_cost
+
+        return shard_cost.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "run":
         args.command_line = "python -m benchmarks " + " ".join(shlex.quote(a) for a in argv)

@@ -56,15 +56,19 @@ def _rate_bits(rate):
 
 
 def _setting(name):
-    """distribute()'s options for a setting: ``none``, ``bf16`` or ``fp16`` (compression), ``+overlap`` or
-    ``+no-overlap`` appended on PyTorch for its all-reduce during or after the backward pass."""
-    compression, _, extra = name.partition("+")
+    """distribute()'s options for a setting: ``none``, ``bf16`` or ``fp16`` (compression), then any of ``+overlap``
+    or ``+no-overlap`` (PyTorch: its all-reduce during or after the backward pass) and ``+shard-optimizer``,
+    ``+shard-gradients`` or ``+shard-all`` (sharded training state, ``shard=``)."""
+    compression, *extras = name.split("+")
     options = {"compression": None if compression == "none" else compression}
-    if extra in ("overlap", "no-overlap"):
-        options["overlap"] = extra == "overlap"
-    elif extra:
-        raise SystemExit("unknown setting {!r}: expected none, bf16 or fp16, optionally +overlap or +no-overlap".format(
-            name))
+    for extra in extras:
+        if extra in ("overlap", "no-overlap"):
+            options["overlap"] = extra == "overlap"
+        elif extra.startswith("shard-"):
+            options["shard"] = extra[len("shard-"):]
+        else:
+            raise SystemExit("unknown setting {!r}: expected none, bf16 or fp16, optionally +overlap or +no-overlap "
+                             "and +shard-optimizer, +shard-gradients or +shard-all".format(name))
     return options
 
 
@@ -95,11 +99,17 @@ def job(args):
     workload = workloads.get(args.workload, args.width)
     keras.utils.set_random_seed(0)
     first = workload.build(keras)
-    models = {}
+    models, not_built = {}, {}
     for name in settings:
         model = workload.build(keras)
         model.set_weights(first.get_weights())
-        models[name] = distkeras.distribute(model, **_setting(name))
+        try:
+            models[name] = distkeras.distribute(model, **_setting(name))
+        except distkeras.errors.OptionError as exc:
+            if "not built yet" not in str(exc):
+                raise
+            not_built[name] = str(exc)  # an option that exists, its implementation not yet: the others go on
+    settings = [name for name in settings if name in models]
     global_batch = args.batch * args.hosts
     batches = workload.batches(np.random.default_rng(0), global_batch * args.steps, 1)[0]
     seconds = {name: [] for name in settings}
@@ -112,7 +122,8 @@ def job(args):
                 seconds[name].append(clock.seconds_per_step())
     if rank == 0:
         params = sum(int(np.prod(w.shape)) for w in first.weights if w.trainable)
-        print("RESULT " + json.dumps({"seconds_per_step": seconds, "parameters": params}), flush=True)
+        print("RESULT " + json.dumps({"seconds_per_step": seconds, "parameters": params, "not_built": not_built}),
+              flush=True)
 
 
 def _step_clock(keras):
@@ -133,32 +144,64 @@ def _step_clock(keras):
     return StepClock()
 
 
-def _run_job(backend, args, rate):
+def _job_environment(backend):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_") and k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND=backend)
+    return env
+
+
+def _job_arguments(args):
+    return ["-m", "benchmarks.hosts", "job", "--workload", args.workload, "--width", str(args.width), "--batch",
+            str(args.batch), "--steps", str(args.steps), "--windows", str(args.windows), "--compression",
+            args.compression, "--hosts", str(args.hosts), "--loss-epochs", str(args.loss_epochs)]
+
+
+def _job_result(backend, processes, outputs):
+    """Rank 0's RESULT line of a job whose ``processes`` gave ``outputs`` ((stdout, stderr) each)."""
+    for p, (_, err) in zip(processes, outputs):
+        if p.returncode != 0:
+            raise RuntimeError("{} job failed ({}):\n{}".format(backend, p.returncode, err[-3000:]))
+    line = [text for text in outputs[0][0].splitlines() if "RESULT " in text][0]
+    return json.loads(line.split("RESULT ", 1)[1])
+
+
+def run_hosts(backend, args, rate):
+    """:func:`job` on ``args.hosts`` network-namespace hosts, one process each, links shaped to ``rate`` (None:
+    unshaped); rank 0's result."""
     from tests import netns
 
     with netns.Hosts(args.hosts) as hosts:
         if rate:
             for host in range(args.hosts):
                 hosts.limit(host, rate)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_") and k != "XLA_FLAGS"}
-        env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND=backend)
-        forwarded = ["--workload", args.workload, "--width", str(args.width), "--batch", str(args.batch),
-                     "--steps", str(args.steps), "--windows", str(args.windows), "--compression", args.compression,
-                     "--hosts", str(args.hosts), "--loss-epochs", str(args.loss_epochs)]
         launchers = []
         for host in range(args.hosts):
             command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "1", "--nnodes",
                        str(args.hosts), "--node-rank", str(host), "--coordinator",
-                       "{}:{}".format(hosts.addresses[0], PORT), "--backend", backend,
-                       "-m", "benchmarks.hosts", "job"] + forwarded
+                       "{}:{}".format(hosts.addresses[0], PORT), "--backend", backend] + _job_arguments(args)
             launchers.append(hosts.popen(host, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                         cwd=ROOT, env=env))
+                                         cwd=ROOT, env=_job_environment(backend)))
         outputs = [p.communicate(timeout=3600) for p in launchers]
-        for p, (_, err) in zip(launchers, outputs):
-            if p.returncode != 0:
-                raise RuntimeError("{} job failed ({}):\n{}".format(backend, p.returncode, err[-3000:]))
-        line = [text for text in outputs[0][0].splitlines() if "RESULT " in text][0]
-        return json.loads(line.split("RESULT ", 1)[1])
+        return _job_result(backend, launchers, outputs)
+
+
+def run_one_host(backend, args):
+    """:func:`job` with ``args.hosts`` replicas on this host, over loopback: PyTorch as that many processes
+    (``distkeras launch --nproc-per-node``), JAX and TensorFlow as that many CPU devices of one process."""
+    env = _job_environment(backend)
+    if backend == "torch":
+        command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", str(args.hosts), "--backend",
+                   backend] + _job_arguments(args)
+    else:
+        env["DISTKERAS_CPU_DEVICES"] = str(args.hosts)
+        command = [sys.executable] + _job_arguments(args)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        outputs = [process.communicate(timeout=3600)]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return _job_result(backend, [process], outputs)
 
 
 def _median(values):
@@ -177,8 +220,8 @@ def measure(args):
               "rate": args.rate, "hosts": args.hosts, "runs": {}}
     bits = _rate_bits(args.rate)
     for backend in backends:
-        shaped = _run_job(backend, args, args.rate)
-        free = _run_job(backend, args, None)
+        shaped = run_hosts(backend, args, args.rate)
+        free = run_hosts(backend, args, None)
         entry = {"shaped": shaped, "unshaped": free, "settings": {}}
         n = args.hosts
         for name in args.compression.split(","):
@@ -194,7 +237,7 @@ def measure(args):
                 setting["speedup_over_none"] = base["step_s"] / setting["step_s"]
         if args.loss_epochs:
             digits = argparse.Namespace(**dict(vars(args), workload="digits"))
-            entry["digits_loss"] = _run_job(backend, digits, None)
+            entry["digits_loss"] = run_hosts(backend, digits, None)
         report["runs"][backend] = entry
         print(json.dumps({backend: entry["settings"], "digits": entry.get("digits_loss")}, indent=1), flush=True)
     os.makedirs(args.out, exist_ok=True)

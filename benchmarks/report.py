@@ -14,13 +14,19 @@ OFFSETS = dict(zip(KEYS, (-0.09, -0.03, 0.03, 0.09)), **{ALTERNATIVE: 0.0})
 
 def write(results, out_dir):
     """Write the three files into ``out_dir`` (created if needed); return their paths."""
+    return write_files(results, out_dir, markdown(results), plot, "throughput.png")
+
+
+def write_files(results, out_dir, table, plot_to, png):
+    """``results.json``, ``results.md`` (``table``) and ``png`` (drawn by ``plot_to(results, path)``) into
+    ``out_dir`` (created if needed); return their paths. Shared by every command that writes results."""
     os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, name) for name in ("results.json", "results.md", "throughput.png")]
+    paths = [os.path.join(out_dir, name) for name in ("results.json", "results.md", png)]
     with open(paths[0], "w") as handle:
         json.dump(results, handle, indent=1)
     with open(paths[1], "w") as handle:
-        handle.write(markdown(results))
-    plot(results, paths[2])
+        handle.write(table)
+    plot_to(results, paths[2])
     return paths
 
 

@@ -13,6 +13,10 @@ build with Keras 3 and with Keras 2 (keras-mxnet 2.2.4.3).
 - ``bncnn``: a small BatchNormalization conv net (two blocks of Conv2D without bias, BatchNormalization
   and ReLU, of 32 and 64 filters, max-pooling between them, global average pooling, Dense softmax; Adam),
   synthetic 32x32x3 images, 32 per device: what synchronizing BatchNormalization statistics costs.
+- ``transformer``: a small encoder language model (token Embedding, 5 blocks of
+  MultiHeadAttention, LayerNormalization and a Dense feed-forward pair, a Dense softmax over the vocabulary;
+  Adam), 48 M parameters at ``width`` 1.0, random tokens, sequences of 32, 2 per device: the memory benchmark's
+  (``python -m benchmarks memory``) second model. ``width`` scales the model width and the vocabulary.
 """
 
 from dataclasses import dataclass
@@ -175,12 +179,60 @@ def _bncnn():
                     "(20,330 params)", 32, "sparse_categorical_crossentropy", build, batches)
 
 
+#: The transformer at width 1.0: vocabulary, model width, heads, feed-forward width, blocks, sequence length.
+TRANSFORMER = {"vocabulary": 8192, "model": 768, "heads": 8, "feed_forward": 3072, "blocks": 5, "sequence": 32}
+
+
+def transformer_shape(width):
+    """The transformer's sizes at scale ``width``: widths rounded to a multiple of the heads (at least one per
+    head), the vocabulary to at least 16."""
+    if width <= 0:
+        raise ValueError("Expected width > 0. Received: width={!r}".format(width))
+    shape = dict(TRANSFORMER)
+    heads = shape["heads"]
+    for key in ("model", "feed_forward"):
+        shape[key] = max(heads, heads * int(round(TRANSFORMER[key] * width / heads)))
+    shape["vocabulary"] = max(16, int(round(TRANSFORMER["vocabulary"] * width)))
+    return shape
+
+
+def _transformer(width):
+    shape = transformer_shape(width)
+    vocabulary, units, sequence = shape["vocabulary"], shape["model"], shape["sequence"]
+
+    def build(keras):
+        if _keras2(keras):
+            raise ValueError("the transformer workload needs Keras 3 (MultiHeadAttention)")
+        layers = keras.layers
+        tokens = keras.Input(shape=(sequence,), dtype="int32")
+        x = layers.Embedding(vocabulary, units, name="tokens")(tokens)  # no positions: memory, not language
+        for block in range(shape["blocks"]):
+            attended = layers.MultiHeadAttention(shape["heads"], units // shape["heads"], name="attention{}".format(
+                block))(x, x)
+            x = layers.LayerNormalization(name="norm{}a".format(block))(x + attended)
+            hidden = layers.Dense(shape["feed_forward"], activation="relu", name="up{}".format(block))(x)
+            x = layers.LayerNormalization(name="norm{}b".format(block))(
+                x + layers.Dense(units, name="down{}".format(block))(hidden))
+        outputs = layers.Dense(vocabulary, activation="softmax", name="logits")(x)
+        model = keras.Model(tokens, outputs, name="transformer")
+        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="sparse_categorical_crossentropy")
+        return model
+
+    def batches(rng, size, count):
+        return [(rng.integers(0, vocabulary, size=(size, sequence)).astype(np.int32),
+                 rng.integers(0, vocabulary, size=(size, sequence)).astype(np.int32)) for _ in range(count)]
+
+    return Workload("transformer", "transformer, {blocks} blocks of width {model} ({heads} heads, feed-forward "
+                    "{feed_forward}), vocabulary {vocabulary}, sequences of {sequence}".format(**shape), 2,
+                    "sparse_categorical_crossentropy", build, batches)
+
+
 #: Workload names, in the order tables list them.
-NAMES = ("mlp", "cnn", "digits", "bncnn")
+NAMES = ("mlp", "cnn", "digits", "bncnn", "transformer")
 
 
 def get(name, width=1.0):
-    """The workload called ``name``; ``width`` scales the MLP only."""
+    """The workload called ``name``; ``width`` scales the MLP and the transformer."""
     if name == "mlp":
         return _mlp(width)
     if name == "cnn":
@@ -189,4 +241,6 @@ def get(name, width=1.0):
         return _digits()
     if name == "bncnn":
         return _bncnn()
+    if name == "transformer":
+        return _transformer(width)
     raise ValueError("Expected a workload in {}. Received: {!r}".format(NAMES, name))

@@ -205,6 +205,7 @@ def _record(model, adapter, devices, cluster, distributed):
         "rank": cluster.rank,
         "workers": cluster.world_size,
         "distributed": distributed,
+        "shard": adapter.shard_mode(model) if distributed else None,
     }
     try:
         _described[model] = info
@@ -304,12 +305,13 @@ def describe(model: object) -> Dict[str, object]:
     Returns:
         A dict with ``backend``; ``devices`` (strings: the devices given to this process, on PyTorch this
         host's, one process each); ``replicas``: the devices training, over all processes; ``rank``;
-        ``workers``: the number of worker processes in the job, on every backend; and ``distributed``
-        (False for a model distkeras left unchanged or never saw).
+        ``workers``: the number of worker processes in the job, on every backend; ``distributed``
+        (False for a model distkeras left unchanged or never saw); and ``shard``: the sharded training state
+        it trains with (``"optimizer"``, ``"gradients"``, ``"all"``; None: unsharded).
 
     Examples:
         >>> distkeras.describe(model)   # PyTorch, `python train.py` asking for devices=2
-        {'backend': 'torch', 'devices': ['cpu:0', 'cpu:1'], 'replicas': 2, 'rank': 0, 'workers': 2, 'distributed': True}
+        {'backend': 'torch', 'devices': ['cpu:0', 'cpu:1'], 'replicas': 2, 'rank': 0, 'workers': 2, 'distributed': True, 'shard': None}
     """
     adapter = _adapter_for(model)
     try:

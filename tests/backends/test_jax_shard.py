@@ -205,6 +205,7 @@ def test_variables_no_dimension_of_which_divides_are_named(capsys):
 def test_saved_model_is_plain_keras_with_the_optimizer_state(tmp_path):
     x, y = _mlp_data()
     model = distkeras.distribute(_mlp(), devices=2, shard="all")
+    assert distkeras.describe(model)["shard"] == "all"
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     assert tuple(model.trainable_variables[0].value.sharding.spec) == (None, "batch")
     path = str(tmp_path / "m.keras")

@@ -52,6 +52,8 @@ CASES = [
     ("subclassed_without_config", "all", {}),
     ("uneven", "all", {}),
     ("uneven", "all", {"overlap": False}),
+    ("custom_layer_losses", "all", {}),  # weight regularizers: computed outside the layers' call
+    ("shared_layer", "all", {}),
 ]
 
 
@@ -61,11 +63,28 @@ def uneven(keras_module):
     return model, x[:46], y[:46], {"batch_size": 10}
 
 
-patterns.PATTERNS.setdefault("uneven", (uneven, 1e-5))
+def shared_layer(keras_module):
+    """One Dense applied to two inputs in each step (its weights used twice, forward and backward)."""
+    keras_module.utils.set_random_seed(0)
+    shared = keras_module.layers.Dense(6, activation="tanh")
+    first, second = keras_module.Input((6,)), keras_module.Input((6,))
+    joined = keras_module.layers.Concatenate()([shared(first), shared(second)])
+    model = keras_module.Model([first, second], keras_module.layers.Dense(3)(joined))
+    model.compile(optimizer=keras_module.optimizers.Adam(0.01), loss="mse")
+    x, y = patterns._data()
+    return model, [x, x[:, ::-1].copy()], y, {}
+
+
+def _add_patterns():
+    patterns.PATTERNS.setdefault("uneven", (uneven, 1e-5))
+    patterns.PATTERNS.setdefault("shared_layer", (shared_layer, 1e-5))
+
+
+_add_patterns()
 
 
 def run_pattern(name, devices, **options):
-    patterns.PATTERNS.setdefault("uneven", (uneven, 1e-5))  # in a worker process too
+    _add_patterns()  # in a worker process too
     return patterns.run(name, devices, **options)
 
 
@@ -127,7 +146,7 @@ def held_bytes(shard):
         "slots": _storage([v._value for v in slots]), "slots_full": full,
         "grads": _storage(grads), "grads_full": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),
         "weights": _storage([v._value for v in model.trainable_variables]),
-        "errors": errors, "weight_errors": weight_errors,
+        "errors": errors, "weight_errors": weight_errors, "described": distkeras.describe(model)["shard"],
         # Gathered on every rank (a collective), and released again after.
         "get_weights": [np.asarray(w) for w in model.get_weights()],
         "weights_after": _storage([v._value for v in model.trainable_variables]),
@@ -141,6 +160,7 @@ def held_bytes(shard):
 def test_state_is_sharded(shard):
     every = replicated(DEVICES, held_bytes, shard)
     for rank, held in enumerate(every):
+        assert held["described"] == shard
         assert held["slots"] <= held["slots_full"] * (1.0 / DEVICES + 0.1), (rank, held)
         if shard == "all":  # weights too, at rest and after get_weights() gathered them; reads outside fail
             assert held["weights"] <= held["grads_full"] * (1.0 / DEVICES + 0.1), (rank, held)

@@ -278,3 +278,37 @@ def test_the_jax_adapter_documents_the_multi_process_support_it_implements():
     for text in docstrings:
         lowered = " ".join(text.lower().split())
         assert "not implemented" not in lowered and "one process only" not in lowered, text
+
+
+# ---- describe()'s "shard": None or the mode, on every backend (the adapter reads it off the model)
+
+
+class _ShardingToy(_Toy):
+    def shard_mode(self, model):
+        return model.mode
+
+
+@pytest.mark.parametrize("mode", [None, "optimizer", "all"])
+def test_describe_reports_the_shard_mode(mode):
+    from distkeras import api
+
+    model = _Model()
+    model.mode = mode
+    assert api._record(model, _ShardingToy(), _devices(2), _cluster(2, 2), distributed=True)["shard"] == mode
+    assert api._record(model, _ShardingToy(), _devices(1), _cluster(1, 1), distributed=False)["shard"] is None
+    # The default adapter (a backend that can't shard) reports None.
+    assert api._record(model, _Toy(), _devices(2), _cluster(2, 2), distributed=True)["shard"] is None
+
+
+def test_torch_and_jax_adapters_read_the_mode_their_distribute_sets():
+    from distkeras.backends.jax import adapter as jax_adapter  # imports no jax
+    from distkeras.backends.torch.adapter import TorchAdapter  # imports no torch
+
+    class Sharding(object):
+        mode = "gradients"
+
+    torch_model, jax_model = _Model(), _Model()
+    assert TorchAdapter().shard_mode(torch_model) is None and jax_adapter.JaxAdapter().shard_mode(jax_model) is None
+    torch_model._distkeras_sharding = Sharding()  # torch's shard._SHARDING
+    jax_model.__dict__[jax_adapter._SHARD_MODE] = "all"
+    assert TorchAdapter().shard_mode(torch_model) == "gradients" and jax_adapter.JaxAdapter().shard_mode(jax_model) == "all"

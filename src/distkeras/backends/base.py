@@ -169,6 +169,11 @@ class Adapter(abc.ABC):
     def set_random_states(self, states: Dict[str, object]) -> None:
         """Restore the states :meth:`random_states` gave (``states`` may hold others too). Default: nothing."""
 
+    def shard_mode(self, model: object) -> Optional[str]:
+        """The ``shard`` value ``model`` was distributed with and trains under (for :func:`distkeras.describe`):
+        ``"optimizer"``, ``"gradients"``, ``"all"``, or None. Default: None (a backend that can't shard)."""
+        return None
+
     def check_alone(self) -> None:
         """Called by :func:`distkeras.distribute` where no environment describes a job of several processes:
         raise ClusterError if the framework itself says this process is one of several (an engine someone else

@@ -72,6 +72,10 @@ _SCOPED = (
 _ours = weakref.WeakKeyDictionary()
 
 
+#: The model's instance attribute that holds its ``shard`` value (for :meth:`JaxAdapter.shard_mode`).
+_SHARD_MODE = "_distkeras_shard_mode"
+
+
 class JaxAdapter(Adapter):
     name = "jax"
     framework = "jax"
@@ -132,6 +136,9 @@ class JaxAdapter(Adapter):
                 _gloo_on(route.interface)
         except Exception as exc:  # raised again, with advice, by distribute()
             self._multi_process_error = exc
+
+    def shard_mode(self, model):
+        return model.__dict__.get(_SHARD_MODE) if hasattr(model, "__dict__") else None
 
     def check_alone(self):
         """jax.distributed joined by someone else (Ray's JaxTrainer on GPUs and TPUs) to several processes."""
@@ -258,6 +265,7 @@ class JaxAdapter(Adapter):
         if shard is not None:
             for name in ("save", "save_weights", "get_weights"):  # after the saving rule's hooks, which they wrap
                 keras_model.hook(model, name, jax_shard.gathered(getattr(model, name), model))
+            keras_model.hook(model, _SHARD_MODE, shard)  # for describe(); unhooked by a later distribute()
         return model
 
     def _global_mesh_devices(self, cluster, devices, local_devices, strategy):

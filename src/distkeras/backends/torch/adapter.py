@@ -113,6 +113,10 @@ class TorchAdapter(Adapter):
         a plain process starts one per device itself."""
         return len(devices) * max(1, cluster.world_size // max(1, cluster.local_world_size))
 
+    def shard_mode(self, model):
+        # The model's Sharding (shard._SHARDING, read by name here: shard.py imports torch), set by distribute().
+        return getattr(model.__dict__.get("_distkeras_sharding"), "mode", None) if hasattr(model, "__dict__") else None
+
     def random_states(self):
         """torch's global generator: Keras' torch trainer shuffles arrays with a RandomSampler drawing from it."""
         import torch

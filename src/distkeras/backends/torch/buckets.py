@@ -47,6 +47,7 @@ import torch.distributed as dist
 from ...errors import DistKerasError
 from .. import policies
 from . import collectives
+from .shard import OwnerReduce
 
 logger = logging.getLogger("distkeras")
 
@@ -91,7 +92,7 @@ def assign(sizes, keys, bucket_bytes, first_bytes=FIRST_BUCKET_BYTES):
 class _Bucket(object):
     def __init__(self, indices, offsets, length, dtype, device, owner=None):
         self.indices, self.offsets, self.length, self.dtype, self.device = indices, offsets, length, dtype, device
-        self.owner = owner  # with shard="gradients": the rank the bucket is reduced to (None: all-reduced)
+        self.owner = owner  # with shard: the rank the bucket is reduced to (None: all-reduced)
         self.buffer = self.work = None
         self.pending = 0
 
@@ -117,9 +118,12 @@ class Buckets(object):
         self.group = bucket_group(replica.timeout)
         self.enabled = True
         self.collecting = False
-        #: With shard="gradients": ``owner_of(variables)`` -> {id(variable): owner rank}. Buckets then hold one
-        #: owner's variables and are reduced to it, and a rank drops the gradients it doesn't own once sent.
+        #: With shard: ``owner_of(variables)`` -> {id(variable): owner rank}. Buckets then hold one owner's
+        #: variables and are reduced to it (the bytes of half an all-reduce: the owners broadcast the rest).
         self.owner_of = None
+        #: With owner_of: a rank drops the gradients it doesn't own once sent (shard="gradients", "all"; ZeRO-1
+        #: keeps them, so a step whose gradients the buckets can't use may still fall back).
+        self.drop = True
         self.freed = False
         self._owned = []
         self._ids, self._slot = (), {}
@@ -157,7 +161,7 @@ class Buckets(object):
         def on_grad(parameter):
             if self.collecting and self.replica.count is not None:
                 self._accumulated(index, parameter.grad)
-                if not self._owned[index] and self.reason is None:
+                if self.drop and not self._owned[index] and self.reason is None:
                     parameter.grad = None  # in its bucket now, on its way to its owner: not kept here (ZeRO-2)
                     self.freed = True
 
@@ -219,7 +223,9 @@ class Buckets(object):
             if bucket.owner is None:
                 bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             else:
-                bucket.work = dist.reduce(bucket.buffer, dst=bucket.owner, group=self.group, async_op=True)
+                # Sent to the owner directly (shard.OwnerReduce: the bytes of a reduce-scatter, not gloo's reduce).
+                bucket.work = OwnerReduce(bucket.buffer, bucket.owner, self.replica.rank, self.replica.world,
+                                          group=self.group, tag=self.next)
             self.next += 1
 
     def _check(self, grads, variables):

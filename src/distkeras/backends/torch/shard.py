@@ -22,10 +22,14 @@
   optimizer's ``_trainable_variables`` and ``_model_variables_moving_average``, Keras privates, narrowed
   for the call); gradient accumulation, weight decay, ``clipnorm`` and ``clipvalue`` are per variable.
   Then each owner broadcasts its updated variables: every rank holds the full weights between steps.
-- **"gradients"** (ZeRO-2): the gradients travel to their owner only (``dist.reduce``, one flat buffer
-  per owner and dtype; in the overlapped buckets one bucket holds one owner's variables), and a rank drops
-  the gradients it does not own as soon as they are sent. Bytes moved per step: the gradients once
-  (reduce) and the weights once (broadcast), as one all-reduce.
+- **Communication** (ZeRO-1 and 2 alike): the gradients travel to their owner only (``dist.reduce``, one flat
+  buffer per owner and dtype; in the overlapped buckets one bucket holds one owner's variables), and each
+  owner broadcasts its updated variables; the reduces, and the broadcasts, of all owners are issued at once
+  (``async_op``), so that gloo's concurrent work items send both ways over a link together. Bytes moved per
+  step: the gradients once (reduce) and the weights once (broadcast), as one ring all-reduce, and in its time.
+- **"gradients"** (ZeRO-2): a rank also drops the gradients it does not own as soon as they are sent;
+  "optimizer" (ZeRO-1) keeps them (so a step whose gradients the overlapped buckets can't use still falls
+  back to reducing them after the backward pass).
 - **Saving and loading**: ``save``/``save_weights`` gather the optimizer state on every rank first
   (they are collective with ``shard``: every rank must call them, as fit()'s callbacks do), write, and
   release it again; ``load_weights``/``load`` re-allocate, load and release (every rank read the same
@@ -269,7 +273,11 @@ def is_released(variable):
 
 def broadcast_owned(groups, rank):
     """``groups``: per rank, the variables it owns (same order on every rank). Each owner's values reach every
-    rank: one broadcast per owner and (dtype, device), flattened."""
+    rank: one broadcast per owner and (dtype, device), flattened, all of them issued at once and then waited
+    for. Why at once: one owner's broadcast sends one way over each link, and gloo runs several work items
+    concurrently (``ProcessGroupGloo``'s threads), so the owners' broadcasts use both directions of a
+    full-duplex link together, as a ring all-reduce does; one after the other they took twice as long."""
+    pending = []
     for owner, variables in enumerate(groups):
         by_kind = {}
         for variable in variables:
@@ -280,14 +288,16 @@ def broadcast_owned(groups, rank):
                 flat = torch.cat([v._value.detach().reshape(-1) for v in group])
             else:
                 flat = torch.empty(sum(int(math.prod(v.shape)) for v in group), dtype=dtype, device=device)
-            dist.broadcast(flat, src=owner)
-            if owner != rank:
-                offset = 0
-                with torch.no_grad():  # .data: no autograd version bump on the weights
-                    for variable in group:
-                        size = int(math.prod(variable.shape))
-                        variable._value.data.copy_(flat[offset : offset + size].view(variable._value.shape))
-                        offset += size
+            pending.append((owner, group, flat, dist.broadcast(flat, src=owner, async_op=True)))
+    for owner, group, flat, work in pending:
+        work.wait()
+        if owner != rank:
+            offset = 0
+            with torch.no_grad():  # .data: no autograd version bump on the weights
+                for variable in group:
+                    size = int(math.prod(variable.shape))
+                    variable._value.data.copy_(flat[offset : offset + size].view(variable._value.shape))
+                    offset += size
 
 
 class _Layer(object):
@@ -364,6 +374,9 @@ class Sharding(object):
                     layer, "_track_variables"):
                 keras_model.hook(layer, "_track_variables",
                                  _within(type(layer)._track_variables.__get__(layer), _bare_parameters))
+            if callable(getattr(type(layer), "_get_regularization_losses", None)) and not keras_model.is_hooked(
+                    layer, "_get_regularization_losses"):
+                keras_model.hook(layer, "_get_regularization_losses", self._hooked_regularization(layer))
             # Layer._trainable_variables (a Keras private): the variables the layer made itself, not its
             # nested layers' (those get their own hook); a frozen layer's are not in the owner map.
             direct = [v for v in layer.__dict__.get("_trainable_variables", ()) if id(v) in owner and id(v) not in placed]
@@ -389,23 +402,60 @@ class Sharding(object):
         def hooked(*args, **kwargs):
             if _symbolic():  # shapes only (compute_output_spec): released weights give meta stubs
                 return call(*args, **kwargs)
-            self._gather_layer(state)
-            state.uses += 1
-            try:
-                outputs = call(*args, **kwargs)
-            finally:
-                state.uses -= 1
-            if torch.is_grad_enabled():
-                needing = [t for t in _tensors(outputs) if t.requires_grad]
-                if needing:
-                    # Before this call's part of the backward pass runs, its weights are gathered again (autograd
-                    # saved the Parameters themselves, whose storage is refilled in place); once their gradients
-                    # are accumulated (_accumulated), released again. FSDP1's pre-backward hook, per call.
-                    torch.autograd.graph.register_multi_grad_hook(
-                        needing, lambda grads: self._gather_backward(state), mode="any")
-            if not state.uses:
-                self._release_layer(state)
-            return outputs
+            return self._use(state, call, *args, **kwargs)
+
+        return hooked
+
+    def _use(self, state, function, *args, **kwargs):
+        """``function(*args, **kwargs)`` with ``state``'s weights gathered (collective), released after; when
+        its outputs need gradients, gathered again for their part of the backward pass."""
+        self._gather_layer(state)
+        state.uses += 1
+        try:
+            outputs = function(*args, **kwargs)
+        finally:
+            state.uses -= 1
+        if torch.is_grad_enabled():
+            needing = [t for t in _tensors(outputs) if t.requires_grad]
+            if needing:
+                # Before this use's part of the backward pass runs, its weights are gathered again (autograd
+                # saved the Parameters themselves, whose storage is refilled in place); once their gradients
+                # are accumulated (_accumulated), released again. FSDP1's pre-backward hook, per use.
+                torch.autograd.graph.register_multi_grad_hook(
+                    needing, lambda grads: self._gather_backward(state), mode="any")
+        if not state.uses:
+            self._release_layer(state)
+        return outputs
+
+    def _hooked_regularization(self, layer):
+        """``layer._get_regularization_losses`` (a Keras private: what ``layer.losses``, and so fit()'s
+        compute_loss, calls for the weight regularizers, outside any layer's call) with each sharded weight's
+        regularizer computed while its layer's weights are gathered, as a use of that layer (:meth:`_use`:
+        released after, gathered again for the backward pass). One gather per layer, the losses in Keras'
+        order (their sum is the single-device one); every rank walks the same weights in the same order."""
+        regularization = type(layer)._get_regularization_losses.__get__(layer)
+
+        @functools.wraps(regularization)
+        def hooked():
+            from keras.src import backend as keras_backend
+
+            weights = [v for v in layer.trainable_weights if v.regularizer is not None]
+            if _symbolic() or keras_backend.in_stateless_scope() or not any(
+                    "_distkeras_state" in v.__dict__ for v in weights):
+                return regularization()
+            by_state = {}  # id(state) -> (state, [positions]); dicts keep the first use's order
+            losses = [None] * len(weights)
+            for position, variable in enumerate(weights):
+                state = variable.__dict__.get("_distkeras_state")
+                if state is None:
+                    losses[position] = variable.regularizer(variable)
+                else:
+                    by_state.setdefault(id(state), (state, []))[1].append(position)
+            for state, positions in by_state.values():
+                computed = self._use(state, lambda ps: [weights[p].regularizer(weights[p]) for p in ps], positions)
+                for position, loss in zip(positions, computed):
+                    losses[position] = loss
+            return losses
 
         return hooked
 
@@ -508,7 +558,7 @@ class Sharding(object):
                         variable.__dict__.pop(name, None)
             self._layers = {}
             for layer in keras_model.layers_of(self.model):
-                keras_model.unhook(layer, "_track_variables")
+                keras_model.unhook(layer, "_track_variables", "_get_regularization_losses")
         self._weights_ids = None
 
     # -- optimizer state
@@ -672,14 +722,17 @@ class Sharding(object):
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def reduce_to_owners(grads, variables, count, owner, rank, compression=None):
-    """ZeRO-2 without overlap: each variable's gradient averaged over the ranks (weighted by their ``count`` of
+def reduce_to_owners(grads, variables, count, owner, rank, compression=None, drop=True):
+    """ZeRO-1/2 without overlap: each variable's gradient averaged over the ranks (weighted by their ``count`` of
     samples, as :func:`~distkeras.backends.torch.collectives.average_gradients`) on its owner only; None
     elsewhere, and for a variable without a gradient on any rank.
 
     One all-reduce of the has-gradient flags and the counts, then per owner and dtype one ``reduce`` of a
     flat buffer of that owner's gradients, each already scaled by this rank's share (in the 16-bit wire dtype
-    with ``compression``). The gradients this rank doesn't own are dropped from their parameters once sent.
+    with ``compression``), sent to it (:class:`OwnerReduce`), all at once and then waited for (as
+    :func:`broadcast_owned`, for the same reason: the owners' reduces use both directions of a link together). With ``drop`` (shard="gradients",
+    "all") the gradients this rank doesn't own are dropped from their parameters once sent; shard="optimizer"
+    keeps them (ZeRO-1 frees nothing early).
     """
     from .. import policies
     from .collectives import WIRE
@@ -695,6 +748,7 @@ def reduce_to_owners(grads, variables, count, owner, rank, compression=None):
         if meta[index]:
             dtype = torch.float64 if variable._value.dtype == torch.float64 else torch.float32
             groups.setdefault((owner[id(variable)], dtype), []).append(index)
+    pending = []
     for (dst, dtype), indices in sorted(groups.items(), key=lambda item: (item[0][0], str(item[0][1]))):
         sizes = [int(math.prod(variables[i].shape)) for i in indices]
         flat = torch.empty(sum(sizes), dtype=dtype, device=device)
@@ -707,10 +761,14 @@ def reduce_to_owners(grads, variables, count, owner, rank, compression=None):
                 torch.mul(grads[index].detach().reshape(-1), weight, out=piece)
             offset += size
         wire = flat if compression is None else flat.to(WIRE[compression])
-        dist.reduce(wire, dst=dst)
+        pending.append((dst, indices, sizes, flat, wire, OwnerReduce(wire, dst, rank, dist.get_world_size(),
+                                                                     tag=len(pending))))
+    for dst, indices, sizes, flat, wire, work in pending:
+        work.wait()
         if dst != rank:
-            for index in indices:
-                variables[index]._value.grad = None  # sent: not kept here
+            if drop:
+                for index in indices:
+                    variables[index]._value.grad = None  # sent: not kept here
             continue
         if wire is not flat:
             flat.copy_(wire)
@@ -720,6 +778,36 @@ def reduce_to_owners(grads, variables, count, owner, rank, compression=None):
             averaged[index] = flat[offset : offset + size].view(variable.shape).to(variable._value.dtype)
             offset += size
     return averaged
+
+
+class OwnerReduce(object):
+    """A sum of ``flat`` over the ranks onto ``dst`` only, as point-to-point messages: every other rank sends
+    its buffer to the owner, which sums them in rank order when waited for (``wait()``).
+
+    Why not ``dist.reduce``: gloo's reduce is a ring reduce-scatter followed by a gather to the root, so with
+    every owner reducing at once each rank sends 1.5x its share of the gradients at N=2 (and more than
+    (N-1)/N of them at any N). Sent directly, each rank sends exactly the gradients it doesn't own and
+    receives (N-1) copies of the ones it owns: the bytes of a ring reduce-scatter, both ways at once.
+    """
+
+    def __init__(self, flat, dst, rank, world, group=None, tag=0):
+        self.flat, self.rank, self.parts = flat, rank, {}
+        if dst != rank:
+            self.works = [dist.isend(flat, dst, group=group, tag=tag)]
+        else:
+            self.parts = {src: torch.empty_like(flat) for src in range(world) if src != rank}
+            self.works = [dist.irecv(part, src, group=group, tag=tag) for src, part in self.parts.items()]
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        if self.parts:
+            self.parts[self.rank] = self.flat
+            total = None
+            for src in sorted(self.parts):  # rank order: the same sum however the messages arrived
+                total = self.parts[src].clone() if total is None else total.add_(self.parts[src])
+            self.flat.copy_(total)
+            self.parts = {}
 
 
 def clip_by_global_norm(grads, clip_norm, device):

@@ -445,8 +445,9 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None):
         replica.shard = torch_shard.Sharding(
             shard, model, replica.rank, replica.world, lambda: broadcast_new_variables(model, replica))
         torch_shard.install(replica.shard)
-        if shard in ("gradients", "all") and replica.buckets is not None:
+        if replica.buckets is not None:
             replica.buckets.owner_of = replica.shard.owner_map
+            replica.buckets.drop = shard != "optimizer"
     model.train_function = model.test_function = model.predict_function = None
 
 
@@ -492,9 +493,10 @@ def _wrap_optimizer(optimizer, replica):
                 return update(averaged)
         if not count:  # a stand-in sample's gradients: this rank joins the all-reduce with weight zero
             grads = [None] * len(grads)
-        if replica.shard is not None and replica.shard.mode in ("gradients", "all"):  # each gradient to its owner only
+        if replica.shard is not None:  # each gradient to its owner only (the owners broadcast the weights after)
             owner = replica.shard.owner_map(variables)
-            return update(torch_shard.reduce_to_owners(grads, variables, count, owner, replica.rank, replica.compression))
+            return update(torch_shard.reduce_to_owners(grads, variables, count, owner, replica.rank, replica.compression,
+                                                       drop=replica.shard.mode != "optimizer"))
         return update(collectives.average_gradients(grads, variables, count, replica.compression))
 
     keras_model.hook(optimizer, "apply", averaged_apply)
