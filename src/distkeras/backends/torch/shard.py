@@ -22,11 +22,12 @@
   optimizer's ``_trainable_variables`` and ``_model_variables_moving_average``, Keras privates, narrowed
   for the call); gradient accumulation, weight decay, ``clipnorm`` and ``clipvalue`` are per variable.
   Then each owner broadcasts its updated variables: every rank holds the full weights between steps.
-- **Communication** (ZeRO-1 and 2 alike): the gradients travel to their owner only (``dist.reduce``, one flat
-  buffer per owner and dtype; in the overlapped buckets one bucket holds one owner's variables), and each
-  owner broadcasts its updated variables; the reduces, and the broadcasts, of all owners are issued at once
-  (``async_op``), so that gloo's concurrent work items send both ways over a link together. Bytes moved per
-  step: the gradients once (reduce) and the weights once (broadcast), as one ring all-reduce, and in its time.
+- **Communication** (ZeRO-1 and 2 alike): the gradients travel to their owner only, as point-to-point
+  messages (:class:`OwnerReduce`: every other rank sends the owner its flat buffer of that owner's
+  gradients, the owner sums them in rank order; in the overlapped buckets one bucket holds one owner's
+  variables), and each owner broadcasts its updated variables; all owners' messages, and broadcasts, are
+  issued at once (``async_op``), so a link carries both directions together. Bytes sent per rank and step:
+  the gradients it doesn't own, then the weights it owns: those of one ring all-reduce.
 - **"gradients"** (ZeRO-2): a rank also drops the gradients it does not own as soon as they are sent;
   "optimizer" (ZeRO-1) keeps them (so a step whose gradients the overlapped buckets can't use still falls
   back to reducing them after the backward pass).
@@ -51,8 +52,9 @@
   too, a sharded weight's Keras variable gets a subclass (:func:`_guarded_class`) whose ``value``,
   outside its layer's call, is a shape-only :class:`_ReleasedView`: ``value.grad`` works (Keras' torch
   ``train_step`` reads it), any computation raises :class:`~distkeras.errors.ShardError` naming the
-  weight and its layer (a layer reading another layer's weight, as tied weights do, a regularizer, a
-  callback computing with ``layer.kernel``): the same error on every rank, so none waits for the
+  weight and its layer (a layer reading another layer's weight, as tied weights do, a callback or
+  custom ``train_step`` computing with ``layer.kernel``; a layer's weight regularizers are computed with
+  its weights gathered, as a use of the layer: ``Layer._get_regularization_losses``, a Keras private, hooked): the same error on every rank, so none waits for the
   others. ``model.get_weights()``, ``save()``, ``save_weights()`` gather every weight on every rank
   (collective), ``set_weights()``/``load_weights()`` re-allocate them all and free again after;
   ``predict()``/``evaluate()`` gather per layer as the forward pass does.
