@@ -320,7 +320,10 @@ def run(name, devices, inspect=None, **options):
     fit_kwargs = {"batch_size": BATCH, "epochs": kwargs.pop("epochs", 2), "shuffle": False, "verbose": 0}
     fit_kwargs.update(kwargs)
     history = model.fit(x, y, **fit_kwargs)
-    weights = [np.asarray(keras.ops.convert_to_numpy(w), dtype="float32") for w in model.weights]
+    if options.get("shard") == "all":  # weights held by their owners only: get_weights() gathers them
+        weights = [np.asarray(w, dtype="float32") for w in model.get_weights()]
+    else:
+        weights = [np.asarray(keras.ops.convert_to_numpy(w), dtype="float32") for w in model.weights]
     return {
         "initial": initial,
         "weights": weights,

@@ -1,14 +1,16 @@
-"""``shard=`` on PyTorch (ZeRO-1 "optimizer", ZeRO-2 "gradients").
+"""``shard=`` on PyTorch (ZeRO-1 "optimizer", ZeRO-2 "gradients", ZeRO-3 "all").
 
 Every case runs on one 3-process worker job (its start is most of the time): sharded training equals
 single-device training for the compatibility patterns, the optimizer state (and, with "gradients", the
 gradients) each rank holds is ~1/N of the whole, read from torch's storage sizes, a released slot read from
-outside fails clearly, save() writes the plain model with the full optimizer state (loaded by a process
-without distkeras), a BackupAndRestore checkpoint of a sharded run resumes into another ``shard`` value.
+outside fails clearly (with "all" the weights too: ~1/N each, and a weight read outside its layer's
+call, as tied weights read it, fails clearly on every rank), save() writes the plain model with the full
+optimizer state (loaded by a process without distkeras), a BackupAndRestore checkpoint of a sharded run resumes into another ``shard`` value.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,16 @@ CASES = [
     ("subclassed_without_config", "gradients", {}),
     ("uneven", "gradients", {"overlap": False}),
     ("uneven", "optimizer", {}),
+    ("clipnorm", "all", {}),
+    ("global_clipnorm", "all", {"overlap": False}),
+    ("adamw_schedule", "all", {}),
+    ("ema", "all", {}),
+    ("accumulation", "all", {}),
+    ("mixed_float16", "all", {}),
+    ("batchnorm_convnet", "all", {}),
+    ("subclassed_without_config", "all", {}),
+    ("uneven", "all", {}),
+    ("uneven", "all", {"overlap": False}),
 ]
 
 
@@ -104,28 +116,42 @@ def held_bytes(shard):
     slots = [v for v in model.optimizer.variables if len(v.shape)]  # not iterations, learning_rate
     full = sum(int(np.prod(v.shape)) * 4 for v in slots)
     grads = [v.value.grad for v in model.trainable_variables]
-    errors = []
-    for variable in slots:
-        try:
-            variable.numpy()
-        except ShardError as exc:
-            errors.append(str(exc))
+    errors, weight_errors = [], []
+    for variables, found in ((slots, errors), (model.trainable_variables, weight_errors)):
+        for variable in variables:
+            try:
+                variable.numpy()
+            except ShardError as exc:
+                found.append(str(exc))
     result = {
         "slots": _storage([v._value for v in slots]), "slots_full": full,
         "grads": _storage(grads), "grads_full": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),
-        "errors": errors,
+        "weights": _storage([v._value for v in model.trainable_variables]),
+        "errors": errors, "weight_errors": weight_errors,
+        # Gathered on every rank (a collective), and released again after.
+        "get_weights": [np.asarray(w) for w in model.get_weights()],
+        "weights_after": _storage([v._value for v in model.trainable_variables]),
     }
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, result)
     return every
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "all"])
 def test_state_is_sharded(shard):
     every = replicated(DEVICES, held_bytes, shard)
     for rank, held in enumerate(every):
         assert held["slots"] <= held["slots_full"] * (1.0 / DEVICES + 0.1), (rank, held)
-        if shard == "gradients":
+        if shard == "all":  # weights too, at rest and after get_weights() gathered them; reads outside fail
+            assert held["weights"] <= held["grads_full"] * (1.0 / DEVICES + 0.1), (rank, held)
+            assert held["weights_after"] == held["weights"], (rank, held)
+            assert len(held["weight_errors"]) == 6, held["weight_errors"]  # on the owners too: every rank alike
+            assert "get_weights()" in held["weight_errors"][0] and "of layer 'dense" in held["weight_errors"][0]
+            for got, want in zip(held["get_weights"], every[0]["get_weights"]):
+                np.testing.assert_array_equal(got, want)
+        else:
+            assert held["weights"] == held["grads_full"], (rank, held)
+        if shard in ("gradients", "all"):
             assert held["grads"] <= held["grads_full"] * (1.0 / DEVICES + 0.1), (rank, held)
         else:
             assert held["grads"] == held["grads_full"], (rank, held)
@@ -149,7 +175,7 @@ def save_sharded(path, shard):
     distkeras.distribute(model, devices=DEVICES, shard=shard)
     model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
     model.save(path)  # every rank: the optimizer state is gathered first
-    return [np.asarray(v.numpy()) for v in model.weights]
+    return model.get_weights()
 
 
 _LOAD = """
@@ -164,11 +190,12 @@ print(json.dumps({"pred": keras.ops.convert_to_numpy(model.predict(x, verbose=0)
 """
 
 
-def test_save_is_the_plain_model_with_full_optimizer_state():
+@pytest.mark.parametrize("shard", ["gradients", "all"])
+def test_save_is_the_plain_model_with_full_optimizer_state(shard):
     reference, x = _trained_reference(2)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "model.keras")
-        replicated(DEVICES, save_sharded, path, "gradients")
+        replicated(DEVICES, save_sharded, path, shard)
         np.save(os.path.join(folder, "x.npy"), x)
         env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH="")
         out = subprocess.run([sys.executable, "-c", _LOAD, path, os.path.join(folder, "x.npy")], env=env,
@@ -199,17 +226,18 @@ def resume_across(folder, first, then):
     distkeras.distribute(model, devices=DEVICES, shard=then)
     history = model.fit(x, y, batch_size=12, epochs=3, shuffle=False, verbose=0,
                         callbacks=[BackupAndRestore(backup)])
-    return history.epoch, [np.asarray(v.numpy()) for v in model.trainable_weights]
+    return history.epoch, model.get_weights()
 
 
-@pytest.mark.parametrize("first, then", [("optimizer", "gradients"), ("gradients", None)])
+@pytest.mark.parametrize("first, then", [("optimizer", "gradients"), ("gradients", None), ("all", "optimizer"),
+                                         (None, "all")])
 def test_backup_resumes_into_another_shard_value(first, then):
     reference, _ = _trained_reference(3)
     with tempfile.TemporaryDirectory() as folder:
         epochs, got = replicated(DEVICES, resume_across, folder, first, then)
     assert epochs == [1, 2]  # resumed after the checkpoint's epoch
-    for g, e in zip(got, reference.trainable_weights):
-        np.testing.assert_allclose(g, e.numpy(), rtol=1e-5, atol=1e-5)
+    for g, e in zip(got, reference.get_weights()):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_values_and_combinations():
@@ -219,8 +247,6 @@ def test_bad_values_and_combinations():
     model, _, _ = _balanced(keras)
     with pytest.raises(OptionError, match="one of None, 'optimizer', 'gradients', 'all'"):
         distkeras.distribute(model, devices=DEVICES, shard="everything")
-    with pytest.raises(OptionError, match="shard='all'.*not built yet"):
-        distkeras.distribute(model, devices=DEVICES, shard="all")
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -232,3 +258,49 @@ def test_compression_with_sharded_gradients_trains_close(overlap):
                      overlap=overlap)
     for path, e, g in zip(expected["paths"], expected["weights"], got["weights"]):
         np.testing.assert_allclose(g, e, rtol=3e-3, atol=3e-3, err_msg=path)
+
+
+def tied_read(shard):
+    """A layer reading another layer's kernel in its call (tied weights): with shard="all" a clear error on
+    every rank (none waits for another), naming the weight; with "gradients" it trains."""
+    import keras as keras_module
+
+    import distkeras
+    from distkeras.errors import ShardError
+
+    class Tied(keras_module.layers.Layer):
+        def __init__(self, source, **kwargs):
+            super().__init__(**kwargs)
+            self.source = source
+
+        def call(self, x):
+            return keras_module.ops.matmul(x, keras_module.ops.transpose(self.source.kernel))
+
+    keras_module.utils.set_random_seed(0)
+    inputs = keras_module.Input((8,))
+    dense = keras_module.layers.Dense(4, use_bias=False)
+    model = keras_module.Model(inputs, Tied(dense)(dense(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    distkeras.distribute(model, devices=DEVICES, shard=shard)
+    x = np.ones((6, 8), "float32")
+    try:
+        model.fit(x, x, batch_size=6, epochs=1, verbose=0)
+    except ShardError as exc:
+        return str(exc)
+    return None
+
+
+def test_tied_weight_read_by_another_layer_fails_clearly():
+    messages = replicated(DEVICES, _every_rank, tied_read, "all")
+    for message in messages:
+        assert message is not None and re.search(r"The weight '(\w+/)?dense\w*/kernel' of layer 'dense\w*' is held by "
+                                                 r"another replica", message), message
+        assert "shard='gradients'" in message and "model.get_weights()" in message
+
+
+def _every_rank(function, *args):
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, function(*args))
+    return every

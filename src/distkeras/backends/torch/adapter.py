@@ -148,9 +148,6 @@ class TorchAdapter(Adapter):
         timeout = _check_timeout(timeout)
         compression = check_compression(compression)
         shard = check_shard(shard)
-        if shard == "all":
-            raise OptionError("shard='all' (weights sharded too) is not built yet on PyTorch; shard='optimizer' and "
-                              "shard='gradients' are. Received: shard='all'")
         sync_batchnorm = batchnorm.check_option(sync_batchnorm)
         if not isinstance(overlap, bool):
             raise OptionError("Expected True or False for overlap. Received: overlap={!r}".format(overlap))

@@ -99,7 +99,7 @@ class _Bucket(object):
 def _buffer_dtype(variable, compression):
     if compression is not None:
         return collectives.WIRE[compression]
-    return torch.float64 if variable.value.dtype == torch.float64 else torch.float32
+    return torch.float64 if variable._value.dtype == torch.float64 else torch.float32
 
 
 class Buckets(object):
@@ -134,22 +134,22 @@ class Buckets(object):
         self._ids = tuple(id(v) for v in variables)
         self._slot = {id(v): i for i, v in enumerate(variables)}
         dtypes = [_buffer_dtype(v, compression) for v in variables]
-        sizes = [v.value.numel() * dtype.itemsize for v, dtype in zip(variables, dtypes)]
+        sizes = [v._value.numel() * dtype.itemsize for v, dtype in zip(variables, dtypes)]
         owner = self.owner_of(variables) if self.owner_of is not None else {}
-        keys = [(dtype, v.value.device, owner.get(id(v))) for v, dtype in zip(variables, dtypes)]
+        keys = [(dtype, v._value.device, owner.get(id(v))) for v, dtype in zip(variables, dtypes)]
         self._owned = [owner.get(id(v), self.replica.rank) == self.replica.rank for v in variables]
         self._buckets, self._where = [], [None] * len(variables)
         for indices in assign(sizes, keys, self.bucket_bytes):
             offsets, length = [], 0
             for index in indices:
                 offsets.append(length)
-                length += variables[index].value.numel()
+                length += variables[index]._value.numel()
             bucket = _Bucket(indices, offsets, length, *keys[indices[0]])
             for index, offset in zip(indices, offsets):
-                self._where[index] = (bucket, offset, variables[index].value.numel())
+                self._where[index] = (bucket, offset, variables[index]._value.numel())
             self._buckets.append(bucket)
         for index, variable in enumerate(variables):
-            parameter = variable.value
+            parameter = variable._value
             if parameter.is_leaf and parameter.requires_grad:
                 self._handles.append(parameter.register_post_accumulate_grad_hook(self._hook(index)))
 
@@ -284,7 +284,7 @@ class Buckets(object):
                 averaged.append(None)
                 continue
             bucket, offset, size = self._where[slot]
-            averaged.append(bucket.buffer[offset : offset + size].view(variable.shape).to(variable.value.dtype))
+            averaged.append(bucket.buffer[offset : offset + size].view(variable.shape).to(variable._value.dtype))
         self.end()
         return averaged
 

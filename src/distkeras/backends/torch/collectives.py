@@ -25,7 +25,7 @@ def broadcast_variables(variables):
     """Give every rank rank 0's values of ``variables`` (in the same order on every rank)."""
     groups = collections.OrderedDict()
     for variable in variables:
-        groups.setdefault((variable.value.dtype, variable.value.device), []).append(variable)
+        groups.setdefault((variable._value.dtype, variable._value.device), []).append(variable)
     for group in groups.values():
         flat = torch.cat([v.value.detach().reshape(-1) for v in group])
         dist.broadcast(flat, src=0)
@@ -40,7 +40,7 @@ def _scatter(flat, variables):
     offset = 0
     for variable in variables:
         size = _numel(variable)
-        variable.assign(flat[offset : offset + size].reshape(variable.shape).to(variable.value.dtype))
+        variable.assign(flat[offset : offset + size].reshape(variable.shape).to(variable._value.dtype))
         offset += size
 
 
@@ -60,7 +60,7 @@ def average_gradients(grads, variables, count, compression=None):
     the total comes after the sum, since the total travels in the same all-reduce. A variable without a gradient on any rank keeps None (Keras skips it, as on one device).
     """
     dtype = torch.float64 if any(g is not None and g.dtype == torch.float64 for g in grads) else torch.float32
-    device = next((g.device for g in grads if g is not None), variables[0].value.device)
+    device = next((g.device for g in grads if g is not None), variables[0]._value.device)
     sizes = [_numel(v) for v in variables]
     length = sum(sizes)
     meta = [float(g is not None) for g in grads] + [float(count)]
@@ -92,7 +92,7 @@ def average_gradients(grads, variables, count, compression=None):
     averaged, offset = [], 0
     for present, variable, size in zip(meta, variables, sizes):
         piece = flat[offset : offset + size]
-        averaged.append(piece.view(variable.shape).to(variable.value.dtype) if present else None)
+        averaged.append(piece.view(variable.shape).to(variable._value.dtype) if present else None)
         offset += size
     return averaged
 

@@ -1,4 +1,4 @@
-"""Sharded training state on PyTorch (ZeRO stages 1 and 2): ``distribute(model, shard="optimizer" | "gradients")``.
+"""Sharded training state on PyTorch (ZeRO stages 1, 2 and 3): ``distribute(model, shard="optimizer" | "gradients" | "all")``.
 
 - **Ownership by whole variables** (:func:`owners`): each trainable variable has one owner rank, chosen
   greedily by bytes (largest first, to the least-loaded rank, ties to the lower rank; the same on every rank),
@@ -31,6 +31,27 @@
   release it again; ``load_weights``/``load`` re-allocate, load and release (every rank read the same
   file, so the owners hold the right values). A checkpoint of a sharded run is the single-device one and
   resumes into any ``shard`` value or none.
+- **"all"** (ZeRO-3, FSDP1's technique on Keras' layers; :meth:`Sharding.prepare_weights`): gradients as with
+  "gradients", and a trainable variable's storage is freed on every rank but its owner. Each layer that
+  made trainable variables itself (``Layer._trainable_variables``, a Keras private; a nested layer gets
+  its own hook) has an instance hook on ``call``: before, its weights are gathered (the freed storage
+  re-allocated in place with ``resize_`` and filled by a broadcast from each owner, through ``.data``:
+  the same Parameter and storage, so what autograd saved stays valid and no version counter moves);
+  after, freed again. When the outputs need gradients, a ``register_multi_grad_hook`` on them gathers
+  the weights again before that call's part of the backward pass, and once every one of the layer's
+  weights had its gradient accumulated (``register_post_accumulate_grad_hook``) they are freed again;
+  whatever a step leaves held (a weight without a gradient) is freed when the step ends. A layer called
+  twice in a step gathers once per use (a use in flight is counted) and frees after the last gradient.
+  The owners update their own weights (never freed there) and nothing is broadcast after ``apply``. Non
+  trainable state (BatchNorm statistics, seed generators) stays replicated. On every rank, the owner's
+  too, a sharded weight's Keras variable gets a subclass (:func:`_guarded_class`) whose ``value``,
+  outside its layer's call, is a shape-only :class:`_ReleasedView`: ``value.grad`` works (Keras' torch
+  ``train_step`` reads it), any computation raises :class:`~distkeras.errors.ShardError` naming the
+  weight and its layer (a layer reading another layer's weight, as tied weights do, a regularizer, a
+  callback computing with ``layer.kernel``): the same error on every rank, so none waits for the
+  others. ``model.get_weights()``, ``save()``, ``save_weights()`` gather every weight on every rank
+  (collective), ``set_weights()``/``load_weights()`` re-allocate them all and free again after;
+  ``predict()``/``evaluate()`` gather per layer as the forward pass does.
 """
 
 import contextlib
@@ -49,6 +70,8 @@ _SLOTS = "_distkeras_slots"
 _SHARDING = "_distkeras_sharding"
 _RELEASED_CLASSES = {}
 _NONE = object()
+#: Depth of calls that take released weights' Parameters as objects, without reading them (_bare_parameters).
+_BARE = [0]
 
 
 def owners(sizes, world, loads=None):
@@ -109,11 +132,103 @@ def _released_class(base):
     return _RELEASED_CLASSES[base]
 
 
-def release(variable):
-    """Free ``variable``'s storage (keeps its shape, dtype and Parameter object) and mark it released."""
-    if getattr(type(variable), "_distkeras_base", None) is not None:
-        return
+def _guarded_class(base):
+    """A subclass of the variable class ``base`` for a weight of shard="all", on every rank (its owner's too,
+    so that a read outside its layer's call fails on every rank alike, and none waits for the others): its
+    ``value`` is the weight while its layer holds it (:class:`_Layer`), else a :class:`_ReleasedView`."""
+    key = ("guarded", base)
+    if key not in _RELEASED_CLASSES:
+
+        def value(self):
+            state = self.__dict__["_distkeras_state"]
+            if state.gathered or state.sharding.applying:
+                return base.value.__get__(self)
+            if _BARE[0]:
+                return self._value  # the Parameter object itself (Keras' torch layers track it), not read
+            if _symbolic():
+                # Keras' torch Variable.value gives a shape-only stub on the "meta" device in a symbolic call
+                # (compute_output_spec) and never touches the storage: a released weight may take part.
+                return base.value.__get__(self)
+            return _released_view(self)
+
+        _RELEASED_CLASSES[key] = type(base.__name__, (base,), {"value": property(value), "_distkeras_guarded": base})
+    return _RELEASED_CLASSES[key]
+
+
+@contextlib.contextmanager
+def _bare_parameters():
+    """Released weights' ``value`` is their Parameter inside the block: Keras' torch layers' private
+    ``_track_variables`` (run by every fit()'s ``_post_build``) collects ``variable.value`` of every variable
+    into a ParameterDict, as objects; nothing reads their storage there."""
+    _BARE[0] += 1
+    try:
+        yield
+    finally:
+        _BARE[0] -= 1
+
+
+def weight_message(variable):
+    return (
+        "The weight {!r} of layer {!r} is held by another replica: distribute(..., shard='all') keeps each trainable "
+        "variable on one replica and gathers it only while its own layer's call() runs (forward and backward). It "
+        "was read outside that call (another layer reading it, as tied weights do, a custom train_step or a callback "
+        "computing with layer weights, a weight regularizer). Read weights with model.get_weights() (which gathers "
+        "them), or distribute with shard='gradients' (weights replicated).".format(
+            variable.path, variable.__dict__.get("_distkeras_layer", "?"))
+    )
+
+
+class _ReleasedView(torch.Tensor):
+    """What a released weight's ``value`` is outside its layer's call: a shape-only ("meta") tensor whose
+    ``grad`` is the Parameter's (Keras' torch train_step, and the guide's, read ``variable.value.grad`` after
+    the backward pass), and any computation with it raises :class:`ShardError` naming the weight. (The
+    Parameter itself can't be handed out: its storage is freed, and torch would read freed memory.)"""
+
+    @property
+    def grad(self):
+        return self._distkeras_parameter.grad
+
+    @grad.setter
+    def grad(self, value):
+        self._distkeras_parameter.grad = value
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in ("__get__", "__repr__", "__format__", "size", "dim", "numel"):
+            with torch._C.DisableTorchFunctionSubclass():  # metadata only (shape, dtype, requires_grad...)
+                return func(*args, **(kwargs or {}))
+        import keras
+
+        for leaf in keras.tree.flatten([list(args), dict(kwargs or {})]):
+            if isinstance(leaf, _ReleasedView):
+                raise ShardError(leaf._distkeras_message)
+        raise ShardError("A weight held by another replica (distribute(..., shard='all')) was computed with.")
+
+
+def _released_view(variable):
+    view = variable.__dict__.get("_distkeras_view")
+    if view is None:
+        parameter = variable._value
+        stub = torch.empty(parameter.shape, dtype=parameter.dtype, device="meta")
+        view = torch.Tensor._make_subclass(_ReleasedView, stub, parameter.requires_grad)
+        view._distkeras_parameter = parameter
+        view._distkeras_message = weight_message(variable)
+        variable.__dict__["_distkeras_view"] = view
+    return view
+
+
+def _symbolic():
+    """Whether a symbolic call (Keras' torch compute_output_spec, on the "meta" device) is in flight."""
+    from keras.src.backend.torch.core import get_device  # Keras' torch device scope (a private)
+
+    return str(get_device()) == "meta"
+
+
+def free_storage(variable):
+    """Free ``variable``'s storage (keeps its shape, dtype and Parameter object); :func:`alloc_storage` undoes."""
     value = variable._value
+    if "_distkeras_nbytes" in variable.__dict__:
+        return
     variable.__dict__["_distkeras_nbytes"] = value.untyped_storage().nbytes()
     try:
         value.untyped_storage().resize_(0)
@@ -122,6 +237,20 @@ def release(variable):
         # Parameter gets a storage of its own (empty() touches no page), which is released instead.
         value.data = torch.empty(value.shape, dtype=value.dtype, device=value.device)
         value.untyped_storage().resize_(0)
+
+
+def alloc_storage(variable):
+    """Re-allocate a freed storage, in place (the same Parameter and storage: what autograd saved stays valid)."""
+    nbytes = variable.__dict__.pop("_distkeras_nbytes", None)
+    if nbytes is not None:
+        variable._value.untyped_storage().resize_(nbytes)
+
+
+def release(variable):
+    """Free ``variable``'s storage and mark it released (its ``value`` raises)."""
+    if getattr(type(variable), "_distkeras_base", None) is not None:
+        return
+    free_storage(variable)
     variable.__class__ = _released_class(type(variable))
 
 
@@ -131,7 +260,7 @@ def restore(variable):
     if base is None:
         return
     variable.__class__ = base
-    variable._value.untyped_storage().resize_(variable.__dict__.pop("_distkeras_nbytes"))
+    alloc_storage(variable)
 
 
 def is_released(variable):
@@ -161,11 +290,28 @@ def broadcast_owned(groups, rank):
                         offset += size
 
 
+class _Layer(object):
+    """A layer whose own trainable variables shard="all" gathers around its call."""
+
+    def __init__(self, layer, sharding):
+        self.layer, self.sharding = layer, sharding
+        self.variables, self.handles = [], []
+        self.gathered = True  # until prepare_weights() releases them
+        self.uses = 0  # calls in flight (a layer whose call calls itself)
+        self.pending = None  # in a backward pass: ids of the weights whose gradients are still to come
+
+
+def _tensors(outputs):
+    import keras
+
+    return [t for t in keras.tree.flatten(outputs) if isinstance(t, torch.Tensor)]
+
+
 class Sharding(object):
     """The sharded state of one distributed model (see the module docstring).
 
     Args:
-        mode: ``"optimizer"`` or ``"gradients"``.
+        mode: ``"optimizer"``, ``"gradients"`` or ``"all"``.
         model: the Keras model.
         rank: this process' rank.
         world: the number of processes.
@@ -177,6 +323,10 @@ class Sharding(object):
         self.mode, self.model, self.rank, self.world = mode, model, rank, world
         self.broadcast_new = broadcast_new
         self._layout_ids, self._owner = None, {}
+        self._layers = {}  # shard="all": id(layer) -> its _Layer (the weights it gathers around its call)
+        self._weights_ids = None  # the trainable variables prepare_weights() last sharded
+        self._pinned = 0  # depth of weights_gathered() blocks: every weight held, no layer releases
+        self.applying = False  # the owners' update of their own weights in flight: readable there
 
     # -- ownership
 
@@ -194,6 +344,172 @@ class Sharding(object):
                 loads[self._owner[id(variable)]] += nbytes(variable)
             self._owner.update(zip((id(v) for v in extra), owners([nbytes(v) for v in extra], self.world, loads)))
         return self._owner
+
+    # -- weights (shard="all")
+
+    def prepare_weights(self):
+        """With shard="all": hook the call of every layer that directly holds trainable variables not hooked
+        yet, and release the weights this rank does not own (before every step: a model built by its first
+        fit() has new layers). Every rank finds the same layers in the same order."""
+        if self.mode != "all":
+            return
+        trainable = self.model.trainable_variables
+        ids = tuple(id(v) for v in trainable)
+        if ids == self._weights_ids:
+            return
+        owner = self.owner_map()
+        placed = {id(v) for state in self._layers.values() for v in state.variables}
+        for layer in keras_model.layers_of(self.model):
+            if callable(getattr(type(layer), "_track_variables", None)) and not keras_model.is_hooked(
+                    layer, "_track_variables"):
+                keras_model.hook(layer, "_track_variables",
+                                 _within(type(layer)._track_variables.__get__(layer), _bare_parameters))
+            # Layer._trainable_variables (a Keras private): the variables the layer made itself, not its
+            # nested layers' (those get their own hook); a frozen layer's are not in the owner map.
+            direct = [v for v in layer.__dict__.get("_trainable_variables", ()) if id(v) in owner and id(v) not in placed]
+            if not direct:
+                continue
+            placed.update(id(v) for v in direct)
+            state = self._layers.get(id(layer))
+            if state is None:
+                state = self._layers[id(layer)] = _Layer(layer, self)
+                keras_model.hook(layer, "call", self._hooked_call(state, type(layer).call.__get__(layer)))
+            for variable in direct:
+                variable.__dict__["_distkeras_layer"] = layer.name
+                variable.__dict__["_distkeras_state"] = state
+                variable.__class__ = _guarded_class(type(variable))
+                state.variables.append(variable)
+                state.handles.append(variable._value.register_post_accumulate_grad_hook(self._accumulated(state, variable)))
+            if not self._pinned:
+                self._release_layer(state, force=True)
+        self._weights_ids = ids
+
+    def _hooked_call(self, state, call):
+        @functools.wraps(call)
+        def hooked(*args, **kwargs):
+            if _symbolic():  # shapes only (compute_output_spec): released weights give meta stubs
+                return call(*args, **kwargs)
+            self._gather_layer(state)
+            state.uses += 1
+            try:
+                outputs = call(*args, **kwargs)
+            finally:
+                state.uses -= 1
+            if torch.is_grad_enabled():
+                needing = [t for t in _tensors(outputs) if t.requires_grad]
+                if needing:
+                    # Before this call's part of the backward pass runs, its weights are gathered again (autograd
+                    # saved the Parameters themselves, whose storage is refilled in place); once their gradients
+                    # are accumulated (_accumulated), released again. FSDP1's pre-backward hook, per call.
+                    torch.autograd.graph.register_multi_grad_hook(
+                        needing, lambda grads: self._gather_backward(state), mode="any")
+            if not state.uses:
+                self._release_layer(state)
+            return outputs
+
+        return hooked
+
+    def _gather_layer(self, state):
+        """The layer's weights on every rank (collective; nothing when they are held already)."""
+        if state.gathered:
+            return
+        owner = self.owner_map()
+        groups = [[] for _ in range(self.world)]
+        for variable in state.variables:
+            alloc_storage(variable)
+            groups[owner[id(variable)]].append(variable)
+        state.gathered = True
+        broadcast_owned(groups, self.rank)
+
+    def _gather_backward(self, state):
+        self._gather_layer(state)
+        state.pending = {id(v) for v in state.variables if v._value.requires_grad}
+
+    def _accumulated(self, state, variable):
+        def on_grad(parameter):
+            if state.pending and id(variable) in state.pending:
+                state.pending.discard(id(variable))
+                if not state.pending:
+                    self._release_layer(state)  # every gradient of the layer's weights is in: done with them
+
+        return on_grad
+
+    def _release_layer(self, state, force=False):
+        if (self._pinned or not state.gathered or state.uses) and not force:
+            return
+        owner = self.owner_map()
+        for variable in state.variables:
+            if owner[id(variable)] != self.rank:
+                free_storage(variable)
+        state.gathered, state.pending = False, None
+
+    def release_weights(self):
+        """Release every weight a layer still holds (the end of a train step: a layer whose gradients never
+        came, a forward pass without backward)."""
+        for state in self._layers.values():
+            self._release_layer(state)
+
+    @contextlib.contextmanager
+    def weights_gathered(self):
+        """Every weight on every rank inside the block (collective; nested blocks gather once)."""
+        if self.mode != "all":
+            yield
+            return
+        if not self._pinned:
+            owner = self.owner_map()
+            groups = [[] for _ in range(self.world)]
+            for state in self._layers.values():
+                if not state.gathered:
+                    for variable in state.variables:
+                        alloc_storage(variable)
+                        groups[owner[id(variable)]].append(variable)
+                    state.gathered = True
+            broadcast_owned(groups, self.rank)
+        self._pinned += 1
+        try:
+            yield
+        finally:
+            self._pinned -= 1
+            if not self._pinned:
+                self.release_weights()
+
+    @contextlib.contextmanager
+    def weights_restored(self):
+        """Every released weight re-allocated inside the block (values undefined until assigned: a load that
+        assigns them all, the same values on every rank); released again after."""
+        if self.mode != "all":
+            yield
+            return
+        if not self._pinned:
+            for state in self._layers.values():
+                for variable in state.variables:
+                    alloc_storage(variable)
+                state.gathered = True
+        self._pinned += 1
+        try:
+            yield
+        finally:
+            self._pinned -= 1
+            if not self._pinned:
+                self.release_weights()
+
+    def unshard_weights(self):
+        """Every weight back on every rank for good (collective), the layers' hooks taken off."""
+        if self.mode != "all" or not self._layers:
+            return
+        with self.weights_gathered():
+            for state in self._layers.values():
+                for handle in state.handles:
+                    handle.remove()
+                keras_model.unhook(state.layer, "call")
+                for variable in state.variables:
+                    variable.__class__ = type(variable)._distkeras_guarded
+                    for name in ("_distkeras_state", "_distkeras_view"):
+                        variable.__dict__.pop(name, None)
+            self._layers = {}
+            for layer in keras_model.layers_of(self.model):
+                keras_model.unhook(layer, "_track_variables")
+        self._weights_ids = None
 
     # -- optimizer state
 
@@ -240,11 +556,12 @@ class Sharding(object):
     @contextlib.contextmanager
     def gathered(self):
         """Every optimizer's full state on every rank inside the block (collective); released again after."""
-        self.gather()
-        try:
-            yield
-        finally:
-            self.release_all()
+        with self.weights_gathered():
+            self.gather()
+            try:
+                yield
+            finally:
+                self.release_all()
 
     @contextlib.contextmanager
     def restored(self):
@@ -255,7 +572,8 @@ class Sharding(object):
                 for slot in slots:
                     restore(slot)
         try:
-            yield
+            with self.weights_restored():
+                yield
         finally:
             self.release_all()
 
@@ -268,7 +586,7 @@ class Sharding(object):
 
         updating = getattr(optimizer, "inner_optimizer", None) or optimizer
         if not optimizer.built:  # built over every variable, as on one device, before any is left out
-            with keras_backend.name_scope(optimizer.name, caller=optimizer):
+            with keras_backend.name_scope(optimizer.name, caller=optimizer), self.weights_gathered():
                 optimizer.build(variables)
             optimizer.built = True
             self.broadcast_new()
@@ -276,11 +594,17 @@ class Sharding(object):
         owner = self.owner_map(variables)
         mine = [i for i, v in enumerate(variables) if owner[id(v)] == self.rank and grads[i] is not None]
         own_variables = [variables[i] for i in mine]
-        with self._narrowed(optimizer, updating, own_variables, per_variable):
-            if optimizer is updating:
-                updating.apply([grads[i] for i in mine], own_variables)
-            else:
-                keras_apply([grads[i] for i in mine], own_variables)
+        self.applying = True  # shard="all": the owners read and write their own weights, held by them anyway
+        try:
+            with self._narrowed(optimizer, updating, own_variables, per_variable):
+                if optimizer is updating:
+                    updating.apply([grads[i] for i in mine], own_variables)
+                else:
+                    keras_apply([grads[i] for i in mine], own_variables)
+        finally:
+            self.applying = False
+        if self.mode == "all":  # the owners updated their own weights; the others get them at their next use
+            return
         groups = [[] for _ in range(self.world)]
         for variable in variables:
             groups[owner[id(variable)]].append(variable)
@@ -422,18 +746,23 @@ def install(sharding):
     """The model's ``save``/``save_weights`` gather the optimizer state first, ``load_weights`` restores every
     slot to load into (instance hooks over the ones already set: rank 0's writes)."""
     model = sharding.model
-    for name, block in (("save", sharding.gathered), ("save_weights", sharding.gathered),
-                        ("load_weights", sharding.restored)):
+    names = [("save", sharding.gathered), ("save_weights", sharding.gathered), ("load_weights", sharding.restored)]
+    if sharding.mode == "all":
+        names += [("get_weights", sharding.weights_gathered), ("set_weights", sharding.weights_restored)]
+    for name, block in names:
         keras_model.hook(model, name, _within(getattr(model, name), block))
     keras_model.hook(model, _SHARDING, sharding)
+    sharding.prepare_weights()
 
 
 def uninstall(model):
-    """Give back every optimizer's full state on every rank (collective) and forget the sharding."""
+    """Give back every optimizer's full state (and with "all" every weight) on every rank (collective) and forget
+    the sharding."""
     sharding = model.__dict__.get(_SHARDING)
     if sharding is None:
         return
     sharding.gather()
+    sharding.unshard_weights()
     for optimizer in sharding.optimizers():
         optimizer.__dict__.pop(_SLOTS)
     keras_model.unhook(model, _SHARDING)

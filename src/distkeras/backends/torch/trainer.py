@@ -140,7 +140,7 @@ class Replica(object):
         self.last_count = None  # samples of the last train or test step
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
         self.buckets = None  # the overlapping all-reduce (torch_buckets.Buckets), when on
-        self.shard = None  # the sharded optimizer state (torch_shard.Sharding), with distribute(shard=...)
+        self.shard = None  # the sharded training state (torch_shard.Sharding), with distribute(shard=...)
         self.known = {}  # id -> weak reference of each variable broadcast from rank 0 so far
         # (rows, count, total) of the batches the sharded loader in its pass read and no step has taken yet.
         self.read = collections.deque()
@@ -394,8 +394,10 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None):
     Hooks an earlier call installed are removed first. Keras' cached step functions are dropped, so a
     model trained before makes them again. With ``overlap`` (and more than one rank) the gradients are
     all-reduced in buckets of ``bucket_mb`` MiB during the backward pass
-    (:class:`~distkeras.backends.torch_buckets.Buckets`). With ``shard`` (``"optimizer"``, ``"gradients"``)
-    the training state is sharded (:mod:`~distkeras.backends.torch.shard`).
+    (:class:`~distkeras.backends.torch_buckets.Buckets`). With ``shard`` (``"optimizer"``, ``"gradients"``,
+    ``"all"``) the training state is sharded (:mod:`~distkeras.backends.torch.shard`); with ``"all"`` each
+    step first shards the weights of layers built since (``Sharding.prepare_weights``) and ends with every
+    weight freed again off its owner.
     """
     uninstall(model)
     _gate_sum_reduction()
@@ -443,7 +445,7 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None):
         replica.shard = torch_shard.Sharding(
             shard, model, replica.rank, replica.world, lambda: broadcast_new_variables(model, replica))
         torch_shard.install(replica.shard)
-        if shard == "gradients" and replica.buckets is not None:
+        if shard in ("gradients", "all") and replica.buckets is not None:
             replica.buckets.owner_of = replica.shard.owner_map
     model.train_function = model.test_function = model.predict_function = None
 
@@ -490,7 +492,7 @@ def _wrap_optimizer(optimizer, replica):
                 return update(averaged)
         if not count:  # a stand-in sample's gradients: this rank joins the all-reduce with weight zero
             grads = [None] * len(grads)
-        if replica.shard is not None and replica.shard.mode == "gradients":  # each gradient to its owner only
+        if replica.shard is not None and replica.shard.mode in ("gradients", "all"):  # each gradient to its owner only
             owner = replica.shard.owner_map(variables)
             return update(torch_shard.reduce_to_owners(grads, variables, count, owner, replica.rank, replica.compression))
         return update(collectives.average_gradients(grads, variables, count, replica.compression))
@@ -531,6 +533,8 @@ def _train_step(model, step, replica, global_state):
         # Wrapped here, not once: compile() after distribute() brings new optimizers.
         _wrap_optimizers(model, replica)
         broadcast_new_variables(model, replica)
+        if replica.shard is not None:
+            replica.shard.prepare_weights()
         local, count, total = replica.split(data)
         replica.count = replica.last_count = count
         replica.total = total
@@ -548,6 +552,8 @@ def _train_step(model, step, replica, global_state):
             replica.count = None
             if replica.buckets is not None:
                 replica.buckets.end()
+            if replica.shard is not None:
+                replica.shard.release_weights()
         if not replica.applied and model.trainable_weights:
             raise DistKerasError(
                 "distkeras averages the replicas' gradients in the apply() of the model's optimizers ({}), and "
@@ -567,6 +573,8 @@ def _train_step(model, step, replica, global_state):
 def _test_step(model, step, replica):
     def test_step(data):
         broadcast_new_variables(model, replica)
+        if replica.shard is not None:
+            replica.shard.prepare_weights()
         local, count, total = replica.split(data)
         replica.last_count = count
         replica.count, replica.total = count, total
@@ -588,6 +596,8 @@ def _predict_step(model, step, replica):
 
     def predict_step(data):
         broadcast_new_variables(model, replica)
+        if replica.shard is not None:
+            replica.shard.prepare_weights()
         local, count, total = replica.split(data)
         with torch_random.global_draws(replica.rank, replica.world, count, total):
             outputs = step(local)
