@@ -65,16 +65,16 @@ def _assert_laid_out(entry, parts, sharded):
 
 
 def _pattern_params():
-    """Every pattern in every mode in the full run. The default run takes every pattern with shard="all" (every
-    variable split: what "optimizer" and "gradients" split and more, gradients constrained too) and with one of
-    "optimizer" and "gradients" in turn (on CPU XLA compiles both to the same program: see
-    test_what_xla_compiles_for_each_mode)."""
+    """Every pattern in every mode in the full run. The default run takes every pattern with shard="gradients" (its
+    own step: each shard's gradient reduce-scattered in a shard_map) and shard="all" (every variable split: what
+    "optimizer" splits and more, by the same layout rule and XLA's partitioning); "optimizer", whose step is
+    "gradients"', in the full run."""
     params = []
-    for i, name in enumerate(SHARD_PATTERNS):
+    for name in SHARD_PATTERNS:
         for mode in MODES:
-            default = mode == "all" or mode == MODES[i % 2]
-            marks = () if default else only_in_full("{} runs with shard='all' and '{}' in the default run".format(
-                name, MODES[i % 2]))
+            marks = () if mode != "optimizer" else only_in_full(
+                "{} runs with shard='gradients' and 'all' in the default run ('optimizer' compiles to 'gradients'' "
+                "step, test_what_xla_compiles_for_each_mode; 'all' splits what it splits, and more)".format(name))
             params.append(pytest.param(name, mode, marks=marks, id="{}-{}".format(name, mode)))
     return params
 
@@ -139,18 +139,16 @@ def test_what_xla_compiles_for_each_mode(mode, compiled_steps, capsys):
     """Read from XLA's optimized program (2 CPU devices, Adam on 64-128-32). What XLA emits on CPU, recorded:
 
     - None: one all-reduce of every gradient; no all-gather.
-    - "optimizer" and "gradients": the gradients' all-reduce, each device updates its slice, and every
-      weight is all-gathered to its replicated layout. XLA's CPU pipeline makes no reduce-scatter of the
-      all-reduce and the slice after it (GPU pipelines do: ReduceScatterCreator), so on CPU "gradients" is
-      "optimizer"'s program.
+    - "optimizer" and "gradients" (distkeras' own step; XLA's CPU pipeline alone would all-reduce the gradients and
+      slice them, making no reduce-scatter of the two: GPU pipelines do, ReduceScatterCreator): a reduce-scatter of every gradient (each device receives its half) and no all-reduce of a
+      gradient-sized buffer (only scalars: the loss, the metrics); the updated slices all-gathered as in
+      "optimizer", and nothing else (no gathering of the optimizer state the step passes whole to the loss scale).
     - "all": no weight and no weight-sized gradient crosses devices at all: XLA partitions each matmul by the
       weight's split (gathering the batch's activations instead, which are smaller here).
 
-    Before XLA's passes, "gradients" and "all" carry a sharding constraint on every gradient (4 here) that
-    "optimizer" lacks: what lets a GPU pipeline turn the all-reduce into a reduce-scatter.
+    Before XLA's passes, "gradients" and "all" carry a sharding constraint on every gradient (4 here) as they enter
+    the optimizer, which "optimizer" lacks.
     """
-    import jax
-
     x, y = _mlp_data()
     model = distkeras.distribute(_mlp(), devices=2, shard=mode)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
@@ -161,11 +159,13 @@ def test_what_xla_compiles_for_each_mode(mode, compiled_steps, capsys):
     if mode is None:
         assert kernels <= reduced and not gathered, found
     elif mode in ("optimizer", "gradients"):
-        assert kernels <= gathered, found  # the updated slices, gathered
-        platform = jax.devices()[0].platform
-        assert kernels <= reduced or (mode == "gradients" and "reduce-scatter" in {op for op, _, _ in found}), found
-        if mode == "gradients" and platform != "cpu":
-            assert "reduce-scatter" in {op for op, _, _ in found}, found
+        assert [op for op, _, _ in found].count("all-gather") == len(model.trainable_variables), found
+        assert kernels <= gathered, found
+        # A reduce-scatter's result is the device's slice: half of the split dimension (the largest).
+        halves = {tuple(sorted(_half(v.shape))) for v in model.trainable_variables}
+        scattered = {tuple(sorted(shape)) for op, _, shape in found if op == "reduce-scatter"}
+        assert scattered == halves, found
+        assert all(shape == () for op, _, shape in found if op == "all-reduce"), found
     else:
         assert not kernels & (gathered | reduced), found
     # Shardy's spelling (JAX >= 0.7) or GSPMD's custom call.
@@ -174,6 +174,12 @@ def test_what_xla_compiles_for_each_mode(mode, compiled_steps, capsys):
     err = capsys.readouterr().err
     if mode == "all":  # the 32-wide output bias divides by 2: only Adam's scalars are left whole, unnamed
         assert "stay whole" not in err
+
+
+def _half(shape):
+    shape = list(shape)
+    shape[_split_dimension(shape, 2)] //= 2
+    return tuple(shape)
 
 
 def test_variables_no_dimension_of_which_divides_are_named(capsys):
@@ -268,7 +274,10 @@ def test_a_tied_weight_read_outside_its_layer_trains_as_on_one_device():
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
 
 
-def test_compression_combines_with_optimizer_sharding_only():
+@pytest.mark.parametrize("mode", ("optimizer", "gradients"))
+def test_compression_combines_with_optimizer_and_gradient_sharding(mode, compiled_steps):
+    """With "gradients" each device's slices travel as 16-bit bits in one all-to-all (XLA's CPU compiler widens
+    16-bit float collectives): no float32 collective of a kernel's gradient, only the updated slices gathered."""
     x, y = scenarios.data(48)
     built = []
     for _ in range(2):
@@ -276,15 +285,45 @@ def test_compression_combines_with_optimizer_sharding_only():
         built[-1].compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse")
     single, model = built
     single.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
-    model = distkeras.distribute(model, devices=2, shard="optimizer", compression="bf16")
+    compiled_steps.clear()
+    model = distkeras.distribute(model, devices=2, shard=mode, compression="bf16")
     model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
     momentum = [v for v in model.optimizer.variables if tuple(v.shape) == (5, 16)][0]
     assert tuple(momentum.value.sharding.spec) == (None, "batch")
     for e, a in zip(single.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-2)  # 16-bit gradients: test_jax's tolerance
-    for mode in ("gradients", "all"):
-        with pytest.raises(distkeras.OptionError, match="shard='{}' and compression='bf16' don't combine".format(mode)):
-            distkeras.distribute(scenarios.build(keras), devices=2, shard=mode, compression="bf16")
+    if mode == "gradients":
+        found = _collectives(compiled_steps[0])
+        sent = [(op, dtype) for op, dtype, shape in found if op != "all-gather" and math.prod(shape) > 1]
+        assert sent and set(sent) == {("all-to-all", "u16")}, found
+    with pytest.raises(distkeras.OptionError, match="shard='all' and compression='bf16' don't combine"):
+        distkeras.distribute(scenarios.build(keras), devices=2, shard="all", compression="bf16")
+
+
+def test_gradients_with_an_own_train_step_keep_the_constraint_and_say_so(capsys):
+    """A class' own train_step leaves no gradient for distkeras' step to scatter: XLA places the collectives (the
+    gradients constrained to their layout), rank 0 says so once, and training is one device's."""
+
+    class OwnStep(keras.Sequential):
+        def train_step(self, state, data):
+            return super().train_step(state, data)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = OwnStep([keras.Input((5,)), keras.layers.Dense(4)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    x, y = scenarios.data(24)
+    y = np.concatenate([y, y[:, :1]], axis=1)
+    single = build()
+    single.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    model = distkeras.distribute(build(), devices=2, shard="gradients")
+    model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert "train_step" not in model.__dict__
+    assert "OwnStep.train_step is your own" in capsys.readouterr().err
+    for e, a in zip(single.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
 
 
 def test_shard_is_refused_with_model_parallel_and_bad_values():

@@ -34,7 +34,8 @@ parallel.
 
 ``shard="optimizer" | "gradients" | "all"`` (ZeRO stages 1-3) is ``DataParallel`` with the training state
 split along the "batch" axis instead of replicated (:mod:`distkeras.backends.jax.shard`): the same step,
-laid out differently, and XLA places the reduce-scatters and all-gathers.
+laid out differently, and XLA places the all-gathers; for "gradients" the step computes each shard's gradient
+in ``jax.shard_map`` and reduce-scatters it itself (XLA's CPU compiler makes no reduce-scatter).
 
 Every optimizer the model holds is laid out (``keras_model.all_optimizers``: a GAN's ``d_optimizer`` and
 ``g_optimizer`` too), and a model built later (an unbuilt subclassed model) creates its variables under
@@ -187,7 +188,7 @@ class JaxAdapter(Adapter):
                 (:mod:`distkeras.backends.jax.steps`); ``strategy="data"`` only.
             shard: ``"optimizer"``, ``"gradients"`` or ``"all"``: the training state split along the mesh's data
                 axis (:mod:`distkeras.backends.jax.shard`); ``strategy="data"`` only, and with ``compression``
-                only ``"optimizer"``.
+                not ``"all"``.
 
         Returns:
             ``model`` itself, its variables on the mesh.
@@ -245,9 +246,10 @@ class JaxAdapter(Adapter):
             _lay_out(model, distribution)
         # Steps traced before (a model trained before distribute()) were compiled for the old placement.
         model.train_function = model.test_function = model.predict_function = None
-        if compression is not None:
+        scatter = jax_shard.scatter_rule(model, distribution, compression is not None) if shard is not None else None
+        if compression is not None or scatter is not None:
             jax_steps.install(model, distribution.device_mesh.backend_mesh, distribution.batch_dim_name,
-                              jax_steps.WIRE[compression], cluster.rank)
+                              jax_steps.WIRE.get(compression, "float32"), cluster.rank, scatter)
         for name in _SCOPED:
             keras_model.hook(model, name, _scoped(getattr(model, name), model, distribution, name))
         if cluster.is_multi_worker:
@@ -502,7 +504,8 @@ def _assign_layouts(model, distribution):
 
 
 def _check_shard_combination(shard, strategy, compression):
-    """``shard`` works with strategy='data' and no compression; otherwise an OptionError saying why."""
+    """``shard`` works with strategy='data', and with compression unless it is "all"; otherwise an OptionError
+    saying why."""
     if shard is None:
         return
     if strategy != "data":
@@ -511,12 +514,12 @@ def _check_shard_combination(shard, strategy, compression):
             "and strategy='model' lays the kernels out by its layout_map over a ('batch', 'model') mesh. Received: "
             "strategy={!r}, shard={!r}. Use strategy='data' with shard=, or put optimizer-state axes in layout_map "
             "yourself.".format(shard, strategy, shard))
-    if compression is not None and shard != "optimizer":
+    if compression is not None and shard == "all":
         raise OptionError(
-            "shard={!r} and compression={!r} don't combine on JAX: the compressed step averages the gradients "
-            "itself in 16 bits and leaves every device the whole gradient, which shard='gradients' and 'all' "
-            "split. Received: shard={!r}, compression={!r}. Use shard='optimizer' with compression=, or drop "
-            "one of them.".format(shard, compression, shard, compression))
+            "shard='all' and compression={!r} don't combine on JAX: shard='all' lets XLA partition the step by the "
+            "weights' layout, and the compressed step computes each shard's gradient with the weights gathered whole "
+            "(measured: more memory per device than XLA's partitioning). Received: shard='all', compression={!r}. Use "
+            "shard='gradients' or 'optimizer' with compression=, or drop one of them.".format(compression, compression))
 
 
 def _replicate_uneven_batches():

@@ -43,33 +43,47 @@ _PRIVATE_METRICS_UPDATE = "_update_metrics_variables"
 _tracing = threading.local()
 
 
-def install(model, mesh, axis, wire, rank=0):
+def why_not(model):
+    """None where :func:`install` can replace ``model``'s train_step; else why not (a sentence's end).
+
+    The step is Keras' own JAX ``train_step`` rebuilt, so it applies only where the model's class uses that one,
+    and where this Keras has the privates it is built from."""
+    import keras
+
+    defining = next(klass for klass in type(model).__mro__ if "train_step" in vars(klass))
+    if not defining.__module__.startswith("keras.src.backend.jax."):
+        return "{}.train_step is your own".format(defining.__name__)
+    for klass, name in ((type(model), _PRIVATE_METRICS_UPDATE), (keras.layers.BatchNormalization, batchnorm.MOMENTS)):
+        if not callable(getattr(klass, name, None)):
+            return "this Keras ({}) lacks {}.{}".format(keras.__version__, klass.__name__, name)
+    return None
+
+
+def install(model, mesh, axis, wire, rank=0, scatter=None):
     """Replace ``model.train_step`` by the step whose gradients travel in dtype ``wire`` (``WIRE[compression]``;
     "float32" gives the exact average, for tests) over ``axis`` of ``mesh`` (a ``jax.sharding.Mesh``), and
     make its BatchNormalization layers' statistics global inside it, by the rule of
     :mod:`distkeras.backends.batchnorm` (a subclass with its own ``_moments`` sees its shard; rank 0 warns).
 
+    Args:
+        scatter: for ``shard="gradients"``/``"all"``: ``shape -> dimension`` along which a gradient of that shape
+            is reduce-scattered (the split of its variable's optimizer state), None for one left whole (summed
+            whole); the gradients leave the shard_map split so. None (the default): every gradient averaged whole.
+
     Raises:
-        OptionError: the model's class defines its own ``train_step`` (it computes its gradient itself, so
-            there is no place to compress it), or this Keras lacks what the step is built from.
+        OptionError: :func:`why_not` has a reason (the model's class defines its own ``train_step``, so there is
+            no place to compress it, or this Keras lacks what the step is built from).
     """
-    defining = next(klass for klass in type(model).__mro__ if "train_step" in vars(klass))
-    if not defining.__module__.startswith("keras.src.backend.jax."):
+    reason = why_not(model)
+    if reason is not None:
         raise OptionError(
             "compression on JAX replaces Keras' train_step with one that all-reduces the gradients in 16 bits, and "
-            "{}.train_step is your own. Drop compression=, or compute and average the gradients yourself.".format(
-                defining.__name__))
-    import keras
-
-    for klass, name in ((type(model), _PRIVATE_METRICS_UPDATE), (keras.layers.BatchNormalization, batchnorm.MOMENTS)):
-        if not callable(getattr(klass, name, None)):
-            raise OptionError("compression on JAX needs Keras' {}.{}, which this Keras ({}) lacks. Drop "
-                              "compression=.".format(klass.__name__, name, keras.__version__))
+            "{}. Drop compression=, or compute and average the gradients yourself.".format(reason))
     selection = batchnorm.select(model)
     batchnorm.warn_left(selection, rank, opt_in=_OPT_IN, opt_out=None)
     for layer in selection.synchronized:
         keras_model.hook(layer, batchnorm.MOMENTS, _global_moments(layer, getattr(type(layer), batchnorm.MOMENTS).__get__(layer)))
-    keras_model.hook(model, "train_step", _train_step(model, model.train_step, mesh, axis, wire))
+    keras_model.hook(model, "train_step", _train_step(model, model.train_step, mesh, axis, wire, scatter))
 
 
 def uninstall(model):
@@ -100,7 +114,7 @@ def _shard_map():
     return functools.partial(shard_map, check_rep=False)
 
 
-def _train_step(model, original, mesh, axis, wire):
+def _train_step(model, original, mesh, axis, wire, scatter):
     import jax
     import jax.numpy as jnp
     import keras
@@ -113,13 +127,13 @@ def _train_step(model, original, mesh, axis, wire):
     def spec(tree):
         return keras.tree.map_structure(lambda leaf: split if getattr(leaf, "ndim", 0) else whole, tree)
 
-    def local(trainable, non_trainable, metrics, optimizer_variables, x, y, sample_weight):
+    def local(dims, trainable, non_trainable, metrics, optimizer_variables, x, y, sample_weight):
         with _sharded(axis):
             (_, aux), grads = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)(
                 trainable, non_trainable, metrics, x, y, sample_weight, training=True,
                 optimizer_variables=optimizer_variables)
         unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
-        grads = _average(grads, axis, parts, wire)
+        grads = _average(grads, axis, parts, wire) if scatter is None else _scatter(grads, dims, axis, parts, wire)
         unscaled_loss = jax.lax.pmean(unscaled_loss, axis)
         # Global statistics leave every shard with the same moving statistics; a float state computed
         # from the shard alone (a custom layer's) becomes the shards' mean instead of one shard's.
@@ -134,10 +148,17 @@ def _train_step(model, original, mesh, axis, wire):
         sizes = {leaf.shape[0] for leaf in keras.tree.flatten((x, y, sample_weight)) if getattr(leaf, "ndim", 0)}
         if not sizes or any(size % parts for size in sizes):
             return original(state, data)  # runs whole on every device (see the module docstring)
+        # Each gradient leaves the shard_map in its optimizer state's layout (scatter) or whole. The trainable
+        # variables enter whole: under shard="all" that is where their slices are all-gathered (FSDP's gather).
+        dims = [None if scatter is None else scatter(tuple(v.shape)) for v in trainable]
+        grad_specs = [whole if d is None else PartitionSpec(*[axis if i == d else None for i in range(len(v.shape))])
+                      for d, v in zip(dims, trainable)]
+        # The optimizer variables enter whole for the loss scale only (Keras' compute_loss_and_updates reads them
+        # under a StatelessScope); XLA drops the gathering of those the step doesn't read (a test reads the HLO).
         step = shard_map(
-            local, mesh=mesh,
+            functools.partial(local, dims), mesh=mesh,
             in_specs=(whole, whole, whole, whole, spec(x), spec(y), spec(sample_weight)),
-            out_specs=(whole, whole, split, whole, split))
+            out_specs=(grad_specs, whole, split, whole, split))
         grads, unscaled_loss, y_pred, non_trainable, deltas = step(
             trainable, non_trainable, metrics, optimizer_variables, x, y, sample_weight)
         metrics = [old + delta.sum(axis=0).astype(old.dtype) for old, delta in zip(metrics, deltas)]
@@ -176,6 +197,41 @@ def _average(grads, axis, parts, wire):
         averaged.append(whole[offset:offset + g.size].reshape(g.shape).astype(g.dtype))
         offset += g.size
     return averaged
+
+
+def _scatter(grads, dims, axis, parts, wire):
+    """The mean of every shard's ``grads``, each left split along its dimension in ``dims`` (None: whole).
+
+    float32: ``psum_scatter(..., tiled=True)`` per split gradient (``psum`` for a whole one): the reduce-scatter
+    XLA's CPU compiler doesn't make from an all-reduce and a slice. 16 bits (``compression``): XLA's CPU
+    compiler widens 16-bit float collectives and has no integer reduce-scatter that adds floats, so the split
+    gradients take :func:`_average`'s first half only: each one's N slices (its split dimension moved first)
+    laid side by side in one table, sent as ``wire`` bits by one ``all_to_all`` (slice i of every shard to
+    shard i: a reduce-scatter's traffic, (N-1)/N of the buffer per device) and added in float32 there; the
+    whole ones go through :func:`_average`.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if jnp.dtype(wire) == jnp.float32:
+        return [jax.lax.psum(g / parts, axis) if d is None
+                else jax.lax.psum_scatter(g / parts, axis, scatter_dimension=d, tiled=True) for g, d in zip(grads, dims)]
+    split = [i for i, d in enumerate(dims) if d is not None]
+    out = list(grads)
+    kept = [i for i, d in enumerate(dims) if d is None]
+    for i, g in zip(kept, _average([grads[i] for i in kept], axis, parts, wire) if kept else []):
+        out[i] = g
+    if split:
+        moved = [jnp.moveaxis((grads[i] / parts).astype(jnp.float32), dims[i], 0) for i in split]
+        table = jnp.concatenate([m.reshape(parts, -1) for m in moved], axis=1)
+        mine = _decode(jax.lax.all_to_all(_encode(table, jnp.dtype(wire)), axis, 0, 0), jnp.dtype(wire)).sum(axis=0)
+        offset = 0
+        for i, m in zip(split, moved):
+            shape = (m.shape[0] // parts,) + m.shape[1:]
+            size = m.size // parts
+            out[i] = jnp.moveaxis(mine[offset:offset + size].reshape(shape), 0, dims[i]).astype(grads[i].dtype)
+            offset += size
+    return out
 
 
 def _encode(values, wire):

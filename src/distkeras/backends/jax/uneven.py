@@ -27,7 +27,8 @@ The padding rows repeat the batch's first row (finite values: no NaN that a zero
   compiled losses, sample weights per output or per time step (not one per row), masks (``Masking``,
   ``Embedding(mask_zero=True)``: Keras rescales by the count of valid entries, padding included),
   activity regularization (an ``add_loss`` term over the batch), ``BatchNormalization`` in ``fit()``
-  (its batch statistics would see the padding), a ``compression=`` step. Everything else keeps the
+  (its batch statistics would see the padding), a ``compression=`` or ``shard="gradients"`` step (each shard's
+  loss would be scaled by its own real row count, not the batch's). Everything else keeps the
   whole-batch fallback. Tests pin each padded case against one device.
 - Random draws: a ``keras.random`` draw is made for the padded shape. With JAX's partitionable
   threefry (``jax_threefry_partitionable``, on by default since JAX 0.5) the value of an element
@@ -185,7 +186,7 @@ def _why_not(model, mode):
         if mode == "fit" and isinstance(layer, keras.layers.BatchNormalization):
             return "{} normalises by the statistics of the batch in training".format(layer.name)
     if mode == "fit" and "train_step" in model.__dict__:
-        return "its train_step is replaced (compression=)"
+        return "its train_step is replaced (compression=, shard='gradients')"
     compiled_loss = getattr(model, "_compile_loss", None)
     if compiled_loss is not None:
         losses = getattr(compiled_loss, "_flat_losses", None)
