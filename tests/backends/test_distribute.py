@@ -123,6 +123,7 @@ def test_describe():
         "rank": 0,
         "workers": 2 if BACKEND in PROCESS_BACKENDS else 1,  # the job's processes: on torch one per device
         "distributed": True,
+        "shard": None,
     }
 
 

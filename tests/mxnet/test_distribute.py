@@ -243,6 +243,7 @@ def test_describe():
         "rank": 0,
         "workers": 1,
         "distributed": True,
+        "shard": None,
     }
 
 
