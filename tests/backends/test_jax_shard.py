@@ -140,9 +140,9 @@ def test_what_xla_compiles_for_each_mode(mode, compiled_steps, capsys):
 
     - None: one all-reduce of every gradient; no all-gather.
     - "optimizer" and "gradients" (distkeras' own step; XLA's CPU pipeline alone would all-reduce the gradients and
-      slice them, making no reduce-scatter of the two: GPU pipelines do, ReduceScatterCreator): a reduce-scatter of every gradient (each device receives its half) and no all-reduce of a
-      gradient-sized buffer (only scalars: the loss, the metrics); the updated slices all-gathered as in
-      "optimizer", and nothing else (no gathering of the optimizer state the step passes whole to the loss scale).
+      slice them, making no reduce-scatter of the two: GPU pipelines do, ReduceScatterCreator): one reduce-scatter
+      of every gradient laid side by side (each device receives its halves) and no all-reduce of a gradient-sized
+      buffer (only scalars: the loss, the metrics); the updated slices all-gathered, and nothing else (no gathering of the optimizer state the step passes whole to the loss scale).
     - "all": no weight and no weight-sized gradient crosses devices at all: XLA partitions each matmul by the
       weight's split (gathering the batch's activations instead, which are smaller here).
 
@@ -161,10 +161,11 @@ def test_what_xla_compiles_for_each_mode(mode, compiled_steps, capsys):
     elif mode in ("optimizer", "gradients"):
         assert [op for op, _, _ in found].count("all-gather") == len(model.trainable_variables), found
         assert kernels <= gathered, found
-        # A reduce-scatter's result is the device's slice: half of the split dimension (the largest).
-        halves = {tuple(sorted(_half(v.shape))) for v in model.trainable_variables}
-        scattered = {tuple(sorted(shape)) for op, _, shape in found if op == "reduce-scatter"}
-        assert scattered == halves, found
+        # One reduce-scatter of every gradient laid side by side; its result is the device's slices: half of
+        # each one's split dimension (the largest).
+        halves = sum(math.prod(_half(v.shape)) for v in model.trainable_variables)
+        scattered = [shape for op, _, shape in found if op == "reduce-scatter"]
+        assert len(scattered) == 1 and math.prod(scattered[0]) == halves, found
         assert all(shape == () for op, _, shape in found if op == "all-reduce"), found
     else:
         assert not kernels & (gathered | reduced), found

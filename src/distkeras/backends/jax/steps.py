@@ -202,8 +202,10 @@ def _average(grads, axis, parts, wire):
 def _scatter(grads, dims, axis, parts, wire):
     """The mean of every shard's ``grads``, each left split along its dimension in ``dims`` (None: whole).
 
-    float32: ``psum_scatter(..., tiled=True)`` per split gradient (``psum`` for a whole one): the reduce-scatter
-    XLA's CPU compiler doesn't make from an all-reduce and a slice. 16 bits (``compression``): XLA's CPU
+    float32: the split gradients' N slices (each one's split dimension moved first) laid side by side in one
+    table, reduced by one ``psum_scatter(..., tiled=True)`` (``psum`` for a whole gradient): the reduce-scatter
+    XLA's CPU compiler doesn't make from an all-reduce and a slice, once per step rather than once per gradient.
+    16 bits (``compression``): XLA's CPU
     compiler widens 16-bit float collectives and has no integer reduce-scatter that adds floats, so the split
     gradients take :func:`_average`'s first half only: each one's N slices (its split dimension moved first)
     laid side by side in one table, sent as ``wire`` bits by one ``all_to_all`` (slice i of every shard to
@@ -213,18 +215,24 @@ def _scatter(grads, dims, axis, parts, wire):
     import jax
     import jax.numpy as jnp
 
-    if jnp.dtype(wire) == jnp.float32:
-        return [jax.lax.psum(g / parts, axis) if d is None
-                else jax.lax.psum_scatter(g / parts, axis, scatter_dimension=d, tiled=True) for g, d in zip(grads, dims)]
+    exact = jnp.dtype(wire) == jnp.float32
     split = [i for i, d in enumerate(dims) if d is not None]
     out = list(grads)
     kept = [i for i, d in enumerate(dims) if d is None]
-    for i, g in zip(kept, _average([grads[i] for i in kept], axis, parts, wire) if kept else []):
-        out[i] = g
+    if exact:
+        for i in kept:
+            out[i] = jax.lax.psum(grads[i] / parts, axis)
+    else:
+        for i, g in zip(kept, _average([grads[i] for i in kept], axis, parts, wire) if kept else []):
+            out[i] = g
     if split:
         moved = [jnp.moveaxis((grads[i] / parts).astype(jnp.float32), dims[i], 0) for i in split]
         table = jnp.concatenate([m.reshape(parts, -1) for m in moved], axis=1)
-        mine = _decode(jax.lax.all_to_all(_encode(table, jnp.dtype(wire)), axis, 0, 0), jnp.dtype(wire)).sum(axis=0)
+        if exact:  # one reduce-scatter of the whole table: XLA's CPU compiler combines no reduce-scatters itself,
+            # and one collective per gradient costs each its latency across hosts
+            mine = jax.lax.psum_scatter(table, axis, scatter_dimension=0, tiled=True).reshape(-1)
+        else:
+            mine = _decode(jax.lax.all_to_all(_encode(table, jnp.dtype(wire)), axis, 0, 0), jnp.dtype(wire)).sum(axis=0)
         offset = 0
         for i, m in zip(split, moved):
             shape = (m.shape[0] // parts,) + m.shape[1:]
