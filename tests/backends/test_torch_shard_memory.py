@@ -13,8 +13,9 @@ holds weights, gradients, Adam's two moments and the gradient buckets (about 5 x
 importing the frameworks costs (about 600 MB), close to 1.9 GB at its peak. Sharded over 4 processes, a process
 keeps a quarter of the weights, gradients and moments; it still builds the whole model once before
 ``distribute()`` shards it, and gathers weights while it computes. The cap, :data:`CAP_MB`, lies between.
-Measured (cgroup peak per process): unsharded, all four reach 1500 MiB and are OOM-killed; ``shard="all"``,
-1241-1286 MiB.
+Measured (cgroup peak per process, 1700 MiB cap): unsharded, every process reaches the cap and three of the four
+are OOM-killed; ``shard="all"``, 1539 MiB on rank 0 (the owner of two of the five kernels) and 1375 MiB on the
+others. (A 1500 MiB cap left rank 0 no margin: it was OOM-killed in one full run.)
 """
 
 import pytest
@@ -32,7 +33,7 @@ if _WHY_NOT:
 from tests.backends.test_torch import run_script  # noqa: E402  (after the skip: it imports the torch suite's set-up)
 
 #: Each process' memory cap, MiB.
-CAP_MB = 1500
+CAP_MB = 1700
 PROCESSES = 4
 WIDTH, LAYERS = 3000, 5
 #: Seconds a job may take: 4 processes starting and training take about 45 s of CPU in all, but on a 2-core
@@ -97,5 +98,8 @@ def test_shard_all_trains_under_the_same_cap(tmp_path, monkeypatch):
     if "NOT-BUILT" in stdout:
         pytest.skip("shard='all' is not built on PyTorch yet: " + stdout.split("NOT-BUILT", 1)[1].strip())
     assert code == 0, (code, stats, stderr[-3000:])
-    assert sorted(line.split()[-1] for line in stdout.splitlines() if line.startswith("TRAINED")) == ["0", "1", "2", "3"]
+    # Rank 0 trained, and its exit code 0 says every worker it started exited 0 (a dead worker fails the job); no rank
+    # can finish fit() alone, its steps are collective. (The workers' own lines are relayed, and one can be lost
+    # when the job ends: not a test of training.)
+    assert "TRAINED rank 0" in stdout, stdout[-2000:]
     assert all(s["oom_kills"] == 0 and s["max_usage_bytes"] <= s["limit_bytes"] for s in stats), stats
