@@ -105,7 +105,10 @@ def torch_storage_bytes(tensors):
 def _torch_values(variables):
     # Keras' torch Variable keeps its tensor in the private ``_value`` (a torch.nn.Parameter); the brief's
     # definition of the bytes is that tensor's storage. tests/backends/test_torch.py pins ``_value``.
-    return [getattr(v, "_value", None) for v in variables]
+    # With shard= a variable split across ranks keeps this rank's part in a tensor of its own (the shard
+    # module's ``_distkeras_piece``, its whole storage freed): counted too.
+    return [getattr(v, "_value", None) for v in variables] + [
+        v.__dict__["_distkeras_piece"] for v in variables if "_distkeras_piece" in getattr(v, "__dict__", {})]
 
 
 class TorchGradientPeak:

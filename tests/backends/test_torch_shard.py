@@ -121,7 +121,27 @@ def _storage(tensors):
     return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
 
 
-def held_bytes(shard):
+def _held(variables):
+    """Storage bytes this rank holds for ``variables``: each one's tensor, and this rank's part of a variable
+    split across ranks, which the shard module keeps in a tensor of its own (``_distkeras_piece``)."""
+    return _storage([v._value for v in variables] + [v.__dict__.get("_distkeras_piece") for v in variables])
+
+
+def _dominant(keras_module, seed=0, optimizer=None):
+    """One kernel is 76% of the parameters (16x96 of 2020): whole-variable ownership can't balance it, so it
+    (and the next ones) are split, one flat part per rank."""
+    keras_module.utils.set_random_seed(seed)
+    model = keras_module.Sequential([keras_module.Input((16,)), keras_module.layers.Dense(96, activation="tanh"),
+                                     keras_module.layers.Dense(4)])
+    model.compile(optimizer=optimizer or keras_module.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.default_rng(0)
+    return model, rng.normal(size=(24, 16)).astype("float32"), rng.normal(size=(24, 4)).astype("float32")
+
+
+MODELS = {"balanced": _balanced, "dominant": _dominant}
+
+
+def held_bytes(shard, build="balanced"):
     """Bytes of optimizer slots and gradients this rank holds after fit(), and of the whole (from shapes)."""
     import keras as keras_module
     import torch.distributed as dist
@@ -129,7 +149,7 @@ def held_bytes(shard):
     import distkeras
     from distkeras.errors import ShardError
 
-    model, x, y = _balanced(keras_module)
+    model, x, y = MODELS[build](keras_module)
     distkeras.distribute(model, devices=DEVICES, shard=shard)
     model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
     slots = [v for v in model.optimizer.variables if len(v.shape)]  # not iterations, learning_rate
@@ -143,13 +163,16 @@ def held_bytes(shard):
             except ShardError as exc:
                 found.append(str(exc))
     result = {
-        "slots": _storage([v._value for v in slots]), "slots_full": full,
+        "slots": _held(slots), "slots_full": full,
         "grads": _storage(grads), "grads_full": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables),
-        "weights": _storage([v._value for v in model.trainable_variables]),
+        "weights": _held(model.trainable_variables),
         "errors": errors, "weight_errors": weight_errors, "described": distkeras.describe(model)["shard"],
         # Gathered on every rank (a collective), and released again after.
         "get_weights": [np.asarray(w) for w in model.get_weights()],
-        "weights_after": _storage([v._value for v in model.trainable_variables]),
+        "weights_after": _held(model.trainable_variables),
+        # The variables split across ranks (the sharding's layout, as distkeras keeps it).
+        "split": [i for i, v in enumerate(model.trainable_variables)
+                  if model.__dict__["_distkeras_sharding"].owner_map()[id(v)] == -1],
     }
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, result)
@@ -180,18 +203,76 @@ def test_state_is_sharded(shard):
         assert "_kernel_" in held["errors"][0]  # the released slot, by its path
 
 
-def _trained_reference(epochs):
-    model, x, y = _balanced(keras)
-    model.fit(x, y, batch_size=12, epochs=epochs, shuffle=False, verbose=0)
-    return model, x
+@pytest.mark.parametrize("shard", ["optimizer", "all"])
+def test_a_dominant_variable_is_split(shard):
+    """A kernel that is most of the model: each rank holds 1/N of its optimizer state (and with "all" of its
+    weight), read from torch's storages, and the same gathered weights."""
+    every = replicated(DEVICES, held_bytes, shard, "dominant")
+    assert every[0]["split"] == [0, 1, 2]  # the first kernel and bias, the second kernel (not its bias of 4)
+    for rank, held in enumerate(every):
+        assert held["slots"] <= held["slots_full"] * (1.0 / DEVICES + 0.05), (rank, held)
+        if shard == "all":
+            assert held["weights"] <= held["grads_full"] * (1.0 / DEVICES + 0.05), (rank, held)
+            assert held["weights_after"] == held["weights"], (rank, held)
+            for got, want in zip(held["get_weights"], every[0]["get_weights"]):
+                np.testing.assert_array_equal(got, want)
+        assert held["errors"], held  # this rank's part only: the whole slot, read from outside, fails clearly
 
 
-def save_sharded(path, shard):
+def train_dominant(shard, optimizer, options):
     import keras as keras_module
 
     import distkeras
 
-    model, x, y = _balanced(keras_module)
+    model, x, y = _dominant(keras_module, optimizer=_optimizer(keras_module, optimizer))
+    if shard != "single":
+        distkeras.distribute(model, devices=DEVICES, shard=shard, **options)
+    initial = model.get_weights()
+    model.fit(x, y, batch_size=12, epochs=3, shuffle=False, verbose=0)
+    split = []
+    if shard != "single":
+        owner = model.__dict__["_distkeras_sharding"].owner_map()
+        split = [i for i, v in enumerate(model.trainable_variables) if owner[id(v)] == -1]
+    return initial, model.get_weights(), split
+
+
+def _optimizer(keras_module, name):
+    return {"adam_clipnorm": lambda: keras_module.optimizers.Adam(0.01, clipnorm=0.05),
+            "sgd_ema_accumulation": lambda: keras_module.optimizers.SGD(
+                0.1, momentum=0.9, use_ema=True, ema_overwrite_frequency=2, gradient_accumulation_steps=2),
+            "adamw": lambda: keras_module.optimizers.AdamW(0.01, weight_decay=0.1),
+            "adafactor": lambda: keras_module.optimizers.Adafactor(0.05)}[name]()
+
+
+@pytest.mark.parametrize("optimizer, shard, options", [
+    ("adam_clipnorm", "gradients", {}), ("adam_clipnorm", "all", {"overlap": False}),
+    ("sgd_ema_accumulation", "optimizer", {}), ("sgd_ema_accumulation", "all", {}),
+    ("adamw", "gradients", {"overlap": False}), ("adafactor", "all", {})])
+def test_split_variables_train_as_on_one_device(optimizer, shard, options):
+    """Split variables (their parts updated on their own ranks, a clipnorm over the whole variable): the
+    single-device training. Adafactor (a factored second moment per matrix) keeps every variable whole."""
+    initial, expected, _ = train_dominant("single", optimizer, {})
+    got_initial, got, split = replicated(DEVICES, train_dominant, shard, optimizer, options)
+    for a, b in zip(initial, got_initial):
+        np.testing.assert_array_equal(a, b)
+    assert split == ([] if optimizer == "adafactor" else [0, 1, 2])
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=2e-5, atol=2e-5)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(initial, expected)) > 1e-2  # it trained
+
+
+def _trained_reference(epochs, build="balanced"):
+    model, x, y = MODELS[build](keras)
+    model.fit(x, y, batch_size=12, epochs=epochs, shuffle=False, verbose=0)
+    return model, x
+
+
+def save_sharded(path, shard, build="balanced"):
+    import keras as keras_module
+
+    import distkeras
+
+    model, x, y = MODELS[build](keras_module)
     distkeras.distribute(model, devices=DEVICES, shard=shard)
     model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
     model.save(path)  # every rank: the optimizer state is gathered first
@@ -210,12 +291,13 @@ print(json.dumps({"pred": keras.ops.convert_to_numpy(model.predict(x, verbose=0)
 """
 
 
-@pytest.mark.parametrize("shard", ["gradients", "all"])
-def test_save_is_the_plain_model_with_full_optimizer_state(shard):
-    reference, x = _trained_reference(2)
+@pytest.mark.parametrize("shard, build", [("gradients", "balanced"), ("all", "balanced"), ("optimizer", "dominant"),
+                                         ("all", "dominant")])
+def test_save_is_the_plain_model_with_full_optimizer_state(shard, build):
+    reference, x = _trained_reference(2, build)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "model.keras")
-        replicated(DEVICES, save_sharded, path, shard)
+        replicated(DEVICES, save_sharded, path, shard, build)
         np.save(os.path.join(folder, "x.npy"), x)
         env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH="")
         out = subprocess.run([sys.executable, "-c", _LOAD, path, os.path.join(folder, "x.npy")], env=env,
@@ -230,7 +312,7 @@ def test_save_is_the_plain_model_with_full_optimizer_state(shard):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def resume_across(folder, first, then):
+def resume_across(folder, first, then, build="balanced"):
     """One epoch sharded with ``first`` (checkpoint kept), then a new run with ``then`` resumes to epoch 3."""
     import keras as keras_module
 
@@ -238,23 +320,25 @@ def resume_across(folder, first, then):
     from distkeras.callbacks import BackupAndRestore
 
     backup = os.path.join(folder, "backup")
-    model, x, y = _balanced(keras_module)
+    model, x, y = MODELS[build](keras_module)
     distkeras.distribute(model, devices=DEVICES, shard=first)
     model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0,
               callbacks=[BackupAndRestore(backup, delete_checkpoint=False)])
-    model, x, y = _balanced(keras_module, seed=1)  # other initial weights: only a resume gives the reference
+    model, x, y = MODELS[build](keras_module, seed=1)  # other initial weights: only a resume gives the reference
     distkeras.distribute(model, devices=DEVICES, shard=then)
     history = model.fit(x, y, batch_size=12, epochs=3, shuffle=False, verbose=0,
                         callbacks=[BackupAndRestore(backup)])
     return history.epoch, model.get_weights()
 
 
-@pytest.mark.parametrize("first, then", [("optimizer", "gradients"), ("gradients", None), ("all", "optimizer"),
-                                         (None, "all")])
-def test_backup_resumes_into_another_shard_value(first, then):
-    reference, _ = _trained_reference(3)
+@pytest.mark.parametrize("first, then, build", [
+    ("optimizer", "gradients", "balanced"), ("gradients", None, "balanced"), ("all", "optimizer", "balanced"),
+    (None, "all", "balanced"), ("all", "gradients", "dominant"), ("optimizer", None, "dominant"),
+    (None, "all", "dominant")])
+def test_backup_resumes_into_another_shard_value(first, then, build):
+    reference, _ = _trained_reference(3, build)
     with tempfile.TemporaryDirectory() as folder:
-        epochs, got = replicated(DEVICES, resume_across, folder, first, then)
+        epochs, got = replicated(DEVICES, resume_across, folder, first, then, build)
     assert epochs == [1, 2]  # resumed after the checkpoint's epoch
     for g, e in zip(got, reference.get_weights()):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
@@ -324,3 +408,35 @@ def _every_rank(function, *args):
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, function(*args))
     return every
+
+
+def test_layout_splits_only_what_balance_needs():
+    from distkeras.backends.torch.shard import SPLIT, layout, part_range
+
+    # Equal variables balance whole: none is split.
+    assert layout([1024] * 6, [256] * 6, [True] * 6, 3) == [0, 1, 2, 0, 1, 2]
+    # One variable that is most of the model is split; the rest stays whole where it balances.
+    sizes, elements = [32_000_000, 4_000_000, 4_000, 400], [8_000_000, 1_000_000, 1_000, 100]
+    assert layout(sizes, elements, [True] * 4, 4) == [SPLIT, SPLIT, 0, 1]
+    # Not where the optimizer forbids it (whole, greedy), nor a variable too small to give each rank 8 elements.
+    assert layout(sizes, elements, [False] * 4, 4) == [0, 1, 2, 3]
+    assert layout([64, 4], [16, 1], [True, True], 4) == [0, 1]
+    # Parts: contiguous, ceil(n / N) each, every element once.
+    assert [part_range(10, 3, r) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_which_optimizers_may_split_a_variable():
+    """Keras' own elementwise optimizers (on torch, its torch_* subclasses, which Keras' TorchOptimizer.__new__
+    makes: the private module path this checks is pinned here), not Adafactor/Lamb nor a user's subclass."""
+    from distkeras.backends.torch.shard import elementwise
+
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Nadam", "Lion", "Ftrl"):
+        optimizer = getattr(keras.optimizers, name)()
+        assert elementwise(optimizer), (name, type(optimizer).__module__)
+    assert type(keras.optimizers.Adam()).__module__.startswith("keras.src.backend.torch.optimizers.torch_")
+
+    class MyAdam(keras.optimizers.Adam):
+        pass
+
+    for optimizer in (keras.optimizers.Adafactor(), keras.optimizers.Lamb(), MyAdam()):
+        assert not elementwise(optimizer), type(optimizer)

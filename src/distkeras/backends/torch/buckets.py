@@ -90,8 +90,10 @@ def assign(sizes, keys, bucket_bytes, first_bytes=FIRST_BUCKET_BYTES):
 
 
 class _Bucket(object):
-    def __init__(self, indices, offsets, length, dtype, device, owner=None):
-        self.indices, self.offsets, self.length, self.dtype, self.device = indices, offsets, length, dtype, device
+    def __init__(self, entries, length, dtype, device, owner=None):
+        #: (variable index, offset in the buffer, start, stop): the flat elements [start, stop) of that
+        #: variable's gradient (all of it, or with shard one owner's part of a split variable).
+        self.entries, self.length, self.dtype, self.device = entries, length, dtype, device
         self.owner = owner  # with shard: the rank the bucket is reduced to (None: all-reduced)
         self.buffer = self.work = None
         self.pending = 0
@@ -118,15 +120,16 @@ class Buckets(object):
         self.group = bucket_group(replica.timeout)
         self.enabled = True
         self.collecting = False
-        #: With shard: ``owner_of(variables)`` -> {id(variable): owner rank}. Buckets then hold one owner's
-        #: variables and are reduced to it (the bytes of half an all-reduce: the owners broadcast the rest).
-        self.owner_of = None
-        #: With owner_of: a rank drops the gradients it doesn't own once sent (shard="gradients", "all"; ZeRO-1
+        #: With shard: the :class:`~distkeras.backends.torch.shard.Sharding`. Buckets then hold one owner's
+        #: variables (and parts of split ones) and are reduced to it (the bytes of half an all-reduce: the owners
+        #: broadcast the rest).
+        self.sharding = None
+        #: With sharding: a rank drops the gradients it doesn't own once sent (shard="gradients", "all"; ZeRO-1
         #: keeps them, so a step whose gradients the buckets can't use may still fall back).
         self.drop = True
         self.freed = False
         self._owned = []
-        self._ids, self._slot = (), {}
+        self._ids, self._slot = None, {}
         self._variables, self._where, self._buckets, self._handles = [], [], [], []
 
     # -- layout
@@ -134,28 +137,39 @@ class Buckets(object):
     def _layout(self, variables):
         self.remove()
         compression = self.replica.compression
+        sharding, rank = self.sharding, self.replica.rank
         self._variables = list(variables)
-        self._ids = tuple(id(v) for v in variables)
+        self._ids = self._key(variables)
         self._slot = {id(v): i for i, v in enumerate(variables)}
-        dtypes = [_buffer_dtype(v, compression) for v in variables]
-        sizes = [v._value.numel() * dtype.itemsize for v, dtype in zip(variables, dtypes)]
-        owner = self.owner_of(variables) if self.owner_of is not None else {}
-        keys = [(dtype, v._value.device, owner.get(id(v))) for v, dtype in zip(variables, dtypes)]
-        self._owned = [owner.get(id(v), self.replica.rank) == self.replica.rank for v in variables]
-        self._buckets, self._where = [], [None] * len(variables)
-        for indices in assign(sizes, keys, self.bucket_bytes):
-            offsets, length = [], 0
-            for index in indices:
-                offsets.append(length)
-                length += variables[index]._value.numel()
-            bucket = _Bucket(indices, offsets, length, *keys[indices[0]])
-            for index, offset in zip(indices, offsets):
-                self._where[index] = (bucket, offset, variables[index]._value.numel())
+        owner = sharding.owner_map(variables) if sharding is not None else {}
+        units, sizes, keys = [], [], []  # per variable in order, its parts: (index, start, stop)
+        for index, variable in enumerate(variables):
+            dtype = _buffer_dtype(variable, compression)
+            parts = sharding.parts(variable, owner) if sharding is not None else [(None, 0, variable._value.numel())]
+            for dst, start, stop in parts:
+                units.append((index, start, stop))
+                sizes.append((stop - start) * dtype.itemsize)
+                keys.append((dtype, variable._value.device, dst))
+        # Wholly this rank's (or every rank's, unsharded): its gradient is kept here, and arrives whole.
+        self._owned = [owner.get(id(v), rank) == rank for v in variables]
+        self._buckets, self._where = [], [[] for _ in variables]
+        for unit_indices in assign(sizes, keys, self.bucket_bytes):
+            entries, length = [], 0
+            for unit in unit_indices:
+                index, start, stop = units[unit]
+                entries.append((index, length, start, stop))
+                length += stop - start
+            bucket = _Bucket(entries, length, *keys[unit_indices[0]])
+            for index, offset, start, stop in entries:
+                self._where[index].append((bucket, offset, start, stop))
             self._buckets.append(bucket)
         for index, variable in enumerate(variables):
             parameter = variable._value
             if parameter.is_leaf and parameter.requires_grad:
                 self._handles.append(parameter.register_post_accumulate_grad_hook(self._hook(index)))
+
+    def _key(self, variables):
+        return tuple(id(v) for v in variables), self.sharding.version if self.sharding is not None else None
 
     def _hook(self, index):
         def on_grad(parameter):
@@ -172,7 +186,7 @@ class Buckets(object):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._ids = ()
+        self._ids = None
 
     # -- one step
 
@@ -181,7 +195,9 @@ class Buckets(object):
         self.collecting = False
         if not self.enabled or not variables:
             return
-        if tuple(id(v) for v in variables) != self._ids:
+        if self.sharding is not None:
+            self.sharding.owner_map(variables)  # a new layout first (it may gather state: every rank here)
+        if self._key(variables) != self._ids:
             self._layout(variables)
         replica = self.replica
         self.weight = policies.batch_share(replica.count, replica.total)
@@ -192,11 +208,11 @@ class Buckets(object):
         self.next = 0
         # With the flags after its gradients, held back until apply(); reduced buckets carry none (a flag
         # must reach every rank): the flags are all-reduced on their own then.
-        last = self._buckets[-1] if self.owner_of is None else None
+        last = self._buckets[-1] if self.sharding is None else None
         for bucket in self._buckets:
             flags = 1 + len(self._variables) if bucket is last else 0
             bucket.buffer = torch.empty(bucket.length + flags, dtype=bucket.dtype, device=bucket.device)
-            bucket.pending = len(bucket.indices) + bool(flags)
+            bucket.pending = len(bucket.entries) + bool(flags)
             bucket.work = None
         self.collecting = True
 
@@ -207,14 +223,17 @@ class Buckets(object):
             self.reason = self.reason or "a gradient was accumulated twice in one step (backward() ran twice)"
             return
         self.seen[index], self.versions[index] = grad, grad._version
-        bucket, offset, size = self._where[index]
-        piece = bucket.buffer[offset : offset + size]
-        if self.weight:
-            torch.mul(grad.detach().reshape(-1), self.weight, out=piece)
-        else:  # a stand-in step: zeros (a product could carry its inf or nan to the other ranks)
-            piece.zero_()
-        bucket.pending -= 1
-        if not bucket.pending:
+        flat = grad.detach().reshape(-1)
+        ready = False
+        for bucket, offset, start, stop in self._where[index]:
+            piece = bucket.buffer[offset : offset + stop - start]
+            if self.weight:
+                torch.mul(flat[start:stop], self.weight, out=piece)
+            else:  # a stand-in step: zeros (a product could carry its inf or nan to the other ranks)
+                piece.zero_()
+            bucket.pending -= 1
+            ready = ready or not bucket.pending
+        if ready:
             self._launch_ready()
 
     def _launch_ready(self):
@@ -249,12 +268,12 @@ class Buckets(object):
         self.collecting = False
         reason = self.reason or self._check(grads, variables)
         for bucket in self._buckets[self.next :]:
-            for index, offset in zip(bucket.indices, bucket.offsets):
+            for index, offset, start, stop in bucket.entries:
                 if self.seen[index] is None:
-                    bucket.buffer[offset : offset + self._where[index][2]].zero_()
+                    bucket.buffer[offset : offset + stop - start].zero_()
             bucket.pending = 0
         flags = [float(reason is not None)] + [float(bool(count) and grad is not None) for grad in self.seen]
-        if self.owner_of is None:
+        if self.sharding is None:
             last = self._buckets[-1]
             last.buffer[last.length :].copy_(torch.tensor(flags))
             self._launch_ready()
@@ -264,8 +283,8 @@ class Buckets(object):
             dist.all_reduce(table, group=self.group)
         for bucket in self._buckets:
             bucket.work.wait()
-        flags = last.buffer[last.length :].tolist() if self.owner_of is None else table.tolist()
-        if flags[0] and self.owner_of is not None and flags[-1]:
+        flags = last.buffer[last.length :].tolist() if self.sharding is None else table.tolist()
+        if flags[0] and self.sharding is not None and flags[-1]:
             self.end()
             raise DistKerasError(
                 "With shard='gradients' each gradient is sent to the replica that owns it during the backward pass "
@@ -286,11 +305,15 @@ class Buckets(object):
         averaged = []
         for variable in variables:
             slot = self._slot[id(variable)]
-            if not flags[1 + slot] or not self._owned[slot]:
+            mine = [(b, o, start, stop) for b, o, start, stop in self._where[slot] if b.owner in (None, self.replica.rank)]
+            if not flags[1 + slot] or not mine:
                 averaged.append(None)
                 continue
-            bucket, offset, size = self._where[slot]
-            averaged.append(bucket.buffer[offset : offset + size].view(variable.shape).to(variable._value.dtype))
+            bucket, offset, start, stop = mine[0]
+            value = bucket.buffer[offset : offset + stop - start]
+            if self._owned[slot]:  # the whole gradient (a split variable's part stays flat)
+                value = value.view(variable.shape)
+            averaged.append(value.to(variable._value.dtype))
         self.end()
         return averaged
 

@@ -100,6 +100,85 @@ def owners(sizes, world, loads=None):
     return result
 
 
+#: :meth:`Sharding.owner_map`'s value for a variable split into one flat part per rank (:func:`layout`).
+SPLIT = -1
+#: A split variable's parts are at least this many elements per rank (smaller ones stay whole).
+MIN_PART = 8
+#: How far above an even share (1/N of the bytes) :func:`layout` lets the most-loaded rank be.
+BALANCE = 1.05
+
+
+def part_range(size, world, rank):
+    """The flat element range ``(start, stop)`` of rank ``rank``'s part of a variable of ``size`` elements
+    split into ``world`` parts: contiguous, ``ceil(size / world)`` each, the last one shorter."""
+    chunk = -(-size // world)
+    start = min(rank * chunk, size)
+    return start, min(start + chunk, size)
+
+
+def layout(sizes, elements, splittable, world, loads=None):
+    """Who owns each variable: a rank, or :data:`SPLIT` (one flat part per rank, :func:`part_range`).
+
+    Whole variables first, greedily (:func:`owners`); while the most-loaded rank holds more than
+    :data:`BALANCE` times an even share, the largest whole variable that may be split (``splittable``, and
+    at least :data:`MIN_PART` elements per part) is split and the rest placed again. A model whose
+    variables balance keeps them whole (each optimizer update stays one variable's); one variable that
+    is most of the model (a large embedding or kernel) is split, and every rank then holds 1/N of it.
+
+    Args:
+        sizes: bytes per variable, in the variables' order (the same on every rank).
+        elements: elements per variable.
+        splittable: per variable, whether it may be split (the optimizer updates each element from that
+            element's own gradient and state only, and the variable has no constraint).
+        world: the number of ranks.
+        loads: bytes already owned per rank (default none).
+
+    Returns:
+        A list with a rank or :data:`SPLIT` per variable.
+    """
+    base = list(loads or [0] * world)
+    split = set()
+    while True:
+        loads = list(base)
+        for index in split:
+            for rank in range(world):
+                start, stop = part_range(elements[index], world, rank)
+                loads[rank] += sizes[index] * (stop - start) // max(elements[index], 1)
+        whole = [i for i in range(len(sizes)) if i not in split]
+        placed = owners([sizes[i] for i in whole], world, loads)
+        for index, rank in zip(whole, placed):
+            loads[rank] += sizes[index]
+        even = (sum(sizes) + sum(base)) / world
+        candidates = [i for i in whole if splittable[i] and elements[i] >= MIN_PART * world]
+        if world < 2 or max(loads) <= BALANCE * even or not candidates:
+            result = [SPLIT] * len(sizes)
+            for index, rank in zip(whole, placed):
+                result[index] = rank
+            return result
+        split.add(min(candidates, key=lambda i: (-sizes[i], i)))
+
+
+def elementwise(optimizer):
+    """Whether ``optimizer`` (the updating one: a LossScaleOptimizer's inner optimizer) updates every element
+    of a variable from that element's gradient and state only (and scalars): then a variable may be split
+    across ranks in flat parts (:func:`layout`). Keras' own SGD, Adam, AdamW, Adamax, Adagrad, Adadelta,
+    RMSprop, Nadam, Lion and Ftrl, as exact classes (Keras' torch subclasses of them included: its
+    ``TorchOptimizer.__new__`` makes those); not Lamb, Adafactor, Muon (norms and factors per variable, or
+    per matrix), nor a user's subclass (its ``update_step`` may read the whole variable). ``clipnorm``, a
+    norm per variable, is summed over the parts (:meth:`Sharding.apply`)."""
+    from keras import optimizers
+
+    known = (optimizers.SGD, optimizers.Adam, optimizers.AdamW, optimizers.Adamax, optimizers.Adagrad,
+             optimizers.Adadelta, optimizers.RMSprop, optimizers.Nadam, optimizers.Lion, optimizers.Ftrl)
+    cls = type(optimizer)
+    if cls in known:
+        return True
+    # Keras' torch optimizers (keras/src/backend/torch/optimizers/torch_*.py, privates): the same update,
+    # written with torch._foreach_* over the variables' values.
+    return cls.__module__.startswith("keras.src.backend.torch.optimizers.torch_") and any(
+        base in known for base in cls.__bases__)
+
+
 def nbytes(variable):
     """The bytes of ``variable``'s values (its shape and dtype, whether or not its storage is released)."""
     value = variable._value  # Keras' torch Variable keeps its Parameter here (a private; see the module docstring)
@@ -274,32 +353,72 @@ def is_released(variable):
 
 
 def broadcast_owned(groups, rank):
-    """``groups``: per rank, the variables it owns (same order on every rank). Each owner's values reach every
-    rank: one broadcast per owner and (dtype, device), flattened, all of them issued at once and then waited
-    for. Why at once: one owner's broadcast sends one way over each link, and gloo runs several work items
-    concurrently (``ProcessGroupGloo``'s threads), so the owners' broadcasts use both directions of a
-    full-duplex link together, as a ring all-reduce does; one after the other they took twice as long."""
+    """``groups``: per rank, the parts it owns, each ``(variable, start, stop)``: a flat element range of the
+    variable (same order on every rank). Each owner's values reach every rank: one broadcast per owner and
+    (dtype, device), flattened, all of them issued at once and then waited for. An owner sends its part's
+    own storage where it keeps one (:func:`piece`: a split variable's part, a split slot's) and writes it
+    into the variable's storage too where that is allocated. Why at once: one owner's broadcast sends one
+    way over each link, and gloo runs several work items concurrently (``ProcessGroupGloo``'s threads), so
+    the owners' broadcasts use both directions of a full-duplex link together, as a ring all-reduce does;
+    one after the other they took twice as long."""
     pending = []
-    for owner, variables in enumerate(groups):
+    for owner, items in enumerate(groups):
         by_kind = {}
-        for variable in variables:
-            value = variable._value
-            by_kind.setdefault((value.dtype, value.device), []).append(variable)
+        for item in items:
+            value = item[0]._value
+            by_kind.setdefault((value.dtype, value.device), []).append(item)
         for (dtype, device), group in by_kind.items():
             if owner == rank:
-                flat = torch.cat([v._value.detach().reshape(-1) for v in group])
+                flat = torch.cat([_source(*item) for item in group])
             else:
-                flat = torch.empty(sum(int(math.prod(v.shape)) for v in group), dtype=dtype, device=device)
+                flat = torch.empty(sum(stop - start for _, start, stop in group), dtype=dtype, device=device)
             pending.append((owner, group, flat, dist.broadcast(flat, src=owner, async_op=True)))
     for owner, group, flat, work in pending:
         work.wait()
-        if owner != rank:
-            offset = 0
-            with torch.no_grad():  # .data: no autograd version bump on the weights
-                for variable in group:
-                    size = int(math.prod(variable.shape))
-                    variable._value.data.copy_(flat[offset : offset + size].view(variable._value.shape))
-                    offset += size
+        offset = 0
+        with torch.no_grad():  # .data: no autograd version bump on the weights
+            for variable, start, stop in group:
+                if owner != rank or (piece(variable) is not None and allocated(variable)):
+                    variable._value.data.view(-1)[start:stop].copy_(flat[offset : offset + stop - start])
+                offset += stop - start
+
+
+def piece(variable):
+    """This rank's part of a split variable or slot, kept in its own storage (None: none kept)."""
+    return variable.__dict__.get("_distkeras_piece")
+
+
+def allocated(variable):
+    """Whether ``variable``'s storage holds its values (not freed by :func:`free_storage`)."""
+    return "_distkeras_nbytes" not in variable.__dict__
+
+
+def _source(variable, start, stop):
+    kept = piece(variable)
+    if kept is not None and variable.__dict__.get("_distkeras_part") == (start, stop):
+        return kept
+    return variable._value.detach().reshape(-1)[start:stop]
+
+
+def keep_piece(variable, start, stop):
+    """Copy this rank's part ``[start, stop)`` of ``variable``'s (allocated) storage into a storage of its own."""
+    kept = variable._value.detach().reshape(-1)[start:stop].clone()
+    variable.__dict__["_distkeras_piece"], variable.__dict__["_distkeras_part"] = kept, (start, stop)
+    return kept
+
+
+def release_part(variable, start, stop):
+    """Keep only this rank's part of a split variable's slot: its values copied into a storage of their own
+    (from the whole, when that is allocated: after a gather or a load), the whole freed and marked released."""
+    if is_released(variable):
+        return
+    keep_piece(variable, start, stop)
+    release(variable)
+
+
+def forget_piece(variable):
+    for name in ("_distkeras_piece", "_distkeras_part"):
+        variable.__dict__.pop(name, None)
 
 
 class _Layer(object):
@@ -334,28 +453,78 @@ class Sharding(object):
     def __init__(self, mode, model, rank, world, broadcast_new):
         self.mode, self.model, self.rank, self.world = mode, model, rank, world
         self.broadcast_new = broadcast_new
-        self._layout_ids, self._owner = None, {}
+        self._layout_key, self._owner = None, {}
+        self.version = 0  # counts the layouts (the overlapped buckets follow it)
+        self._relaying = False
         self._layers = {}  # shard="all": id(layer) -> its _Layer (the weights it gathers around its call)
         self._weights_ids = None  # the trainable variables prepare_weights() last sharded
         self._pinned = 0  # depth of weights_gathered() blocks: every weight held, no layer releases
+        self._refresh = False  # weights_restored(): the split weights' parts taken from the loaded values
         self.applying = False  # the owners' update of their own weights in flight: readable there
 
     # -- ownership
 
+    def _may_split(self):
+        """Whether the model's optimizer lets a variable be split (:func:`elementwise`; no optimizer yet: yes)."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None:
+            return True
+        return elementwise(getattr(optimizer, "inner_optimizer", None) or optimizer)
+
     def owner_map(self, variables=None):
-        """id(variable) -> owner rank, over the model's trainable variables (and ``variables`` beyond them)."""
+        """id(variable) -> owner rank, or :data:`SPLIT`, over the model's trainable variables (:func:`layout`)
+        and ``variables`` beyond them (whole, placed on top of the model's loads).
+
+        A new layout (other trainable variables, or an optimizer that does or doesn't allow splitting) first
+        gives every rank the state sharded under the old one (collective; every rank meets the change at
+        the same point of a step), then shards under the new one from the next use on."""
         trainable = self.model.trainable_variables
-        ids = tuple(id(v) for v in trainable)
-        if ids != self._layout_ids:
-            self._layout_ids = ids
-            self._owner = dict(zip(ids, owners([nbytes(v) for v in trainable], self.world)))
+        key = (tuple(id(v) for v in trainable), self._may_split())
+        if key != self._layout_key and not self._relaying:
+            if self._layout_key is not None and key[1] != self._layout_key[1]:
+                self._relaying = True
+                try:
+                    self.gather()
+                    self.unshard_weights()
+                finally:
+                    self._relaying = False
+            split = key[1]
+            self._layout_key, self.version = key, self.version + 1
+            placed = layout([nbytes(v) for v in trainable], [int(math.prod(v.shape)) for v in trainable],
+                            [split and v.constraint is None and not getattr(v, "overwrite_with_gradient", False)
+                             for v in trainable], self.world)
+            self._owner = dict(zip(key[0], placed))
         extra = [v for v in variables or () if id(v) not in self._owner]
-        if extra:  # variables outside the model's trainable ones: placed on top of the model's loads
+        if extra:
             loads = [0] * self.world
             for variable in trainable:
-                loads[self._owner[id(variable)]] += nbytes(variable)
+                for rank, start, stop in self.parts(variable):
+                    loads[rank] += nbytes(variable) * (stop - start) // max(int(math.prod(variable.shape)), 1)
             self._owner.update(zip((id(v) for v in extra), owners([nbytes(v) for v in extra], self.world, loads)))
         return self._owner
+
+    def parts(self, variable, owner=None):
+        """``[(rank, start, stop)]``: who owns which flat elements of ``variable`` (one part: a whole one)."""
+        owner = self._owner if owner is None else owner
+        rank = owner.get(id(variable), self.rank)
+        size = int(math.prod(variable.shape))
+        if rank == SPLIT:
+            return [(r,) + part_range(size, self.world, r) for r in range(self.world)]
+        return [(rank, 0, size)]
+
+    def own_part(self, variable):
+        """``(start, stop)`` of this rank's part of a split ``variable``."""
+        return part_range(int(math.prod(variable.shape)), self.world, self.rank)
+
+    def groups(self, variables, owner=None, like=None):
+        """Per rank, the parts of ``variables`` it owns, for :func:`broadcast_owned` (``like``: per variable,
+        the variable whose ownership it follows, as a slot follows its weight)."""
+        owner = self.owner_map() if owner is None else owner
+        result = [[] for _ in range(self.world)]
+        for index, variable in enumerate(variables):
+            for rank, start, stop in self.parts(variable if like is None else like[index], owner):
+                result[rank].append((variable, start, stop))
+        return result
 
     # -- weights (shard="all")
 
@@ -465,13 +634,10 @@ class Sharding(object):
         """The layer's weights on every rank (collective; nothing when they are held already)."""
         if state.gathered:
             return
-        owner = self.owner_map()
-        groups = [[] for _ in range(self.world)]
         for variable in state.variables:
             alloc_storage(variable)
-            groups[owner[id(variable)]].append(variable)
         state.gathered = True
-        broadcast_owned(groups, self.rank)
+        broadcast_owned(self.groups(state.variables), self.rank)
 
     def _gather_backward(self, state):
         self._gather_layer(state)
@@ -491,7 +657,13 @@ class Sharding(object):
             return
         owner = self.owner_map()
         for variable in state.variables:
-            if owner[id(variable)] != self.rank:
+            if owner[id(variable)] == SPLIT:
+                # Its part is kept in a storage of its own (taken from the whole the first time, and after a load).
+                part = self.own_part(variable)
+                if allocated(variable) and (self._refresh or variable.__dict__.get("_distkeras_part") != part):
+                    keep_piece(variable, *part)
+                free_storage(variable)
+            elif owner[id(variable)] != self.rank:
                 free_storage(variable)
         state.gathered, state.pending = False, None
 
@@ -508,22 +680,19 @@ class Sharding(object):
             yield
             return
         if not self._pinned:
-            owner = self.owner_map()
-            groups = [[] for _ in range(self.world)]
+            variables = []
             for state in self._layers.values():
                 if not state.gathered:
                     for variable in state.variables:
                         alloc_storage(variable)
-                        groups[owner[id(variable)]].append(variable)
+                        variables.append(variable)
                     state.gathered = True
-            broadcast_owned(groups, self.rank)
+            broadcast_owned(self.groups(variables), self.rank)
         self._pinned += 1
         try:
             yield
         finally:
-            self._pinned -= 1
-            if not self._pinned:
-                self.release_weights()
+            self._unpin()
 
     @contextlib.contextmanager
     def weights_restored(self):
@@ -541,9 +710,19 @@ class Sharding(object):
         try:
             yield
         finally:
-            self._pinned -= 1
-            if not self._pinned:
+            self._unpin()
+
+    def _unpin(self):
+        """The end of a weights_gathered() or weights_restored() block: the weights released again, a split
+        weight's part taken from the whole first (a load, or EMA's finalize_variable_values() inside the
+        block, wrote the whole; no optimizer step runs inside one, so the whole is never older than the part)."""
+        self._pinned -= 1
+        if not self._pinned:
+            self._refresh = True
+            try:
                 self.release_weights()
+            finally:
+                self._refresh = False
 
     def unshard_weights(self):
         """Every weight back on every rank for good (collective), the layers' hooks taken off."""
@@ -558,6 +737,7 @@ class Sharding(object):
                     variable.__class__ = type(variable)._distkeras_guarded
                     for name in ("_distkeras_state", "_distkeras_view"):
                         variable.__dict__.pop(name, None)
+                    forget_piece(variable)
             self._layers = {}
             for layer in keras_model.layers_of(self.model):
                 keras_model.unhook(layer, "_track_variables", "_get_regularization_losses")
@@ -573,7 +753,18 @@ class Sharding(object):
         trainable = updating._trainable_variables
         per_variable = [[lst[i] for lst in lists if lst[i] is not None] for i in range(len(trainable))]
         for variable, slots in zip(trainable, per_variable):
-            if owner.get(id(variable), self.rank) != self.rank:
+            rank = owner.get(id(variable), self.rank)
+            if rank == SPLIT:  # this rank's part of each slot kept, the rest freed
+                for slot in slots:
+                    if tuple(slot.shape) != tuple(variable.shape):
+                        raise ShardError(
+                            "The optimizer {} keeps a slot {!r} of shape {} for the variable {!r} of shape {}: "
+                            "distribute(..., shard=...) splits a variable across replicas only for optimizers "
+                            "whose slots match their variables. Please report it.".format(
+                                type(updating).__name__, slot.path, tuple(slot.shape), variable.path,
+                                tuple(variable.shape)))
+                    release_part(slot, *self.own_part(variable))
+            elif rank != self.rank:
                 for slot in slots:
                     release(slot)
         if _SLOTS not in updating.__dict__ and updating.use_ema:
@@ -593,12 +784,13 @@ class Sharding(object):
         for optimizer in self.optimizers():
             trainable, per_variable = optimizer.__dict__[_SLOTS]
             owner = self.owner_map(trainable)
-            groups = [[] for _ in range(self.world)]
-            for variable, slots in zip(trainable, per_variable):
-                for slot in slots:
+            slots, like = [], []
+            for variable, its_slots in zip(trainable, per_variable):
+                for slot in its_slots:
                     restore(slot)
-                groups[owner.get(id(variable), self.rank)].extend(slots)
-            broadcast_owned(groups, self.rank)
+                    slots.append(slot)
+                    like.append(variable)
+            broadcast_owned(self.groups(slots, owner, like), self.rank)
 
     def release_all(self):
         """Release again what :meth:`gather` or :meth:`restored` re-allocated."""
@@ -644,7 +836,8 @@ class Sharding(object):
             self.broadcast_new()
         per_variable = self._slots(updating, variables)
         owner = self.owner_map(variables)
-        mine = [i for i, v in enumerate(variables) if owner[id(v)] == self.rank and grads[i] is not None]
+        # A split variable's gradient here is this rank's part of it (flat), updated in place of the whole.
+        mine = [i for i, v in enumerate(variables) if owner[id(v)] in (self.rank, SPLIT) and grads[i] is not None]
         own_variables = [variables[i] for i in mine]
         self.applying = True  # shard="all": the owners read and write their own weights, held by them anyway
         try:
@@ -657,10 +850,7 @@ class Sharding(object):
             self.applying = False
         if self.mode == "all":  # the owners updated their own weights; the others get them at their next use
             return
-        groups = [[] for _ in range(self.world)]
-        for variable in variables:
-            groups[owner[id(variable)]].append(variable)
-        broadcast_owned(groups, self.rank)
+        broadcast_owned(self.groups(variables, owner), self.rank)
 
     @contextlib.contextmanager
     def _narrowed(self, optimizer, updating, own_variables, per_variable):
@@ -671,6 +861,8 @@ class Sharding(object):
         index = {id(v): i for i, v in enumerate(updating._trainable_variables)}
         # Instance attributes written into __dict__: the optimizer's __setattr__ would track the lists' variables.
         updating.__dict__["_trainable_variables"] = list(own_variables)
+        owner = self.owner_map()
+        split = {id(v): k for k, v in enumerate(v for v in self.model.trainable_variables if owner[id(v)] == SPLIT)}
         if updating.use_ema:
             averages = saved["_model_variables_moving_average"]
             updating.__dict__["_model_variables_moving_average"] = [averages[index[id(v)]] for v in own_variables]
@@ -687,6 +879,11 @@ class Sharding(object):
             updating.iterations.assign_add(1)
 
         def clip_gradients(grads):
+            if updating.clipnorm and updating.clipnorm > 0 and split:
+                # The grads of the variables Keras' apply kept (every one of ours has a gradient; those it
+                # overwrites with their gradient are left out), as it passes them here.
+                kept = [v for v in own_variables if not updating._overwrite_variable_with_gradient(v)]
+                return clip_by_part_norms(grads, kept if grads else [], updating, split, self._device())
             if not (updating.global_clipnorm and updating.global_clipnorm > 0):
                 return clip(grads) if grads else grads
             return clip_by_global_norm(grads, updating.global_clipnorm, self._device())
@@ -711,7 +908,8 @@ class Sharding(object):
         for obj, name, function in hooks:
             obj.__dict__[name] = function
         try:
-            yield
+            with self._parts_in_place([v for v in own_variables if id(v) in split], per_variable, index):
+                yield
         finally:
             for obj, name, value in before:
                 if value is _NONE:
@@ -720,25 +918,51 @@ class Sharding(object):
                     obj.__dict__[name] = value
             updating.__dict__.update(saved)
 
+    @contextlib.contextmanager
+    def _parts_in_place(self, variables, per_variable, index):
+        """Inside the block each split variable of ``variables``, and each of its slots, is this rank's part
+        only: a flat variable of the part's length (its Keras ``_value`` and ``_shape``, privates, swapped for
+        the block; Keras' optimizers read both through ``value`` and ``shape``, and find slots by the
+        variable object's id, which stays). The part of a replicated weight is a view of its storage, the
+        part of a sharded one (shard="all") and of a slot the storage kept for it (:func:`piece`)."""
+        swapped = []
+        try:
+            for variable in variables:
+                start, stop = self.own_part(variable)
+                target = piece(variable)
+                if target is None:
+                    target = variable._value.data.view(-1)[start:stop]
+                swapped.append(_swap(variable, target))
+                for slot in per_variable[index[id(variable)]]:
+                    swapped.append(_swap(slot, piece(slot)))
+            yield
+        finally:
+            for variable, saved in reversed(swapped):
+                variable.__class__ = saved[0]
+                variable.__dict__["_value"], variable.__dict__["_shape"], variable.__dict__["_ndim"] = saved[1:]
+
     def _device(self):
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def reduce_to_owners(grads, variables, count, owner, rank, compression=None, drop=True):
+def reduce_to_owners(grads, variables, count, sharding, compression=None, drop=True):
     """ZeRO-1/2 without overlap: each variable's gradient averaged over the ranks (weighted by their ``count`` of
-    samples, as :func:`~distkeras.backends.torch.collectives.average_gradients`) on its owner only; None
-    elsewhere, and for a variable without a gradient on any rank.
+    samples, as :func:`~distkeras.backends.torch.collectives.average_gradients`) on its owner only (a split
+    variable's parts each on its own rank, flat); None elsewhere, and for a variable without a gradient on
+    any rank.
 
-    One all-reduce of the has-gradient flags and the counts, then per owner and dtype one ``reduce`` of a
-    flat buffer of that owner's gradients, each already scaled by this rank's share (in the 16-bit wire dtype
+    One all-reduce of the has-gradient flags and the counts, then per owner and dtype one flat buffer of
+    that owner's gradients (and parts), each already scaled by this rank's share (in the 16-bit wire dtype
     with ``compression``), sent to it (:class:`OwnerReduce`), all at once and then waited for (as
-    :func:`broadcast_owned`, for the same reason: the owners' reduces use both directions of a link together). With ``drop`` (shard="gradients",
-    "all") the gradients this rank doesn't own are dropped from their parameters once sent; shard="optimizer"
-    keeps them (ZeRO-1 frees nothing early).
+    :func:`broadcast_owned`, for the same reason: the owners' reduces use both directions of a link
+    together). With ``drop`` (shard="gradients", "all") the gradients this rank doesn't own whole are
+    dropped from their parameters once sent; shard="optimizer" keeps them (ZeRO-1 frees nothing early).
     """
     from .. import policies
     from .collectives import WIRE
 
+    rank, world = sharding.rank, sharding.world
+    owner = sharding.owner_map(variables)
     device = next((g.device for g in grads if g is not None), variables[0]._value.device)
     meta = torch.tensor([float(g is not None) for g in grads] + [float(count)], dtype=torch.float64, device=device)
     dist.all_reduce(meta)
@@ -749,36 +973,39 @@ def reduce_to_owners(grads, variables, count, owner, rank, compression=None, dro
     for index, variable in enumerate(variables):
         if meta[index]:
             dtype = torch.float64 if variable._value.dtype == torch.float64 else torch.float32
-            groups.setdefault((owner[id(variable)], dtype), []).append(index)
+            for dst, start, stop in sharding.parts(variable, owner):
+                groups.setdefault((dst, dtype), []).append((index, start, stop))
     pending = []
-    for (dst, dtype), indices in sorted(groups.items(), key=lambda item: (item[0][0], str(item[0][1]))):
-        sizes = [int(math.prod(variables[i].shape)) for i in indices]
-        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+    for (dst, dtype), entries in sorted(groups.items(), key=lambda item: (item[0][0], str(item[0][1]))):
+        flat = torch.empty(sum(stop - start for _, start, stop in entries), dtype=dtype, device=device)
         offset = 0
-        for index, size in zip(indices, sizes):
-            piece = flat[offset : offset + size]
+        for index, start, stop in entries:
+            piece = flat[offset : offset + stop - start]
             if grads[index] is None or not weight:
                 piece.zero_()
             else:
-                torch.mul(grads[index].detach().reshape(-1), weight, out=piece)
-            offset += size
+                torch.mul(grads[index].detach().reshape(-1)[start:stop], weight, out=piece)
+            offset += stop - start
         wire = flat if compression is None else flat.to(WIRE[compression])
-        pending.append((dst, indices, sizes, flat, wire, OwnerReduce(wire, dst, rank, dist.get_world_size(),
-                                                                     tag=len(pending))))
-    for dst, indices, sizes, flat, wire, work in pending:
+        pending.append((dst, entries, flat, wire, OwnerReduce(wire, dst, rank, world, tag=len(pending))))
+    for dst, entries, flat, wire, work in pending:
         work.wait()
         if dst != rank:
-            if drop:
-                for index in indices:
-                    variables[index]._value.grad = None  # sent: not kept here
             continue
         if wire is not flat:
             flat.copy_(wire)
         offset = 0
-        for index, size in zip(indices, sizes):
+        for index, start, stop in entries:
             variable = variables[index]
-            averaged[index] = flat[offset : offset + size].view(variable.shape).to(variable._value.dtype)
-            offset += size
+            part = flat[offset : offset + stop - start]
+            if owner[id(variable)] != SPLIT:
+                part = part.view(variable.shape)
+            averaged[index] = part.to(variable._value.dtype)
+            offset += stop - start
+    if drop:
+        for variable in variables:
+            if owner[id(variable)] != rank:
+                variable._value.grad = None  # sent: not kept here
     return averaged
 
 
@@ -810,6 +1037,36 @@ class OwnerReduce(object):
                 total = self.parts[src].clone() if total is None else total.add_(self.parts[src])
             self.flat.copy_(total)
             self.parts = {}
+
+
+def _swap(variable, target):
+    saved = (variable.__class__, variable.__dict__["_value"], variable.__dict__["_shape"], variable.__dict__["_ndim"])
+    if is_released(variable):
+        variable.__class__ = type(variable)._distkeras_base
+    variable.__dict__["_value"], variable.__dict__["_shape"], variable.__dict__["_ndim"] = target, (target.numel(),), 1
+    return variable, saved
+
+
+def clip_by_part_norms(grads, variables, optimizer, split, device):
+    """Keras' ``clipnorm`` (each gradient scaled to a norm of at most ``clipnorm``) where some of ``grads``
+    are this rank's parts of split variables (``split``: id -> position among the model's split variables):
+    their squares summed over the ranks (one all-reduce, every rank, also one with no gradient), then Keras'
+    formula (``BaseOptimizer._clip_by_norm``) with the whole variable's norm; the others are Keras' own."""
+    squares = torch.zeros(len(split), dtype=torch.float64, device=device)
+    for grad, variable in zip(grads, variables):
+        if grad is not None and id(variable) in split:
+            squares[split[id(variable)]] += torch.sum(torch.square(grad.detach().to(torch.float64)))
+    dist.all_reduce(squares)
+    clip_norm = optimizer.clipnorm
+    clipped = []
+    for grad, variable in zip(grads, variables):
+        if grad is None or id(variable) not in split:
+            clipped.append(grad if grad is None else optimizer._clip_by_norm(grad))
+            continue
+        l2sum = squares[split[id(variable)]].to(torch.float32)
+        l2norm = torch.sqrt(l2sum) if float(l2sum) > 0 else l2sum
+        clipped.append(grad * clip_norm / torch.maximum(l2norm, torch.tensor(clip_norm, dtype=torch.float32)).to(grad.dtype))
+    return clipped
 
 
 def clip_by_global_norm(grads, clip_norm, device):

@@ -446,7 +446,7 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None):
             shard, model, replica.rank, replica.world, lambda: broadcast_new_variables(model, replica))
         torch_shard.install(replica.shard)
         if replica.buckets is not None:
-            replica.buckets.owner_of = replica.shard.owner_map
+            replica.buckets.sharding = replica.shard
             replica.buckets.drop = shard != "optimizer"
     model.train_function = model.test_function = model.predict_function = None
 
@@ -494,8 +494,7 @@ def _wrap_optimizer(optimizer, replica):
         if not count:  # a stand-in sample's gradients: this rank joins the all-reduce with weight zero
             grads = [None] * len(grads)
         if replica.shard is not None:  # each gradient to its owner only (the owners broadcast the weights after)
-            owner = replica.shard.owner_map(variables)
-            return update(torch_shard.reduce_to_owners(grads, variables, count, owner, replica.rank, replica.compression,
+            return update(torch_shard.reduce_to_owners(grads, variables, count, replica.shard, replica.compression,
                                                        drop=replica.shard.mode != "optimizer"))
         return update(collectives.average_gradients(grads, variables, count, replica.compression))
 
