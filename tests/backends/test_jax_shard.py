@@ -142,12 +142,13 @@ def test_what_xla_compiles_for_each_mode(mode, compiled_steps, capsys):
     - "optimizer" and "gradients" (distkeras' own step; XLA's CPU pipeline alone would all-reduce the gradients and
       slice them, making no reduce-scatter of the two: GPU pipelines do, ReduceScatterCreator): one reduce-scatter
       of every gradient laid side by side (each device receives its halves) and no all-reduce of a gradient-sized
-      buffer (only scalars: the loss, the metrics); the updated slices all-gathered, and nothing else (no gathering of the optimizer state the step passes whole to the loss scale).
+      buffer (only scalars: the loss, the metrics); the updated slices all-gathered in one collective, and nothing
+      else (no gathering of the optimizer state the step passes whole to the loss scale).
     - "all": no weight and no weight-sized gradient crosses devices at all: XLA partitions each matmul by the
       weight's split (gathering the batch's activations instead, which are smaller here).
 
     Before XLA's passes, "gradients" and "all" carry a sharding constraint on every gradient (4 here) as they enter
-    the optimizer, which "optimizer" lacks.
+    the optimizer, which "optimizer" lacks; "optimizer" and "gradients" one on every weight, sliced for the update.
     """
     x, y = _mlp_data()
     model = distkeras.distribute(_mlp(), devices=2, shard=mode)
@@ -159,19 +160,21 @@ def test_what_xla_compiles_for_each_mode(mode, compiled_steps, capsys):
     if mode is None:
         assert kernels <= reduced and not gathered, found
     elif mode in ("optimizer", "gradients"):
-        assert [op for op, _, _ in found].count("all-gather") == len(model.trainable_variables), found
-        assert kernels <= gathered, found
         # One reduce-scatter of every gradient laid side by side; its result is the device's slices: half of
-        # each one's split dimension (the largest).
+        # each one's split dimension (the largest). One all-gather of the updated slices laid the same way (not
+        # one per weight): both devices' halves.
         halves = sum(math.prod(_half(v.shape)) for v in model.trainable_variables)
         scattered = [shape for op, _, shape in found if op == "reduce-scatter"]
         assert len(scattered) == 1 and math.prod(scattered[0]) == halves, found
+        assert [shape for op, _, shape in found if op == "all-gather"] == [(2, halves)], found
         assert all(shape == () for op, _, shape in found if op == "all-reduce"), found
     else:
         assert not kernels & (gathered | reduced), found
     # Shardy's spelling (JAX >= 0.7) or GSPMD's custom call.
     constraints = len(re.findall(r"sharding_constraint|@Sharding\b", compiled_steps[1]))
-    assert constraints == (len(model.trainable_variables) if mode in ("gradients", "all") else 0), compiled_steps[1]
+    # And in "optimizer" and "gradients" each weight is constrained to its slice for the update (local slicing).
+    count = len(model.trainable_variables)
+    assert constraints == {None: 0, "optimizer": count, "gradients": 2 * count, "all": count}[mode], compiled_steps[1]
     err = capsys.readouterr().err
     if mode == "all":  # the 32-wide output bias divides by 2: only Adam's scalars are left whole, unnamed
         assert "stay whole" not in err

@@ -118,7 +118,7 @@ def _train_step(model, original, mesh, axis, wire, scatter):
     import jax
     import jax.numpy as jnp
     import keras
-    from jax.sharding import PartitionSpec
+    from jax.sharding import NamedSharding, PartitionSpec
 
     parts = mesh.shape[axis]
     shard_map = _shard_map()
@@ -162,7 +162,17 @@ def _train_step(model, original, mesh, axis, wire, scatter):
         grads, unscaled_loss, y_pred, non_trainable, deltas = step(
             trainable, non_trainable, metrics, optimizer_variables, x, y, sample_weight)
         metrics = [old + delta.sum(axis=0).astype(old.dtype) for old, delta in zip(metrics, deltas)]
-        trainable, optimizer_variables = model.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+        if scatter is not None and any(d is not None for d in dims):
+            # ZeRO-1/2: each device updates its slice of the weights (sliced where they are: no communication)
+            # and the updated slices are all-gathered in one collective (_gather), not one per weight (what XLA
+            # places for the weights' replicated layout: each costs its latency across hosts).
+            sliced = [v if d is None else jax.lax.with_sharding_constraint(v, NamedSharding(mesh, s))
+                      for v, d, s in zip(trainable, dims, grad_specs)]
+            trainable, optimizer_variables = model.optimizer.stateless_apply(optimizer_variables, grads, sliced)
+            trainable = shard_map(functools.partial(_gather, dims, axis, parts), mesh=mesh,
+                                  in_specs=(grad_specs,), out_specs=[whole] * len(dims))(list(trainable))
+        else:
+            trainable, optimizer_variables = model.optimizer.stateless_apply(optimizer_variables, grads, trainable)
         logs, metrics = getattr(model, _PRIVATE_METRICS_UPDATE)(metrics, unscaled_loss, x, y, y_pred, sample_weight)
         return logs, (trainable, non_trainable, optimizer_variables, metrics)
 
@@ -239,6 +249,31 @@ def _scatter(grads, dims, axis, parts, wire):
             size = m.size // parts
             out[i] = jnp.moveaxis(mine[offset:offset + size].reshape(shape), 0, dims[i]).astype(grads[i].dtype)
             offset += size
+    return out
+
+
+def _gather(dims, axis, parts, slices):
+    """Inside a shard_map: the whole of every weight from each device's slice (split along its dimension in
+    ``dims``; None: whole already), by one tiled ``all_gather`` per dtype of the slices laid end to end (each
+    one's split dimension moved first), so the bytes are those of the all-gather half of a ring all-reduce
+    and the latency is paid once, not per weight."""
+    import jax
+    import jax.numpy as jnp
+
+    out = list(slices)
+    by_dtype = {}
+    for i, d in enumerate(dims):
+        if d is not None:
+            by_dtype.setdefault(jnp.dtype(slices[i].dtype), []).append(i)
+    for _, indices in sorted(by_dtype.items(), key=lambda item: item[0].name):
+        moved = [jnp.moveaxis(slices[i], dims[i], 0) for i in indices]
+        flat = jnp.concatenate([m.reshape(-1) for m in moved])
+        table = jax.lax.all_gather(flat, axis)  # (parts, total): row k is device k's slices
+        offset = 0
+        for i, m in zip(indices, moved):
+            whole = table[:, offset:offset + m.size].reshape((parts * m.shape[0],) + m.shape[1:])
+            out[i] = jnp.moveaxis(whole, 0, dims[i])
+            offset += m.size
     return out
 
 

@@ -1,11 +1,18 @@
 """Sharded training state on PyTorch (ZeRO stages 1, 2 and 3): ``distribute(model, shard="optimizer" | "gradients" | "all")``.
 
-- **Ownership by whole variables** (:func:`owners`): each trainable variable has one owner rank, chosen
-  greedily by bytes (largest first, to the least-loaded rank, ties to the lower rank; the same on every rank),
-  as ``torch.distributed.optim.ZeroRedundancyOptimizer`` partitions parameters. Whole variables, not flat
-  1/N slices: the optimizer then runs its own per-variable math on full shapes (Adafactor's factored
-  moments, anything shape-dependent stay exact), and its structure stays the single-device one. The cost:
-  the balance is limited by the largest variable.
+- **Ownership** (:func:`layout`): each trainable variable has one owner rank, chosen greedily by bytes
+  (largest first, to the least-loaded rank, ties to the lower rank; the same on every rank), as
+  ``torch.distributed.optim.ZeroRedundancyOptimizer`` partitions parameters. Whole variables where that
+  balances (within :data:`BALANCE` of an even share): the optimizer then runs its own per-variable math on
+  full shapes. Where it doesn't (one variable that is most of the model: a large kernel or embedding), the
+  largest variables are split, one by one until it balances, into one contiguous flat part per rank
+  (:func:`part_range`), DeepSpeed ZeRO's flat partitioning: every rank owns its part, keeps only that part of
+  its slots (and with "all" of the weight: :func:`piece`), receives that part of the gradient and sends
+  that part of the update. Only for optimizers that update each element from its own gradient and state
+  (:func:`elementwise`: Keras' SGD, Adam, AdamW, RMSprop... as exact classes; not Adafactor, Lamb or a
+  subclass) and variables without a constraint; ``clipnorm``, a norm per variable, is taken over the whole
+  variable (:func:`clip_by_part_norms`). During the update a split variable and its slots show the
+  optimizer this rank's part as a flat variable (:meth:`Sharding._parts_in_place`).
 - **The optimizer stays the user's object, built over every variable** (``save()``, checkpoints and
   ``get_config`` are the single-device ones), but the storage of the slots (momentums, velocities,
   accumulators, EMA averages) of the variables a rank does not own is released
