@@ -43,6 +43,10 @@ def main(argv=None):
         from . import memory
 
         return memory.main(argv[1:])
+    if argv[:1] == ["collectives"]:  # its own options: benchmarks/collectives.py
+        from . import collectives
+
+        return collectives.main(argv[1:])
     if argv[:1] == ["shard-cost"]:  # its own options: benchmarks/shard_cost.py
         from . import shard_cost
 

@@ -228,7 +228,22 @@ def _transformer(width):
 
 
 #: Workload names, in the order tables list them.
-NAMES = ("mlp", "cnn", "digits", "bncnn", "transformer")
+def _dense512():
+    """Issue 25's held-out model, a shape no benchmark here was tuned on: Dense 512 -> 1024 -> 1024 -> 10."""
+
+    def build(keras):
+        layers = [(1024, "relu"), (1024, "relu"), (10, None)]
+        return _dense_stack(keras, "dense512", 512, layers, keras.optimizers.Adam(), "sparse_categorical_crossentropy")
+
+    def batches(rng, size, count):
+        return [(rng.random((size, 512), dtype=np.float32), rng.integers(0, 10, size=(size,)).astype(np.int32))
+                for _ in range(count)]
+
+    return Workload("dense512", "Dense 512-1024-1024-10 (1,585,162 params)", 64, "sparse_categorical_crossentropy",
+                    build, batches)
+
+
+NAMES = ("mlp", "cnn", "digits", "bncnn", "transformer", "dense512")
 
 
 def get(name, width=1.0):
@@ -243,4 +258,6 @@ def get(name, width=1.0):
         return _bncnn()
     if name == "transformer":
         return _transformer(width)
+    if name == "dense512":
+        return _dense512()
     raise ValueError("Expected a workload in {}. Received: {!r}".format(NAMES, name))

@@ -116,7 +116,8 @@ def main(out_dir, mode):
     rank = distkeras.cluster.from_env().rank
     model = scenarios.build(keras)
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
-    options = {"shard": "all"} if mode == "shard" else {}  # JAX's test_jax_shard.py
+    # JAX's test_jax_shard.py: "all" (XLA's partitioning), "gradients" (distkeras' step, its rings across processes)
+    options = {"shard": "all"} if mode == "shard" else {"shard": "gradients"} if mode == "shard-gradients" else {}
     model = distkeras.distribute(model, compression="bf16" if mode == "bf16" else None, **options)
     x, y = scenarios.data(100)
     callbacks = []

@@ -369,3 +369,20 @@ def test_two_processes_shard_all_and_rank_0_saves_the_plain_model(tmp_path):
     for a, b in zip(rank_weights(tmp_path, 0), rank_weights(tmp_path, 1)):
         np.testing.assert_array_equal(a, b)
     assert sorted(os.listdir(str(tmp_path))) == ["model.keras", "rank0.npz", "rank1.npz"]  # rank 1 wrote no file
+
+
+def test_two_processes_shard_gradients_train_as_one_process(tmp_path):
+    """Across processes distkeras' shard step reduce-scatters the gradients and all-gathers the updated slices
+    with rings of small ppermutes (steps._ring_reduce_scatter/_ring_all_gather; one process' devices use XLA's
+    collectives): the ranks stay equal and train what one process trains."""
+    from tests.backends.test_multiworker import launch, rank_weights, single_process_weights
+
+    done, _ = launch(tmp_path, "shard-gradients")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    expected = single_process_weights()
+    r0, r1 = rank_weights(tmp_path, 0), rank_weights(tmp_path, 1)
+    for a, b in zip(r0, r1):
+        np.testing.assert_array_equal(a, b)
+    for e, a in zip(expected, r0):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+    assert "framework replicas 2" in done.stdout

@@ -191,6 +191,9 @@ def _average(grads, axis, parts, wire):
     bytes on the wire are a ``wire`` all-reduce's, 2(N-1)/N of the buffer per device. (With two shards one
     all-gather of the whole buffers would send the same bytes; measured, it made the step slower: XLA's CPU
     all-gather of the whole buffer and the sum after it cost more than the second collective.)
+
+    Across processes (``jax.process_count() > 1``) the same sum runs as :func:`_ring_sum`, a ring of small
+    ``ppermute`` pieces: XLA's all-to-all and all-gather over Gloo ran at half the link's rate there.
     """
     import jax
     import jax.numpy as jnp
@@ -199,14 +202,87 @@ def _average(grads, axis, parts, wire):
     flat = jnp.concatenate([(g / parts).astype(jnp.float32).reshape(-1) for g in grads])
     size = flat.shape[0]
     table = jnp.pad(flat, (0, -size % parts)).reshape(parts, -1)
-    mine = jax.lax.all_to_all(_encode(table, wire), axis, 0, 0)
-    summed = _decode(mine, wire).sum(axis=0)
-    whole = _decode(jax.lax.all_gather(_encode(summed, wire), axis, tiled=True), wire)
+    if jax.process_count() > 1:  # across processes: the ring in small pieces (see _ring_sum)
+        whole = _ring_sum(table, axis, parts, wire).reshape(-1)
+    else:
+        mine = jax.lax.all_to_all(_encode(table, wire), axis, 0, 0)
+        summed = _decode(mine, wire).sum(axis=0)
+        whole = _decode(jax.lax.all_gather(_encode(summed, wire), axis, tiled=True), wire)
     averaged, offset = [], 0
     for g in grads:
         averaged.append(whole[offset:offset + g.size].reshape(g.shape).astype(g.dtype))
         offset += g.size
     return averaged
+
+
+#: Bytes per ``ppermute`` of :func:`_ring_sum` (64 KiB), and at most this many pieces per ring step.
+RING_PIECE_BYTES = 64 << 10
+RING_MAX_PIECES = 256
+
+
+def _ring_sum(table, axis, parts, wire):
+    """The sum over the devices of ``table`` (float32, one row per device), every device alike, sent as ``wire``
+    bits: a ring all-reduce written with ``ppermute``, each step's row cut in pieces of :data:`RING_PIECE_BYTES`
+    (:func:`_ring_reduce_scatter`, the summed row rounded to ``wire``, :func:`_ring_all_gather`).
+
+    Why: across processes XLA's CPU collectives run over Gloo's TCP pairs, and one large message each way at once
+    ran at half the link's rate (``python -m benchmarks collectives``, 2 hosts at 100 Mbit/s: the 16-bit
+    all-to-all and all-gather each at ~2x their bound, one ``ppermute`` of a whole row too), where Gloo's own ring
+    all-reduce (float32, uncompressed) sends segments and stays at ~1.1x. So the 16-bit detour lost to float32
+    on some models (0.5-0.6x). In 64 KiB pieces the ring reached 1.12x of the 16-bit bound.
+    """
+
+    row = _ring_reduce_scatter(table, axis, parts, wire)
+    return _ring_all_gather(_decode(_encode(row, wire), wire), axis, parts, wire)
+
+
+def _ring_send(axis, parts, wire, width):
+    """``send(row)``: ``row`` (float32, ``width`` long) to the next device of the ring, in pieces of
+    :data:`RING_PIECE_BYTES` (at most :data:`RING_MAX_PIECES`), as ``wire`` bits (float32: as is); returns the
+    row received from the previous device."""
+    import jax
+    import jax.numpy as jnp
+
+    right = [(i, (i + 1) % parts) for i in range(parts)]
+    exact = wire == jnp.float32
+    step = max(RING_PIECE_BYTES // wire.itemsize, -(-width // RING_MAX_PIECES))
+    cuts = list(range(0, width, step)) + [width]
+
+    def send(row):
+        if exact:
+            return jnp.concatenate([jax.lax.ppermute(row[a:b], axis, right) for a, b in zip(cuts, cuts[1:])])
+        pieces = [jax.lax.ppermute(_encode(row[a:b], wire), axis, right) for a, b in zip(cuts, cuts[1:])]
+        return _decode(jnp.concatenate(pieces), wire)
+
+    return send
+
+
+def _ring_reduce_scatter(table, axis, parts, wire):
+    """Row i of the sum over the devices of ``table`` ((parts, C) float32 per device) on device i: N-1 steps,
+    device i sending its partial sum of row (i - s - 1) to device i+1, which adds it to its own (float32; the
+    partial sum rounded to ``wire`` on each hop, as a 16-bit ring does)."""
+    import jax
+    import jax.numpy as jnp
+
+    index = jax.lax.axis_index(axis)
+    send = _ring_send(axis, parts, jnp.dtype(wire), table.shape[1])
+    for step in range(parts - 1):
+        table = table.at[(index - step - 2) % parts].add(send(jnp.take(table, (index - step - 1) % parts, axis=0)))
+    return jnp.take(table, index, axis=0)
+
+
+def _ring_all_gather(row, axis, parts, wire):
+    """``(parts, C)``: row k is device k's ``row`` (sent as ``wire``: a 16-bit row should be rounded to it
+    already, so that every device holds the same values), in N-1 ring steps."""
+    import jax
+    import jax.numpy as jnp
+
+    index = jax.lax.axis_index(axis)
+    send = _ring_send(axis, parts, jnp.dtype(wire), row.shape[0])
+    table = jnp.zeros((parts,) + row.shape, row.dtype).at[index].set(row)
+    for step in range(parts - 1):
+        table = table.at[(index - step - 1) % parts].set(send(jnp.take(table, (index - step) % parts, axis=0)))
+    return table
 
 
 def _scatter(grads, dims, axis, parts, wire):
@@ -238,7 +314,9 @@ def _scatter(grads, dims, axis, parts, wire):
     if split:
         moved = [jnp.moveaxis((grads[i] / parts).astype(jnp.float32), dims[i], 0) for i in split]
         table = jnp.concatenate([m.reshape(parts, -1) for m in moved], axis=1)
-        if exact:  # one reduce-scatter of the whole table: XLA's CPU compiler combines no reduce-scatters itself,
+        if jax.process_count() > 1:  # across processes: a ring of small pieces (_ring_sum says why)
+            mine = _ring_reduce_scatter(table, axis, parts, wire)
+        elif exact:  # one reduce-scatter of the whole table: XLA's CPU compiler combines no reduce-scatters itself,
             # and one collective per gradient costs each its latency across hosts
             mine = jax.lax.psum_scatter(table, axis, scatter_dimension=0, tiled=True).reshape(-1)
         else:
@@ -268,7 +346,10 @@ def _gather(dims, axis, parts, slices):
     for _, indices in sorted(by_dtype.items(), key=lambda item: item[0].name):
         moved = [jnp.moveaxis(slices[i], dims[i], 0) for i in indices]
         flat = jnp.concatenate([m.reshape(-1) for m in moved])
-        table = jax.lax.all_gather(flat, axis)  # (parts, total): row k is device k's slices
+        if jax.process_count() > 1 and flat.dtype == jnp.float32:  # a ring of small pieces (_ring_sum says why)
+            table = _ring_all_gather(flat, axis, parts, "float32")
+        else:
+            table = jax.lax.all_gather(flat, axis)  # (parts, total): row k is device k's slices
         offset = 0
         for i, m in zip(indices, moved):
             whole = table[:, offset:offset + m.size].reshape((parts * m.shape[0],) + m.shape[1:])
