@@ -13,8 +13,9 @@ every way of summing them over the hosts that distkeras uses or could use, in on
   is now the chunked ring below; it was the packed buffer's bfloat16 bits in one ``all_to_all`` (a reduce-scatter's
   traffic), a float32 add, one ``all_gather``: those two are the next two rows.
 - ``u16-all-to-all`` and ``u16-all-gather``: those two collectives alone, on the same bits.
-- ``bf16-ring``: a ring of ``ppermute`` on the packed bits (N-1 steps of reduce-scatter, N-1 of all-gather).
-- ``bf16-ring-chunked``: that ring with each step's row sent in 64 KiB pieces, one ``ppermute`` each.
+- ``bf16-ring``: distkeras' ring of ``ppermute`` on the packed bits (``steps._ring_sum``: N-1 steps of
+  reduce-scatter, N-1 of all-gather) with each step's row sent whole.
+- ``bf16-ring-chunked``: the same ring in its own 64 KiB pieces, one ``ppermute`` each.
 
 Each program is compiled, its collectives read from the optimized HLO (op, dtype, shape), run twice, then timed
 ``--repeats`` times (median). Links shaped with ``tc tbf`` to ``--rate``; the ring bound of each is
@@ -22,6 +23,7 @@ Each program is compiled, its collectives read from the optimized HLO (op, dtype
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -45,8 +47,6 @@ LAYOUTS = {
 }
 VARIANTS = ("f32-psum-each", "f32-psum-packed", "bf16-detour", "u16-all-to-all", "u16-all-gather", "bf16-ring",
             "bf16-ring-chunked")
-#: Elements per ppermute in bf16-ring-chunked (64 KiB of 16-bit values).
-CHUNK = int(os.environ.get("DISTKERAS_BENCH_CHUNK", 32768))
 
 
 def add_arguments(parser):
@@ -58,7 +58,11 @@ def add_arguments(parser):
     parser.add_argument("--out", default="bench-collectives", help="folder for results.json and results.md")
 
 
-def _programs(layout, parts, axis):
+#: Variants that trace distkeras' ring with other pieces: (bytes per ppermute, at most pieces per step).
+PIECES = {"bf16-ring": (1 << 62, 1)}
+
+
+def _programs(parts, axis):
     """variant -> a function of the per-device gradients (a list), to run inside a shard_map."""
     import jax
     import jax.numpy as jnp
@@ -71,51 +75,31 @@ def _programs(layout, parts, axis):
         flat = jnp.concatenate([g.reshape(-1) for g in grads])
         return jnp.pad(flat, (0, -flat.shape[0] % parts)).reshape(parts, -1)
 
-    def ring(grads):
-        table = packed(grads)
-        index = jax.lax.axis_index(axis)
-        right = [(i, (i + 1) % parts) for i in range(parts)]
-        for step in range(parts - 1):  # reduce-scatter: chunk (index + 1) % parts ends summed here
-            send = jnp.take(table, (index - step) % parts, axis=0)
-            got = steps._decode(jax.lax.ppermute(steps._encode(send, wire), axis, right), wire)
-            table = table.at[(index - step - 1) % parts].add(got)
-        own = (index + 1) % parts
-        table = table.at[own].set(steps._decode(steps._encode(jnp.take(table, own, axis=0), wire), wire))
-        for step in range(parts - 1):  # all-gather of the summed chunks, as sent (every device alike)
-            send = jnp.take(table, (index + 1 - step) % parts, axis=0)
-            got = steps._decode(jax.lax.ppermute(steps._encode(send, wire), axis, right), wire)
-            table = table.at[(index - step) % parts].set(got)
-        return table
-
-    def chunked_ring(grads, chunk=CHUNK):
-        """The ring with each step's transfer cut in pieces of ``chunk`` elements, one ppermute each."""
-        table = packed(grads)
-        index = jax.lax.axis_index(axis)
-        right = [(i, (i + 1) % parts) for i in range(parts)]
-        width = table.shape[1]
-        cuts = list(range(0, width, chunk)) + [width]
-
-        def permute(row):
-            pieces = [jax.lax.ppermute(steps._encode(row[a:b], wire), axis, right) for a, b in zip(cuts, cuts[1:])]
-            return steps._decode(jnp.concatenate(pieces), wire)
-
-        for step in range(parts - 1):
-            table = table.at[(index - step - 1) % parts].add(permute(jnp.take(table, (index - step) % parts, axis=0)))
-        own = (index + 1) % parts
-        table = table.at[own].set(steps._decode(steps._encode(jnp.take(table, own, axis=0), wire), wire))
-        for step in range(parts - 1):
-            table = table.at[(index - step) % parts].set(permute(jnp.take(table, (index + 1 - step) % parts, axis=0)))
-        return table
+    def ring(grads):  # distkeras' own ring (steps._ring_sum), in the variant's pieces (PIECES)
+        return steps._ring_sum(packed(grads), axis, parts, wire)
 
     return {
-        "bf16-ring-chunked": chunked_ring,
         "f32-psum-each": lambda grads: [jax.lax.psum(g, axis) for g in grads],
         "f32-psum-packed": lambda grads: jax.lax.psum(packed(grads), axis),
         "bf16-detour": lambda grads: steps._average(grads, axis, parts, wire),
         "u16-all-to-all": lambda grads: jax.lax.all_to_all(steps._encode(packed(grads), wire), axis, 0, 0),
         "u16-all-gather": lambda grads: jax.lax.all_gather(steps._encode(packed(grads)[0], wire), axis, tiled=True),
         "bf16-ring": ring,
+        "bf16-ring-chunked": ring,
     }
+
+
+@contextlib.contextmanager
+def _pieces(variant):
+    """distkeras' ring traced with ``variant``'s pieces (:data:`PIECES`; others: its own 64 KiB)."""
+    from distkeras.backends.jax import steps
+
+    saved = steps.RING_PIECE_BYTES, steps.RING_MAX_PIECES
+    steps.RING_PIECE_BYTES, steps.RING_MAX_PIECES = PIECES.get(variant, saved)
+    try:
+        yield
+    finally:
+        steps.RING_PIECE_BYTES, steps.RING_MAX_PIECES = saved
 
 
 _COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(-start)?\(")
@@ -152,16 +136,17 @@ def job(args):
         local = [rng.normal(size=(1,) + shape).astype("float32") for shape in shapes]
         split = NamedSharding(mesh, PartitionSpec("batch"))
         grads = [jax.make_array_from_process_local_data(split, g) for g in local]
-        programs = _programs(shapes, parts, "batch")
+        programs = _programs(parts, "batch")
         results[layout] = {"parameters": int(sum(np.prod(s) for s in shapes)), "variants": {}}
         for variant in args.variants.split(","):
             body = programs[variant]
             mapped = shard_map(lambda gs, body=body: body([g[0] for g in gs]), mesh=mesh,
                                in_specs=([PartitionSpec("batch")] * len(shapes),), out_specs=PartitionSpec())
             jitted = jax.jit(mapped)
-            hlo = jitted.lower(grads).compile().as_text()
-            for _ in range(2):
-                jax.block_until_ready(jitted(grads))
+            with _pieces(variant):  # traced and compiled here, once
+                hlo = jitted.lower(grads).compile().as_text()
+                for _ in range(2):
+                    jax.block_until_ready(jitted(grads))
             seconds = []
             for _ in range(args.repeats):
                 start = time.perf_counter()

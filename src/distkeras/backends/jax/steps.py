@@ -231,7 +231,6 @@ def _ring_sum(table, axis, parts, wire):
     all-reduce (float32, uncompressed) sends segments and stays at ~1.1x. So the 16-bit detour lost to float32
     on some models (0.5-0.6x). In 64 KiB pieces the ring reached 1.12x of the 16-bit bound.
     """
-
     row = _ring_reduce_scatter(table, axis, parts, wire)
     return _ring_all_gather(_decode(_encode(row, wire), wire), axis, parts, wire)
 
