@@ -8,6 +8,7 @@ call, as tied weights read it, fails clearly on every rank), save() writes the p
 optimizer state (loaded by a process without distkeras), a BackupAndRestore checkpoint of a sharded run resumes into another ``shard`` value.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -440,3 +441,82 @@ def test_which_optimizers_may_split_a_variable():
 
     for optimizer in (keras.optimizers.Adafactor(), keras.optimizers.Lamb(), MyAdam()):
         assert not elementwise(optimizer), type(optimizer)
+
+
+@contextlib.contextmanager
+def _in_pieces(piece_bytes, window=2):
+    """Across hosts the sharded messages travel in pieces (messages.py); here, where every rank shares this host
+    and they go whole, force pieces of ``piece_bytes`` with ``window`` in flight."""
+    from distkeras.backends.torch import messages
+
+    saved = messages.PIECE_BYTES, messages.WINDOW, messages.configure, messages.Links._message
+    messages.PIECE_BYTES, messages.WINDOW = piece_bytes, window
+    messages.configure = lambda one_host: messages._one_host.__setitem__(0, False)
+    messages._one_host[0] = False
+    messages.cut = []  # pieces per message sent or received
+
+    def counted(self, kind, tensor, peer):
+        message = saved[3](self, kind, tensor, peer)
+        messages.cut.append(message.left)
+        return message
+
+    messages.Links._message = counted
+    try:
+        yield messages
+    finally:
+        messages.PIECE_BYTES, messages.WINDOW, messages.configure, messages.Links._message = saved
+
+
+def messages_between_every_pair():
+    """Messages of several sizes and dtypes between every pair of ranks, in 64-byte pieces, with an all-reduce
+    of the main thread between them: what each rank received, against what was sent."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with _in_pieces(64) as messages:
+        link = messages.links()
+        waiting, received, pieces = [], [], 0
+        for index, (size, dtype) in enumerate([(0, torch.float32), (1, torch.float16), (701, torch.float32),
+                                               (333, torch.float64), (5, torch.float32)] * 2):
+            for src in range(world):
+                for dst in range(world):
+                    want = (torch.arange(size, dtype=torch.float64) % 97 + 10 * src + dst + index).to(dtype)
+                    if src == dst or rank not in (src, dst):
+                        continue
+                    if rank == src:
+                        message = link.send(want, dst)
+                    else:
+                        got = torch.empty(size, dtype=dtype)
+                        message = link.recv(got, src)
+                        received.append((got, want))
+                    pieces += message.left
+                    waiting.append(message)
+            total = torch.ones(2)
+            dist.all_reduce(total)
+        messages.wait(waiting)
+    return {"received": len(received), "wrong": sum(not torch.equal(g, w) for g, w in received), "pieces": pieces}
+
+
+def test_messages_in_pieces_arrive_whole_and_in_order():
+    replicated(DEVICES, run_pattern, "sequential", DEVICES)  # the job's process group, as distribute() makes it
+    for result in replicated(DEVICES, _every_rank, messages_between_every_pair):
+        assert result["received"] == 20 and result["wrong"] == 0
+        assert result["pieces"] > 4 * 20  # really cut (64 bytes each, 2 in flight)
+
+
+def run_pattern_in_pieces(name, devices, **options):
+    with _in_pieces(16) as messages:
+        result = run_pattern(name, devices, **options)
+        result["pieces"] = max(messages.cut)
+        return result
+
+
+@pytest.mark.parametrize("shard", ["gradients", "all"])
+def test_sharded_training_in_pieces_equals_one_device(shard):
+    """The owners' gradients and weights in 16-byte pieces (as across hosts, in larger ones): the same training."""
+    _, atol = patterns.PATTERNS["clipnorm"]
+    expected = single_device("clipnorm")
+    got = replicated(DEVICES, run_pattern_in_pieces, "clipnorm", DEVICES, shard=shard)
+    assert got["pieces"] > 1  # some message was cut
+    assert_same_training(expected, got, atol)

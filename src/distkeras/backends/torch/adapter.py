@@ -147,6 +147,7 @@ class TorchAdapter(Adapter):
 
         from . import launch as torch_launch
         from . import trainer as torch_trainer
+        from . import messages as torch_messages
 
         # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
@@ -189,6 +190,7 @@ class TorchAdapter(Adapter):
         else:  # a plain process: it becomes rank 0 of a job it starts
             cluster, listener, watcher = torch_launch.start_workers(len(devices), timeout)
         _join(cluster, device, backend, timeout, listener)
+        torch_messages.configure(one_host=cluster.local_world_size >= cluster.world_size)
         replica = torch_trainer.Replica(
             cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None, compression
         )

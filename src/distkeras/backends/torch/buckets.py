@@ -244,7 +244,7 @@ class Buckets(object):
             else:
                 # Sent to the owner directly (shard.OwnerReduce: the bytes of a reduce-scatter, not gloo's reduce).
                 bucket.work = OwnerReduce(bucket.buffer, bucket.owner, self.replica.rank, self.replica.world,
-                                          group=self.group, tag=self.next)
+                                          group=self.group)
             self.next += 1
 
     def _check(self, grads, variables):

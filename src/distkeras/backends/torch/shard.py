@@ -32,9 +32,11 @@
 - **Communication** (ZeRO-1 and 2 alike): the gradients travel to their owner only, as point-to-point
   messages (:class:`OwnerReduce`: every other rank sends the owner its flat buffer of that owner's
   gradients, the owner sums them in rank order; in the overlapped buckets one bucket holds one owner's
-  variables), and each owner broadcasts its updated variables; all owners' messages, and broadcasts, are
-  issued at once (``async_op``), so a link carries both directions together. Bytes sent per rank and step:
-  the gradients it doesn't own, then the weights it owns: those of one ring all-reduce.
+  variables), and each owner sends its updated variables to every rank; all owners' messages are issued at
+  once, so a link carries both directions together, and across hosts they travel in pieces, a few in flight
+  per link (:mod:`~distkeras.backends.torch.messages`: sent whole, a message each way at once ran at half
+  the link's rate over gloo). Bytes sent per rank and step: the gradients it doesn't own, then the weights
+  it owns: those of one ring all-reduce.
 - **"gradients"** (ZeRO-2): a rank also drops the gradients it does not own as soon as they are sent;
   "optimizer" (ZeRO-1) keeps them (so a step whose gradients the overlapped buckets can't use still falls
   back to reducing them after the backward pass).
@@ -76,6 +78,7 @@ import torch.distributed as dist
 
 from ...errors import ShardError
 from .. import keras_model
+from . import messages
 
 #: The instance attribute of an optimizer that holds its :class:`_Slots`.
 _SLOTS = "_distkeras_slots"
@@ -362,31 +365,29 @@ def is_released(variable):
 def broadcast_owned(groups, rank):
     """``groups``: per rank, the parts it owns, each ``(variable, start, stop)``: a flat element range of the
     variable (same order on every rank). Each owner's values reach every rank: per owner and (dtype, device)
-    one flat buffer, which the owner sends to every other rank (``isend``) and they receive (``irecv``), all
-    of them issued at once and then waited for. An owner sends its part's own storage where it keeps one
+    one flat buffer, which the owner sends to every other rank and they receive, all of them issued at once
+    (as :mod:`~distkeras.backends.torch.messages`: in pieces, a few in flight per link) and then waited for. An owner sends its part's own storage where it keeps one
     (:func:`piece`: a split variable's part, a split slot's) and writes it into the variable's storage too
     where that is allocated. Bytes each rank sends: what it owns, to each other rank (a ring all-gather's).
     Why not ``dist.broadcast``, one per owner, async: gloo ran them one after the other (traced across two
     100 Mbit/s hosts: 0.55 s for the two owners' halves each step, the time of the one-way sum); the direct
     messages of both owners share the link's two directions (0.28-0.33 s in most steps, 0.55 s in some)."""
-    pending, world = [], len(groups)
+    pending, world, link = [], len(groups), messages.links()
     for owner, items in enumerate(groups):
         by_kind = {}
         for item in items:
             value = item[0]._value
             by_kind.setdefault((value.dtype, value.device), []).append(item)
         for (dtype, device), group in by_kind.items():
-            tag = len(pending)  # the same on every rank: every rank walks the same groups
             if owner == rank:
                 flat = torch.cat([_source(*item) for item in group])
-                works = [dist.isend(flat, peer, tag=tag) for peer in range(world) if peer != rank]
+                sent = [link.send(flat, peer) for peer in range(world) if peer != rank]
             else:
                 flat = torch.empty(sum(stop - start for _, start, stop in group), dtype=dtype, device=device)
-                works = [dist.irecv(flat, owner, tag=tag)]
-            pending.append((owner, group, flat, works))
-    for owner, group, flat, works in pending:
-        for work in works:
-            work.wait()
+                sent = [link.recv(flat, owner)]
+            pending.append((owner, group, flat, sent))
+    messages.wait([message for _, _, _, sent in pending for message in sent])
+    for owner, group, flat, _ in pending:
         offset = 0
         with torch.no_grad():  # .data: no autograd version bump on the weights
             for variable, start, stop in group:
@@ -999,7 +1000,7 @@ def reduce_to_owners(grads, variables, count, sharding, compression=None, drop=T
                 torch.mul(grads[index].detach().reshape(-1)[start:stop], weight, out=piece)
             offset += stop - start
         wire = flat if compression is None else flat.to(WIRE[compression])
-        pending.append((dst, entries, flat, wire, OwnerReduce(wire, dst, rank, world, tag=len(pending))))
+        pending.append((dst, entries, flat, wire, OwnerReduce(wire, dst, rank, world)))
     for dst, entries, flat, wire, work in pending:
         work.wait()
         if dst != rank:
@@ -1031,17 +1032,17 @@ class OwnerReduce(object):
     receives (N-1) copies of the ones it owns: the bytes of a ring reduce-scatter, both ways at once.
     """
 
-    def __init__(self, flat, dst, rank, world, group=None, tag=0):
+    def __init__(self, flat, dst, rank, world, group=None):
         self.flat, self.rank, self.parts = flat, rank, {}
+        link = messages.links(group)
         if dst != rank:
-            self.works = [dist.isend(flat, dst, group=group, tag=tag)]
+            self.sent = [link.send(flat, dst)]
         else:
             self.parts = {src: torch.empty_like(flat) for src in range(world) if src != rank}
-            self.works = [dist.irecv(part, src, group=group, tag=tag) for src, part in self.parts.items()]
+            self.sent = [link.recv(part, src) for src, part in self.parts.items()]
 
     def wait(self):
-        for work in self.works:
-            work.wait()
+        messages.wait(self.sent)
         if self.parts:
             self.parts[self.rank] = self.flat
             total = None
