@@ -12,8 +12,9 @@ per device), JAX one process with N virtual CPU devices (``distkeras.use_cpu_dev
 - PyTorch, per process: the storage of each variable's tensor (``variable._value.untyped_storage().nbytes()``;
   one storage counted once, however many views share it) for the model's weights and the optimizer's
   variables, read after the last step; gradients at their peak within a step: the ``.grad`` storages of the
-  trainable tensors (and the gradients handed to ``optimizer.apply``) summed at every post-accumulate-grad
-  hook and at the entry of ``optimizer.apply``. Also every tensor the garbage collector can see at the last
+  trainable tensors (and the gradients handed to ``optimizer.apply``) plus distkeras' own gradient buffers
+  (its overlapped buckets, the ones still being sent, an owner's receive buffers) summed at every
+  post-accumulate-grad hook and at the entry of ``optimizer.apply``. Also every tensor the garbage collector can see at the last
   ``optimizer.apply`` (bucket buffers, gathered weights: what the sharding keeps outside the variables).
 - JAX, per device: ``sum(s.data.nbytes for s in array.addressable_shards if s.device == d)`` over the
   weights' and the optimizer variables' arrays. JAX's gradients live inside the compiled step, so they are
@@ -116,7 +117,8 @@ class TorchGradientPeak:
 
     Samples the ``.grad`` storages of the trainable tensors at each post-accumulate-grad hook (as backward
     fills them) and, at the entry of ``optimizer.apply``, those plus the gradients handed to it (a sharded
-    step may hand over gradients that are no ``.grad``). ``optimizer.apply`` is wrapped on the instance at
+    step may hand over gradients that are no ``.grad``), each time plus distkeras' own gradient buffers
+    (:meth:`_buckets_bytes`). ``optimizer.apply`` is wrapped on the instance at
     the start of every batch (:meth:`callback`), outside whatever distkeras installed by then (it may install
     its hooks when ``fit()`` starts), so the wrapper sees what Keras' train step passes.
     """
@@ -163,7 +165,16 @@ class TorchGradientPeak:
 
     def _sample(self, extra):
         grads = [getattr(v, "grad", None) for v in _torch_values(self.model.trainable_variables)]
-        self.peak = max(self.peak, torch_storage_bytes(grads + [g for g in extra if hasattr(g, "untyped_storage")]))
+        held = torch_storage_bytes(grads + [g for g in extra if hasattr(g, "untyped_storage")])
+        self.peak = max(self.peak, held + self._buckets_bytes())
+
+    def _buckets_bytes(self):
+        """distkeras' own gradient buffers (its overlapped buckets, those still being sent, an owner's receive
+        buffers): read from the replica it keeps on the optimizer (a distkeras private, on purpose: its memory
+        counts as gradients as much as ``.grad`` does; DDP's buckets would count the same)."""
+        replica = self.model.optimizer.__dict__.get("_distkeras_replica") if self.model.optimizer else None
+        buckets = getattr(replica, "buckets", None)
+        return buckets.held_bytes() if buckets is not None else 0
 
 
 def _gc_tensor_bytes():
@@ -420,7 +431,8 @@ def _mib(value):
 def table(results):
     lines = ["`{}`".format(results["command"]), "",
              "Per rank (PyTorch: process; JAX: device), the largest over ranks, MiB; N=1 is unsharded (nothing to shard with), the baseline of the fractions. Gradients: PyTorch's peak "
-             "`.grad` storage within a step; JAX keeps them inside the compiled step (step temp = XLA's temporaries "
+             "`.grad` storage within a step plus distkeras' own gradient buffers (buckets, messages being sent, "
+             "an owner's receive buffers); JAX keeps them inside the compiled step (step temp = XLA's temporaries "
              "of the step per device, gradients and activations together), so JAX's total has no gradients. "
              "Peak process: VmHWM (JAX: the one process holding every device).", "",
              "| backend | workload | N | shard | weights | gradients | optimizer | total | total / N=1 | "

@@ -455,8 +455,8 @@ def _in_pieces(piece_bytes, window=2):
     messages._one_host[0] = False
     messages.cut = []  # pieces per message sent or received
 
-    def counted(self, kind, tensor, peer):
-        message = saved[3](self, kind, tensor, peer)
+    def counted(self, kind, tensor, peer, on_piece=None):
+        message = saved[3](self, kind, tensor, peer, on_piece)
         messages.cut.append(message.left)
         return message
 

@@ -96,7 +96,13 @@ class _Bucket(object):
         self.entries, self.length, self.dtype, self.device = entries, length, dtype, device
         self.owner = owner  # with shard: the rank the bucket is reduced to (None: all-reduced)
         self.buffer = self.work = None
-        self.pending = 0
+        self.pending = self.flags = 0
+
+    def filled(self):
+        """The buffer, made when the step first writes into it (a bucket holds no memory before its first gradient)."""
+        if self.buffer is None:
+            self.buffer = torch.empty(self.length + self.flags, dtype=self.dtype, device=self.device)
+        return self.buffer
 
 
 def _buffer_dtype(variable, compression):
@@ -210,9 +216,9 @@ class Buckets(object):
         # must reach every rank): the flags are all-reduced on their own then.
         last = self._buckets[-1] if self.sharding is None else None
         for bucket in self._buckets:
-            flags = 1 + len(self._variables) if bucket is last else 0
-            bucket.buffer = torch.empty(bucket.length + flags, dtype=bucket.dtype, device=bucket.device)
-            bucket.pending = len(bucket.entries) + bool(flags)
+            bucket.flags = 1 + len(self._variables) if bucket is last else 0
+            bucket.buffer = None  # made at its first gradient (Bucket.filled)
+            bucket.pending = len(bucket.entries) + bool(bucket.flags)
             bucket.work = None
         self.collecting = True
 
@@ -226,7 +232,7 @@ class Buckets(object):
         flat = grad.detach().reshape(-1)
         ready = False
         for bucket, offset, start, stop in self._where[index]:
-            piece = bucket.buffer[offset : offset + stop - start]
+            piece = bucket.filled()[offset : offset + stop - start]
             if self.weight:
                 torch.mul(flat[start:stop], self.weight, out=piece)
             else:  # a stand-in step: zeros (a product could carry its inf or nan to the other ranks)
@@ -245,6 +251,8 @@ class Buckets(object):
                 # Sent to the owner directly (shard.OwnerReduce: the bytes of a reduce-scatter, not gloo's reduce).
                 bucket.work = OwnerReduce(bucket.buffer, bucket.owner, self.replica.rank, self.replica.world,
                                           group=self.group)
+                if bucket.owner != self.replica.rank:
+                    bucket.buffer = None  # the message holds it until sent, then it is freed (ZeRO-2's memory)
             self.next += 1
 
     def _check(self, grads, variables):
@@ -270,12 +278,12 @@ class Buckets(object):
         for bucket in self._buckets[self.next :]:
             for index, offset, start, stop in bucket.entries:
                 if self.seen[index] is None:
-                    bucket.buffer[offset : offset + stop - start].zero_()
+                    bucket.filled()[offset : offset + stop - start].zero_()
             bucket.pending = 0
         flags = [float(reason is not None)] + [float(bool(count) and grad is not None) for grad in self.seen]
         if self.sharding is None:
             last = self._buckets[-1]
-            last.buffer[last.length :].copy_(torch.tensor(flags))
+            last.filled()[last.length :].copy_(torch.tensor(flags))
             self._launch_ready()
         else:
             self._launch_ready()
@@ -316,6 +324,20 @@ class Buckets(object):
             averaged.append(value.to(variable._value.dtype))
         self.end()
         return averaged
+
+    def held_bytes(self):
+        """Bytes of gradient buffers the buckets hold now: their buffers, those still being sent, and an owner's
+        buffers receiving the other ranks' shares (for the memory benchmark: distkeras' own gradient memory,
+        besides ``.grad``)."""
+        held = 0
+        for bucket in self._buckets:
+            if bucket.buffer is not None:
+                held += bucket.buffer.untyped_storage().nbytes()
+            if isinstance(bucket.work, OwnerReduce):
+                if bucket.work.sending and not all(message.done for message in bucket.work.sent):
+                    held += bucket.work.sending  # sent from a buffer the message still holds
+                held += bucket.work.held_bytes()
+        return held
 
     def end(self):
         """The train step is over (also when it failed): nothing is collected until the next one."""

@@ -21,9 +21,9 @@ queue.
   ``Work.is_completed()`` stays False until ``wait()``. One thread waiting for every stream's oldest piece
   in turn can deadlock with a peer doing the same across two full windows; a thread per stream can't.)
   :meth:`Message.wait` waits for a message; a piece that failed (a peer gone: gloo's timeout) raises there.
-- Messages go whole, at once, where every rank is on this host (:func:`configure`: no link to share, and a piece
-  costs a thread hand-off: over loopback pieces made the sharded MLP's step 1.4-1.5x unsharded's, whole ones
-  0.8-1.0x), and on other process group backends (NCCL).
+- Where every rank is on this host (:func:`configure`) the pieces are large, :data:`ONE_HOST_PIECE_BYTES`: no link to
+  share, and a piece costs a thread hand-off (over loopback 128 KiB pieces made the sharded MLP's step 1.4-1.5x
+  unsharded's, whole messages 0.8-1.0x). On other process group backends (NCCL) messages go whole, at once.
 """
 
 import collections
@@ -35,6 +35,9 @@ import torch.distributed as dist
 #: Bytes per piece, and pieces in flight per peer and direction (see the module docstring for the measurement).
 PIECE_BYTES = 128 << 10
 WINDOW = 4
+#: Bytes per piece where every rank is on this host: large (a hand-off per piece costs there), but bounded, so that
+#: a message received piece by piece (:meth:`Links.recv`'s ``on_piece``) never needs a buffer of its whole size.
+ONE_HOST_PIECE_BYTES = 4 << 20
 #: One tag for every piece (the order pairs them); distinct from the tags of anything else sent on the group.
 TAG = 0x6B64
 
@@ -74,6 +77,18 @@ class Message(object):
             raise self.error
 
 
+class _Fresh(object):
+    """A piece received into a buffer made when it is posted, handed to ``on_piece(start, buffer)`` once here."""
+
+    def __init__(self, like, start, stop, on_piece):
+        self.like, self.start, self.stop, self.on_piece, self.buffer = like, start, stop, on_piece, None
+
+    def make(self):
+        import torch
+
+        return torch.empty(self.stop - self.start, dtype=self.like.dtype, device=self.like.device)
+
+
 class _Stream(object):
     """One peer and direction: a queue of pieces and the thread that moves them (see the module docstring)."""
 
@@ -91,19 +106,26 @@ class _Stream(object):
                     while len(flying) < WINDOW:
                         piece, message = self.todo.get(block=not flying)
                         try:
-                            flying.append((self.post(piece), message))
+                            if isinstance(piece, _Fresh):  # received into a buffer of its own, made now
+                                piece.buffer = piece.make()
+                                flying.append((self.post(piece.buffer), message, piece))
+                            else:
+                                flying.append((self.post(piece), message, None))
                         except Exception as error:  # noqa: BLE001 (handed to the waiting thread)
                             message._piece_done(error)
                 except queues.Empty:
                     pass
             if flying:
-                work, message = flying.popleft()
+                work, message, fresh = flying.popleft()
                 try:
                     work.wait()
+                    if fresh is not None:
+                        fresh.on_piece(fresh.start, fresh.buffer)
                 except Exception as error:  # noqa: BLE001
                     message._piece_done(error)
                 else:
                     message._piece_done()
+                del work, fresh
 
 
 class Links(object):
@@ -126,11 +148,17 @@ class Links(object):
                     self.streams[key] = _Stream(lambda t: dist.irecv(t, peer, group=group, tag=TAG))
             return self.streams[key]
 
-    def _message(self, kind, tensor, peer):
+    def _message(self, kind, tensor, peer, on_piece=None):
         flat = tensor.view(-1)
-        whole = self.whole or _one_host[0]
-        size = flat.numel() if whole else max(1, PIECE_BYTES // flat.element_size())
-        pieces = [flat[start : start + size] for start in range(0, flat.numel(), size)]
+        if self.whole:
+            size = flat.numel()
+        else:
+            size = max(1, (ONE_HOST_PIECE_BYTES if _one_host[0] else PIECE_BYTES) // flat.element_size())
+        starts = range(0, flat.numel(), size)
+        if on_piece is None:
+            pieces = [flat[start : start + size] for start in starts]
+        else:
+            pieces = [_Fresh(flat, start, min(start + size, flat.numel()), on_piece) for start in starts]
         message = Message(len(pieces))
         if pieces:
             stream = self._stream(kind, peer)
@@ -142,9 +170,13 @@ class Links(object):
         """Send contiguous ``tensor`` to rank ``peer``; returns its :class:`Message` (``tensor`` must not change until it is done)."""
         return self._message("send", tensor, peer)
 
-    def recv(self, tensor, peer):
-        """Receive into contiguous ``tensor`` from rank ``peer``; returns its :class:`Message`."""
-        return self._message("recv", tensor, peer)
+    def recv(self, tensor, peer, on_piece=None):
+        """Receive into contiguous ``tensor`` from rank ``peer``; returns its :class:`Message`.
+
+        With ``on_piece``, ``tensor`` only gives the size, dtype and device: each piece arrives in a buffer of its
+        own, handed to ``on_piece(start, buffer)`` (``start``: its offset in the message) on the stream's thread
+        before the message counts it done; the message never needs a buffer of its whole size."""
+        return self._message("recv", tensor, peer, on_piece)
 
 
 def links(group=None):

@@ -72,6 +72,7 @@
 import contextlib
 import functools
 import math
+import threading
 
 import torch
 import torch.distributed as dist
@@ -1000,7 +1001,9 @@ def reduce_to_owners(grads, variables, count, sharding, compression=None, drop=T
                 torch.mul(grads[index].detach().reshape(-1)[start:stop], weight, out=piece)
             offset += stop - start
         wire = flat if compression is None else flat.to(WIRE[compression])
-        pending.append((dst, entries, flat, wire, OwnerReduce(wire, dst, rank, world)))
+        work = OwnerReduce(wire, dst, rank, world)
+        pending.append((dst, entries, flat, wire, work) if dst == rank else (dst, None, None, None, work))
+        del flat, wire  # another owner's: the message holds it until it is sent
     for dst, entries, flat, wire, work in pending:
         work.wait()
         if dst != rank:
@@ -1024,32 +1027,53 @@ def reduce_to_owners(grads, variables, count, sharding, compression=None, drop=T
 
 class OwnerReduce(object):
     """A sum of ``flat`` over the ranks onto ``dst`` only, as point-to-point messages: every other rank sends
-    its buffer to the owner, which sums them in rank order when waited for (``wait()``).
+    its buffer to the owner, which sums them piece by piece as they arrive (``wait()`` waits for all of it).
 
     Why not ``dist.reduce``: gloo's reduce is a ring reduce-scatter followed by a gather to the root, so with
     every owner reducing at once each rank sends 1.5x its share of the gradients at N=2 (and more than
     (N-1)/N of them at any N). Sent directly, each rank sends exactly the gradients it doesn't own and
     receives (N-1) copies of the ones it owns: the bytes of a ring reduce-scatter, both ways at once.
+
+    The owner never holds those copies whole: each arrives in pieces (:meth:`messages.Links.recv`'s
+    ``on_piece``), and once every rank's piece at an offset is in, they are summed in rank order into ``flat``
+    (the same sum however they arrived) and dropped: (N-1) copies of a few pieces, not of the buffer.
     """
 
     def __init__(self, flat, dst, rank, world, group=None):
-        self.flat, self.rank, self.parts = flat, rank, {}
+        self.flat, self.rank, self.world, self.sending = flat, rank, world, 0
+        self.arrived, self.lock = {}, threading.Lock()  # piece offset -> {src: buffer}, until all are in
         link = messages.links(group)
         if dst != rank:
             self.sent = [link.send(flat, dst)]
+            self.flat = None  # the message holds it until it is sent
+            self.sending = flat.untyped_storage().nbytes()  # (for Buckets.held_bytes)
         else:
-            self.parts = {src: torch.empty_like(flat) for src in range(world) if src != rank}
-            self.sent = [link.recv(part, src) for src, part in self.parts.items()]
+            self.sent = [link.recv(flat, src, on_piece=functools.partial(self._arrived, src))
+                         for src in range(world) if src != rank]
+
+    def _arrived(self, src, start, buffer):
+        with self.lock:
+            pieces = self.arrived.setdefault(start, {})
+            pieces[src] = buffer
+            if len(pieces) < self.world - 1:
+                return
+            del self.arrived[start]
+        mine = self.flat[start : start + buffer.numel()]
+        pieces[self.rank] = mine
+        order = sorted(pieces)  # rank order, as one all-reduce of the whole buffers would add them
+        total = pieces[order[0]]  # summed in place (a received piece, or this rank's own slice)
+        for other in order[1:]:
+            total.add_(pieces[other])
+        if total is not mine:
+            mine.copy_(total)
+
+    def held_bytes(self):
+        """Bytes of received pieces waiting for the other ranks' pieces at their offset."""
+        with self.lock:
+            return sum(b.untyped_storage().nbytes() for pieces in self.arrived.values() for b in pieces.values())
 
     def wait(self):
         messages.wait(self.sent)
-        if self.parts:
-            self.parts[self.rank] = self.flat
-            total = None
-            for src in sorted(self.parts):  # rank order: the same sum however the messages arrived
-                total = self.parts[src].clone() if total is None else total.add_(self.parts[src])
-            self.flat.copy_(total)
-            self.parts = {}
 
 
 def _swap(variable, target):
