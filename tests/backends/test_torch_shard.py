@@ -55,6 +55,9 @@ CASES = [
     ("uneven", "all", {"overlap": False}),
     ("custom_layer_losses", "all", {}),  # weight regularizers: computed outside the layers' call
     ("shared_layer", "all", {}),
+    # A bucket per variable part: the other owners' parts are sent from the gradient itself (scaled in place).
+    ("clipnorm", "gradients", {"bucket_mb": 1e-6}),
+    ("adamw_schedule", "all", {"bucket_mb": 1e-6}),
 ]
 
 
@@ -95,8 +98,8 @@ def single_device(name):
     return _single[name]
 
 
-@pytest.mark.parametrize("name, shard, options", CASES, ids=["{}-{}{}".format(n, s, "-nooverlap" if o else "")
-                                                             for n, s, o in CASES])
+@pytest.mark.parametrize("name, shard, options", CASES, ids=["{}-{}{}".format(n, s, "".join(
+    "-nooverlap" if k == "overlap" else "-{}={}".format(k, v) for k, v in o.items())) for n, s, o in CASES])
 def test_sharded_training_equals_one_device(name, shard, options):
     _, atol = patterns.PATTERNS[name]
     expected = single_device(name)

@@ -232,6 +232,15 @@ class Buckets(object):
         flat = grad.detach().reshape(-1)
         ready = False
         for bucket, offset, start, stop in self._where[index]:
+            if self._in_place(bucket, index, flat):
+                # A bucket that is one part of a gradient this rank drops once sent (a split variable's part,
+                # or a large variable of another owner): scaled in place and sent from the gradient's own
+                # storage, no copy (the step never holds a gradient twice; the message frees it once sent).
+                bucket.buffer = flat[start:stop]
+                bucket.buffer.mul_(self.weight) if self.weight else bucket.buffer.zero_()
+                bucket.pending -= 1
+                ready = ready or not bucket.pending
+                continue
             piece = bucket.filled()[offset : offset + stop - start]
             if self.weight:
                 torch.mul(flat[start:stop], self.weight, out=piece)
@@ -241,6 +250,11 @@ class Buckets(object):
             ready = ready or not bucket.pending
         if ready:
             self._launch_ready()
+
+    def _in_place(self, bucket, index, flat):
+        return (self.drop and self.reason is None and self.sharding is not None and bucket.owner != self.replica.rank
+                and not self._owned[index] and len(bucket.entries) == 1 and not bucket.flags
+                and flat.dtype == bucket.dtype and flat.device == bucket.device)
 
     def _launch_ready(self):
         while self.next < len(self._buckets) and not self._buckets[self.next].pending:
@@ -329,15 +343,16 @@ class Buckets(object):
         """Bytes of gradient buffers the buckets hold now: their buffers, those still being sent, and an owner's
         buffers receiving the other ranks' shares (for the memory benchmark: distkeras' own gradient memory,
         besides ``.grad``)."""
-        held = 0
+        storages, held = {}, 0  # data_ptr -> bytes: a storage counted once (parts of one gradient share one)
         for bucket in self._buckets:
             if bucket.buffer is not None:
-                held += bucket.buffer.untyped_storage().nbytes()
+                storage = bucket.buffer.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
             if isinstance(bucket.work, OwnerReduce):
                 if bucket.work.sending and not all(message.done for message in bucket.work.sent):
-                    held += bucket.work.sending  # sent from a buffer the message still holds
+                    storages.setdefault(*bucket.work.sending)  # sent from a storage the message still holds
                 held += bucket.work.held_bytes()
-        return held
+        return held + sum(storages.values())
 
     def end(self):
         """The train step is over (also when it failed): nothing is collected until the next one."""

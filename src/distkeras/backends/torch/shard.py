@@ -1040,13 +1040,14 @@ class OwnerReduce(object):
     """
 
     def __init__(self, flat, dst, rank, world, group=None):
-        self.flat, self.rank, self.world, self.sending = flat, rank, world, 0
+        self.flat, self.rank, self.world, self.sending = flat, rank, world, None
         self.arrived, self.lock = {}, threading.Lock()  # piece offset -> {src: buffer}, until all are in
         link = messages.links(group)
         if dst != rank:
             self.sent = [link.send(flat, dst)]
             self.flat = None  # the message holds it until it is sent
-            self.sending = flat.untyped_storage().nbytes()  # (for Buckets.held_bytes)
+            storage = flat.untyped_storage()
+            self.sending = (storage.data_ptr(), storage.nbytes())  # (for Buckets.held_bytes; no reference kept)
         else:
             self.sent = [link.recv(flat, src, on_piece=functools.partial(self._arrived, src))
                          for src in range(world) if src != rank]
