@@ -55,6 +55,8 @@ MIB = 1 << 20
 #: DDP's default first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``); the adapter's DEFAULT_BUCKET_MB is
 #: its ``bucket_cap_mb`` default.
 FIRST_BUCKET_BYTES = 1 << 20
+#: With shard: at most this many buckets' bytes of gradients on their way to other owners (Buckets._hold_back).
+SENDING_BUCKETS = 2
 
 #: (the default group, the timeout, the buckets' group made for them): once per process, not per distribute().
 _group = [None, None, None]
@@ -181,8 +183,9 @@ class Buckets(object):
         def on_grad(parameter):
             if self.collecting and self.replica.count is not None:
                 self._accumulated(index, parameter.grad)
-                if self.drop and not self._owned[index] and self.reason is None:
-                    parameter.grad = None  # in its bucket now, on its way to its owner: not kept here (ZeRO-2)
+                if self.drop and self.sharding is not None and self.reason is None:
+                    # In its bucket now (on its way to its owner, or this rank's, summed there): not kept twice.
+                    parameter.grad = None
                     self.freed = True
 
         return on_grad
@@ -212,6 +215,7 @@ class Buckets(object):
         self.reason = None
         self.freed = False
         self.next = 0
+        self.sending = []  # this step's messages to other owners, oldest first (the limit on bytes in flight)
         # With the flags after its gradients, held back until apply(); reduced buckets carry none (a flag
         # must reach every rank): the flags are all-reduced on their own then.
         last = self._buckets[-1] if self.sharding is None else None
@@ -267,7 +271,18 @@ class Buckets(object):
                                           group=self.group)
                 if bucket.owner != self.replica.rank:
                     bucket.buffer = None  # the message holds it until sent, then it is freed (ZeRO-2's memory)
+                    self.sending.append((bucket.work, bucket.length * bucket.dtype.itemsize))
+                    self._hold_back()
             self.next += 1
+
+    def _hold_back(self):
+        """With shard: while the gradients on their way to other owners exceed :data:`SENDING_BUCKETS` buckets'
+        bytes, wait for the oldest (inside the backward pass, which waits with it: DeepSpeed's bound on its
+        reduce buckets), so the step never holds more of the others' gradients than that."""
+        self.sending = [(work, size) for work, size in self.sending if not all(m.done for m in work.sent)]
+        while self.sending and sum(size for _, size in self.sending) > SENDING_BUCKETS * self.bucket_bytes:
+            work, _ = self.sending.pop(0)
+            work.wait()
 
     def _check(self, grads, variables):
         """Why these are not the gradients the hooks sent (None when they are)."""
@@ -275,8 +290,8 @@ class Buckets(object):
             slot = self._slot.get(id(variable))
             # Tensor._version (a torch private, pinned by the tests) counts in-place changes of a tensor.
             other = slot is None or grad is not self.seen[slot]
-            if slot is not None and grad is None and not self._owned[slot] and self.seen[slot] is not None:
-                continue  # sent to its owner and dropped by the hook (shard="gradients")
+            if slot is not None and grad is None and self.drop and self.sharding is not None and self.seen[slot] is not None:
+                continue  # in its bucket, and dropped by the hook (shard="gradients", "all")
             if other or (grad is not None and grad._version != self.versions[slot]):
                 return "optimizer.apply() received other gradients than the .grad tensors of the backward pass"
         return None
