@@ -91,10 +91,10 @@ def vm_rss_bytes():
     return _status_bytes("VmRSS")
 
 
-def torch_storage_bytes(tensors):
-    """Bytes of the distinct storages behind ``tensors`` (None entries skipped): a storage that several views
-    share (a flat buffer the variables are views into) is counted once."""
-    seen = {}
+def torch_storage_bytes(tensors, also=None):
+    """Bytes of the distinct storages behind ``tensors`` (None entries skipped) and in ``also`` (``{data_ptr:
+    bytes}``): a storage that several views share (a flat buffer the variables are views into) is counted once."""
+    seen = dict(also or {})
     for tensor in tensors:
         if tensor is None:
             continue
@@ -118,7 +118,7 @@ class TorchGradientPeak:
     Samples the ``.grad`` storages of the trainable tensors at each post-accumulate-grad hook (as backward
     fills them) and, at the entry of ``optimizer.apply``, those plus the gradients handed to it (a sharded
     step may hand over gradients that are no ``.grad``), each time plus distkeras' own gradient buffers
-    (:meth:`_buckets_bytes`). ``optimizer.apply`` is wrapped on the instance at
+    (:meth:`_buckets`; a storage counted once). ``optimizer.apply`` is wrapped on the instance at
     the start of every batch (:meth:`callback`), outside whatever distkeras installed by then (it may install
     its hooks when ``fit()`` starts), so the wrapper sees what Keras' train step passes.
     """
@@ -165,16 +165,16 @@ class TorchGradientPeak:
 
     def _sample(self, extra):
         grads = [getattr(v, "grad", None) for v in _torch_values(self.model.trainable_variables)]
-        held = torch_storage_bytes(grads + [g for g in extra if hasattr(g, "untyped_storage")])
-        self.peak = max(self.peak, held + self._buckets_bytes())
+        held = torch_storage_bytes(grads + [g for g in extra if hasattr(g, "untyped_storage")], self._buckets())
+        self.peak = max(self.peak, held)
 
-    def _buckets_bytes(self):
+    def _buckets(self):
         """distkeras' own gradient buffers (its overlapped buckets, those still being sent, an owner's receive
         buffers): read from the replica it keeps on the optimizer (a distkeras private, on purpose: its memory
         counts as gradients as much as ``.grad`` does; DDP's buckets would count the same)."""
         replica = self.model.optimizer.__dict__.get("_distkeras_replica") if self.model.optimizer else None
         buckets = getattr(replica, "buckets", None)
-        return buckets.held_bytes() if buckets is not None else 0
+        return buckets.held_storages() if buckets is not None else {}
 
 
 def _gc_tensor_bytes():

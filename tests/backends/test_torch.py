@@ -903,6 +903,7 @@ def test_bucket_assignment_follows_ddp():
 
     f32 = ("float32", "cpu")
     assert assign([4, 4, 4], [f32] * 3, 25 * MIB) == [[2, 1, 0]]
+    assert assign([4, 16, 4], [f32] * 3, 8, alone=True) == [[2], [1], [0]]  # sharded: a large one alone
     assert assign([4, 8, 4, 4], [f32] * 4, 8) == [[3, 2], [1], [0]]
     assert assign([MIB, MIB // 2, MIB // 2, 4], [f32] * 4, 25 * MIB) == [[3, 2, 1], [0]]  # the first: 1 MiB
     assert FIRST_BUCKET_BYTES == 1 << 20

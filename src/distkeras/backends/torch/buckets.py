@@ -71,16 +71,23 @@ def bucket_group(timeout):
     return _group[2]
 
 
-def assign(sizes, keys, bucket_bytes, first_bytes=FIRST_BUCKET_BYTES):
+def assign(sizes, keys, bucket_bytes, first_bytes=FIRST_BUCKET_BYTES, alone=False):
     """Variables ``0..n-1`` (``sizes`` in bytes, ``keys`` their buffer dtype and device) in buckets.
 
     Reverse order; a bucket of one key closes once it holds ``bucket_bytes`` (the first bucket of a key
     ``min(first_bytes, bucket_bytes)``), as ``torch.distributed._compute_bucket_assignment_by_size`` does.
+    With ``alone`` (sharded) a variable of ``bucket_bytes`` or more gets a bucket of its own: its buffer isn't
+    made at an earlier small variable's gradient, and another owner's can be sent from the gradient itself.
     Returns lists of variable indices, ordered by the first variable each holds in reverse order.
     """
     done, open_buckets = [], {}
     for index in reversed(range(len(sizes))):
         key = keys[index]
+        if alone and sizes[index] >= bucket_bytes:
+            if key in open_buckets:  # closed first: a bucket never waits for one made after it
+                done.append((key, open_buckets.pop(key)["indices"]))
+            done.append((key, [index]))
+            continue
         bucket = open_buckets.setdefault(key, {"indices": [], "bytes": 0, "first": not any(key == k for k, _ in done)})
         bucket["indices"].append(index)
         bucket["bytes"] += sizes[index]
@@ -161,7 +168,7 @@ class Buckets(object):
         # Wholly this rank's (or every rank's, unsharded): its gradient is kept here, and arrives whole.
         self._owned = [owner.get(id(v), rank) == rank for v in variables]
         self._buckets, self._where = [], [[] for _ in variables]
-        for unit_indices in assign(sizes, keys, self.bucket_bytes):
+        for unit_indices in assign(sizes, keys, self.bucket_bytes, alone=sharding is not None):
             entries, length = [], 0
             for unit in unit_indices:
                 index, start, stop = units[unit]
@@ -354,11 +361,11 @@ class Buckets(object):
         self.end()
         return averaged
 
-    def held_bytes(self):
-        """Bytes of gradient buffers the buckets hold now: their buffers, those still being sent, and an owner's
-        buffers receiving the other ranks' shares (for the memory benchmark: distkeras' own gradient memory,
-        besides ``.grad``)."""
-        storages, held = {}, 0  # data_ptr -> bytes: a storage counted once (parts of one gradient share one)
+    def held_storages(self):
+        """The gradient storages the buckets hold now, ``{data_ptr: bytes}`` (a storage once): their buffers, those
+        still being sent, and an owner's received pieces waiting for the others' (for the memory benchmark:
+        distkeras' own gradient memory, besides ``.grad``)."""
+        storages = {}
         for bucket in self._buckets:
             if bucket.buffer is not None:
                 storage = bucket.buffer.untyped_storage()
@@ -366,8 +373,8 @@ class Buckets(object):
             if isinstance(bucket.work, OwnerReduce):
                 if bucket.work.sending and not all(message.done for message in bucket.work.sent):
                     storages.setdefault(*bucket.work.sending)  # sent from a storage the message still holds
-                held += bucket.work.held_bytes()
-        return held + sum(storages.values())
+                storages.update(bucket.work.held_storages())
+        return storages
 
     def end(self):
         """The train step is over (also when it failed): nothing is collected until the next one."""

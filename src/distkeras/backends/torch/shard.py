@@ -1047,7 +1047,7 @@ class OwnerReduce(object):
             self.sent = [link.send(flat, dst)]
             self.flat = None  # the message holds it until it is sent
             storage = flat.untyped_storage()
-            self.sending = (storage.data_ptr(), storage.nbytes())  # (for Buckets.held_bytes; no reference kept)
+            self.sending = (storage.data_ptr(), storage.nbytes())  # (for Buckets.held_storages; no reference kept)
         else:
             self.sent = [link.recv(flat, src, on_piece=functools.partial(self._arrived, src))
                          for src in range(world) if src != rank]
@@ -1068,10 +1068,11 @@ class OwnerReduce(object):
         if total is not mine:
             mine.copy_(total)
 
-    def held_bytes(self):
-        """Bytes of received pieces waiting for the other ranks' pieces at their offset."""
+    def held_storages(self):
+        """Received pieces waiting for the other ranks' pieces at their offset, ``{data_ptr: bytes}``."""
         with self.lock:
-            return sum(b.untyped_storage().nbytes() for pieces in self.arrived.values() for b in pieces.values())
+            buffers = [b.untyped_storage() for pieces in self.arrived.values() for b in pieces.values()]
+        return {storage.data_ptr(): storage.nbytes() for storage in buffers}
 
     def wait(self):
         messages.wait(self.sent)
