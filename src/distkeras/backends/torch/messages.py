@@ -47,7 +47,7 @@ _one_host = [False]
 
 
 def configure(one_host):
-    """Tell the messages whether every rank runs on this host (then they go whole)."""
+    """Tell the messages whether every rank runs on this host (then their pieces are ONE_HOST_PIECE_BYTES)."""
     _one_host[0] = bool(one_host)
 
 
