@@ -448,8 +448,9 @@ def test_which_optimizers_may_split_a_variable():
 
 @contextlib.contextmanager
 def _in_pieces(piece_bytes, window=2):
-    """Across hosts the sharded messages travel in pieces (messages.py); here, where every rank shares this host
-    and they go whole, force pieces of ``piece_bytes`` with ``window`` in flight."""
+    """Across hosts the sharded messages travel in small pieces (messages.py); here, where every rank shares this
+    host and they go in pieces of ONE_HOST_PIECE_BYTES (larger than these tests' messages), force pieces of
+    ``piece_bytes`` with ``window`` in flight, the cross-host path."""
     from distkeras.backends.torch import messages
 
     saved = messages.PIECE_BYTES, messages.WINDOW, messages.configure, messages.Links._message
