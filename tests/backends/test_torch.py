@@ -903,7 +903,15 @@ def test_bucket_assignment_follows_ddp():
 
     f32 = ("float32", "cpu")
     assert assign([4, 4, 4], [f32] * 3, 25 * MIB) == [[2, 1, 0]]
-    assert assign([4, 16, 4], [f32] * 3, 8, alone=True) == [[2], [1], [0]]  # sharded: a large one alone
+    assert assign([4, 16, 4], [f32] * 3, 8, contiguous=True) == [[2], [1], [0]]  # sharded: a large one alone
+    # Sharded (the key holds the owner): one open bucket at a time, closed where the owner changes, so owner 1's
+    # bucket never holds its gradients across the model while owner 0's wait behind it.
+    a, b = ("float32", "cpu", 0), ("float32", "cpu", 1)
+    assert assign([4] * 5, [a, b, b, a, a], 64, contiguous=True) == [[4, 3], [2, 1], [0]]
+    assert assign([4] * 5, [a, b, b, a, a], 64) == [[4, 3, 0], [2, 1]]  # unsharded keys: per key, as DDP
+    # In the order the gradients came (DDP's rebuilt buckets): ordered by where their first unit comes.
+    assert assign([4] * 4, [a, b, a, b], 64, contiguous=True, order=[1, 3, 0, 2]) == [[1, 3], [0, 2]]
+    assert assign([4] * 4, [f32] * 4, 8, order=[0, 2, 1, 3]) == [[0, 2], [1, 3]]
     assert assign([4, 8, 4, 4], [f32] * 4, 8) == [[3, 2], [1], [0]]
     assert assign([MIB, MIB // 2, MIB // 2, 4], [f32] * 4, 25 * MIB) == [[3, 2, 1], [0]]  # the first: 1 MiB
     assert FIRST_BUCKET_BYTES == 1 << 20

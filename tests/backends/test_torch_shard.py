@@ -79,9 +79,33 @@ def shared_layer(keras_module):
     return model, [x, x[:, ::-1].copy()], y, {}
 
 
+def made_out_of_order(keras_module):
+    """A subclassed model whose last layer (in the forward pass) is tracked first: its variables come first in the
+    model's, so the gradients don't come in their reverse order; one variable per bucket makes every rank's
+    launch order follow them."""
+
+    class OutOfOrder(keras_module.Model):
+        def __init__(self):
+            super().__init__()
+            self.head = keras_module.layers.Dense(3, name="head")
+            self.early = keras_module.layers.Dense(5, activation="tanh", name="early")
+            self.middle = keras_module.layers.Dense(7, activation="tanh", name="middle")
+
+        def call(self, inputs):
+            return self.head(self.middle(self.early(inputs)))
+
+    keras_module.utils.set_random_seed(0)
+    model = OutOfOrder()
+    model(np.zeros((1, 6), "float32"))
+    model.compile(optimizer=keras_module.optimizers.Adam(0.01), loss="mse")
+    x, y = patterns._data()
+    return model, x, y, {}
+
+
 def _add_patterns():
     patterns.PATTERNS.setdefault("uneven", (uneven, 1e-5))
     patterns.PATTERNS.setdefault("shared_layer", (shared_layer, 1e-5))
+    patterns.PATTERNS.setdefault("made_out_of_order", (made_out_of_order, 1e-5))
 
 
 _add_patterns()
@@ -524,3 +548,112 @@ def test_sharded_training_in_pieces_equals_one_device(shard):
     got = replicated(DEVICES, run_pattern_in_pieces, "clipnorm", DEVICES, shard=shard)
     assert got["pieces"] > 1  # some message was cut
     assert_same_training(expected, got, atol)
+
+
+def _bucket_order(model):
+    buckets = model.optimizer.__dict__["_distkeras_replica"].buckets  # distkeras' own state, read by its test
+    paths = [v.path for v in buckets._variables]
+    return {"expected": [paths[i] for i in buckets._order], "rebuilt": buckets._rebuilt is not None,
+            "first_units": [paths[b.entries[0][0]] for b in buckets._buckets]}
+
+
+@pytest.mark.parametrize("shard", ["gradients", "all"])
+def test_buckets_follow_the_order_the_gradients_came_in(shard):
+    """After the first step the sharded buckets are made again in the order that step's gradients came (rank 0's,
+    on every rank: DDP's rebuild), here not the reverse of the variables' order; the training is unchanged."""
+    _, atol = patterns.PATTERNS["made_out_of_order"]
+    expected = single_device("made_out_of_order")
+    got = replicated(DEVICES, run_pattern, "made_out_of_order", DEVICES, shard=shard, bucket_mb=1e-6,
+                     inspect=_bucket_order)
+    assert_same_training(expected, got, atol)
+    order = got["inspected"]
+    assert order["rebuilt"]
+    # The head's gradients come first and the first-made layer's last, unlike the model's variable order.
+    first = [min(i for i, path in enumerate(order["expected"]) if name in path.split("/")) for name in ("head", "middle",
+                                                                                                    "early")]
+    assert first == sorted(first), order
+    assert order["expected"] != list(reversed(got["paths"][: len(order["expected"])])), order
+    firsts = [order["expected"].index(path) for path in order["first_units"]]
+    assert firsts == sorted(firsts), order  # the buckets launch in that order
+
+
+def _tiled_model(keras_module, variant):
+    """The dominant kernel (16x96, split in 3 parts of partial rows) in a plain, shared or mixed-precision model."""
+    keras_module.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 16)).astype("float32"), rng.normal(size=(24, 4)).astype("float32")
+    if variant == "mixed":
+        keras_module.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        big = keras_module.layers.Dense(96, activation="tanh", name="big")
+        if variant == "shared":  # the big layer called twice per step: its gradient is the sum of both uses
+            first, second = keras_module.Input((16,)), keras_module.Input((16,))
+            joined = keras_module.layers.Add()([big(first), big(second)])
+            model = keras_module.Model([first, second], keras_module.layers.Dense(4, name="head")(joined))
+            x = [x, x[:, ::-1].copy()]
+        else:
+            inputs = keras_module.Input((16,))
+            model = keras_module.Model(inputs, keras_module.layers.Dense(4, name="head", dtype="float32")(big(inputs)))
+    finally:
+        keras_module.mixed_precision.set_dtype_policy("float32")
+    model.compile(optimizer=keras_module.optimizers.Adam(0.01), loss="mse")
+    return model, x, y
+
+
+def train_tiled(shard, variant, options=None):
+    """Train :func:`_tiled_model`; what torch saw of the big kernel: how often autograd accumulated a whole gradient
+    into its ``.grad`` (seen by its post-accumulate-grad hook), and its storage's largest size at any gradient hook
+    of the step."""
+    import keras as keras_module
+
+    import distkeras
+
+    model, x, y = _tiled_model(keras_module, variant)
+    initial = model.get_weights()
+    if shard != "single":
+        distkeras.distribute(model, devices=DEVICES, shard=shard, **(options or {}))
+    kernel = model.get_layer("big")._kernel._value  # Keras' torch variable's Parameter (a Keras private)
+    seen = {"whole_gradients": 0, "kernel_storage": 0}
+
+    def whole(parameter):
+        # (torch calls the hook also when the backward pass gave the kernel no gradient: .grad is None then)
+        seen["whole_gradients"] += parameter.grad is not None
+
+    def sample(_):
+        seen["kernel_storage"] = max(seen["kernel_storage"], kernel.untyped_storage().nbytes())
+
+    kernel.register_post_accumulate_grad_hook(whole)
+    for variable in model.trainable_variables:
+        if variable._value is not kernel:
+            variable._value.register_post_accumulate_grad_hook(sample)
+    model.fit(x, y, batch_size=12, epochs=3, shuffle=False, verbose=0)
+    tiled, every = [], [seen]
+    if shard != "single":
+        import torch.distributed as dist
+
+        sharding = model.__dict__["_distkeras_sharding"]  # distkeras' own state: which layers it tiles
+        tiled = sorted(s.layer.name for s in sharding._layers.values() if s.tiled is not None)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, seen)
+    return {"initial": initial, "weights": model.get_weights(), "tiled": tiled, "ranks": every}
+
+
+@pytest.mark.parametrize("variant, options", [("plain", {}), ("shared", {}), ("mixed", {}), ("plain", {"overlap": False})])
+def test_a_dominant_dense_kernel_is_computed_part_by_part(variant, options):
+    """shard="all" never holds a split Dense kernel whole: the forward and backward passes fetch one owner's part
+    at a time, and each part's gradient goes to its owner as it is computed (autograd never accumulates the
+    whole gradient: the kernel's hook never fires; its storage stays empty). The training is one device's,
+    also for a layer used twice per step (its parts summed), in mixed precision, and without overlap (then
+    the parts are added into ``.grad``, as autograd would)."""
+    expected = train_tiled("single", variant)
+    assert expected["ranks"][0]["whole_gradients"] == 3 * 2  # one device: a whole gradient per step, as torch makes it
+    got = replicated(DEVICES, train_tiled, "all", variant, options)
+    assert "big" in got["tiled"]  # (and the head's kernel, split too)
+    for a, b in zip(expected["initial"], got["initial"]):
+        np.testing.assert_array_equal(a, b)
+    tolerance = 2e-3 if variant == "mixed" else 2e-5
+    for g, e in zip(got["weights"], expected["weights"]):
+        np.testing.assert_allclose(g, e, rtol=tolerance, atol=tolerance)
+    assert len(got["ranks"]) == DEVICES
+    if not options:
+        assert all(r["whole_gradients"] == 0 and r["kernel_storage"] == 0 for r in got["ranks"]), got["ranks"]

@@ -13,6 +13,10 @@ averages on: a step takes about max(compute, communication) once the model is la
   at most, so communication starts early), as DDP's ``bucket_cap_mb`` and its 1 MiB first bucket. A
   variable without a gradient in a step (a layer the step doesn't call) holds its bucket, and the ones
   after it, until ``apply``: correct, less overlapped (DDP's ``find_unused_parameters`` would learn it).
+  With ``shard`` a bucket holds one owner's gradients, and only one bucket is open at a time (owners alternate
+  along the model; a bucket gathering one owner's gradients across the model held the others' full buckets
+  back behind it). After a layout's first step the buckets are made again in the order that step's
+  gradients came in (rank 0's, on every rank), as DDP rebuilds its buckets after its first iteration.
 - **One order on every rank.** Collectives pair up by the order each rank issues them, so bucket k is
   launched only once buckets 0..k-1 are: a full bucket waits for the ones before it, as in DDP's
   Reducer. The buckets travel on a process group of their own (:func:`bucket_group`), so they never pair
@@ -58,6 +62,8 @@ FIRST_BUCKET_BYTES = 1 << 20
 #: With shard: at most this many buckets' bytes of gradients on their way to other owners (Buckets._hold_back).
 SENDING_BUCKETS = 2
 
+#: What ``seen`` holds for a tiled kernel once every part of its gradient came (it never has a whole ``.grad``).
+TILED = "tiled"
 #: (the default group, the timeout, the buckets' group made for them): once per process, not per distribute().
 _group = [None, None, None]
 
@@ -71,23 +77,32 @@ def bucket_group(timeout):
     return _group[2]
 
 
-def assign(sizes, keys, bucket_bytes, first_bytes=FIRST_BUCKET_BYTES, alone=False):
-    """Variables ``0..n-1`` (``sizes`` in bytes, ``keys`` their buffer dtype and device) in buckets.
+def assign(sizes, keys, bucket_bytes, first_bytes=FIRST_BUCKET_BYTES, contiguous=False, order=None):
+    """Units ``0..n-1`` (``sizes`` in bytes, ``keys`` their buffer dtype, device and owner) in buckets.
 
-    Reverse order; a bucket of one key closes once it holds ``bucket_bytes`` (the first bucket of a key
-    ``min(first_bytes, bucket_bytes)``), as ``torch.distributed._compute_bucket_assignment_by_size`` does.
-    With ``alone`` (sharded) a variable of ``bucket_bytes`` or more gets a bucket of its own: its buffer isn't
-    made at an earlier small variable's gradient, and another owner's can be sent from the gradient itself.
-    Returns lists of variable indices, ordered by the first variable each holds in reverse order.
+    The units are taken in ``order`` (the order their gradients are expected in; None: reverse order, the
+    backward pass' order roughly); a bucket of one key closes once it holds ``bucket_bytes`` (the first bucket
+    of a key ``min(first_bytes, bucket_bytes)``), as ``torch.distributed._compute_bucket_assignment_by_size``
+    does. With ``contiguous`` (sharded: the key holds the owner, and owners alternate along the model) only one
+    bucket is open at a time: it also closes where the next unit has another key, and a unit of
+    ``bucket_bytes`` or more gets a bucket of its own. A bucket then never gathers one owner's gradients
+    across the model while the others' wait behind it in the launch order (every rank held up to N-1
+    partly filled buckets), and another owner's large gradient can be sent from its own storage.
+    Returns lists of unit indices, ordered by where their first unit comes in ``order``.
     """
+    order = list(reversed(range(len(sizes)))) if order is None else list(order)
+    position = {unit: place for place, unit in enumerate(order)}
     done, open_buckets = [], {}
-    for index in reversed(range(len(sizes))):
+    for index in order:
         key = keys[index]
-        if alone and sizes[index] >= bucket_bytes:
-            if key in open_buckets:  # closed first: a bucket never waits for one made after it
-                done.append((key, open_buckets.pop(key)["indices"]))
-            done.append((key, [index]))
-            continue
+        if contiguous:
+            for other in [k for k in open_buckets if k != key]:  # closed first: one open bucket at a time
+                done.append((other, open_buckets.pop(other)["indices"]))
+            if sizes[index] >= bucket_bytes:
+                if key in open_buckets:
+                    done.append((key, open_buckets.pop(key)["indices"]))
+                done.append((key, [index]))
+                continue
         bucket = open_buckets.setdefault(key, {"indices": [], "bytes": 0, "first": not any(key == k for k, _ in done)})
         bucket["indices"].append(index)
         bucket["bytes"] += sizes[index]
@@ -95,7 +110,7 @@ def assign(sizes, keys, bucket_bytes, first_bytes=FIRST_BUCKET_BYTES, alone=Fals
         if bucket["bytes"] >= limit:
             done.append((key, open_buckets.pop(key)["indices"]))
     done.extend((key, bucket["indices"]) for key, bucket in open_buckets.items())
-    return sorted((indices for _, indices in done), key=lambda indices: -indices[0])
+    return sorted((indices for _, indices in done), key=lambda indices: position[indices[0]])
 
 
 class _Bucket(object):
@@ -145,30 +160,40 @@ class Buckets(object):
         self.freed = False
         self._owned = []
         self._ids, self._slot = None, {}
+        #: With shard: the order the gradients came in, in the first step of a layout (then the buckets are
+        #: made again in that order, once: ``_rebuilt`` is the layout key that was).
+        self._order, self._observed, self._rebuilt = [], None, None
         self._variables, self._where, self._buckets, self._handles = [], [], [], []
 
     # -- layout
 
-    def _layout(self, variables):
+    def _layout(self, variables, order=None):
+        """Buckets for ``variables`` (``order``: the variable indices in the order their gradients are expected;
+        None: reverse order)."""
         self.remove()
         compression = self.replica.compression
         sharding, rank = self.sharding, self.replica.rank
         self._variables = list(variables)
         self._ids = self._key(variables)
         self._slot = {id(v): i for i, v in enumerate(variables)}
+        self._order = list(reversed(range(len(variables)))) if order is None else list(order)
         owner = sharding.owner_map(variables) if sharding is not None else {}
         units, sizes, keys = [], [], []  # per variable in order, its parts: (index, start, stop)
+        first_unit = []
         for index, variable in enumerate(variables):
             dtype = _buffer_dtype(variable, compression)
             parts = sharding.parts(variable, owner) if sharding is not None else [(None, 0, variable._value.numel())]
+            first_unit.append(len(units))
             for dst, start, stop in parts:
                 units.append((index, start, stop))
                 sizes.append((stop - start) * dtype.itemsize)
                 keys.append((dtype, variable._value.device, dst))
+        first_unit.append(len(units))
+        unit_order = [unit for index in self._order for unit in reversed(range(first_unit[index], first_unit[index + 1]))]
         # Wholly this rank's (or every rank's, unsharded): its gradient is kept here, and arrives whole.
         self._owned = [owner.get(id(v), rank) == rank for v in variables]
         self._buckets, self._where = [], [[] for _ in variables]
-        for unit_indices in assign(sizes, keys, self.bucket_bytes, alone=sharding is not None):
+        for unit_indices in assign(sizes, keys, self.bucket_bytes, contiguous=sharding is not None, order=unit_order):
             entries, length = [], 0
             for unit in unit_indices:
                 index, start, stop = units[unit]
@@ -209,12 +234,26 @@ class Buckets(object):
     def begin(self, variables):
         """A train step starts: ``variables`` are the model's trainable ones (the layout follows them)."""
         self.collecting = False
+        if self.sharding is not None:
+            self.sharding.flush_parts(deliver=False)  # a step that never finished left them: not this step's
         if not self.enabled or not variables:
             return
         if self.sharding is not None:
             self.sharding.owner_map(variables)  # a new layout first (it may gather state: every rank here)
-        if self._key(variables) != self._ids:
+        key = self._key(variables)
+        if key != self._ids:
             self._layout(variables)
+            self._observed = self._rebuilt = None
+        elif self._observed is not None and self._rebuilt != key:
+            # DDP's bucket rebuild after its first iteration: the buckets in the order the gradients really came
+            # (a functional model's residuals, a layer whose variables were made late), rank 0's order on every
+            # rank (collectives pair by order), so a bucket never waits behind one whose gradient comes later.
+            order = torch.tensor(self._observed, dtype=torch.int64, device=self._buckets[0].device)
+            dist.broadcast(order, src=0, group=self.group)
+            order = order.tolist()
+            self._rebuilt = key
+            if order != self._order:
+                self._layout(variables, order)
         replica = self.replica
         self.weight = policies.batch_share(replica.count, replica.total)
         self.seen = [None] * len(self._variables)
@@ -222,6 +261,8 @@ class Buckets(object):
         self.reason = None
         self.freed = False
         self.next = 0
+        self.arrival = []  # the variables' indices in the order their gradients came in this step
+        self.parts_seen = {}  # a tiled kernel's index -> the starts of its parts delivered so far
         self.sending = []  # this step's messages to other owners, oldest first (the limit on bytes in flight)
         # With the flags after its gradients, held back until apply(); reduced buckets carry none (a flag
         # must reach every rank): the flags are all-reduced on their own then.
@@ -233,6 +274,26 @@ class Buckets(object):
             bucket.work = None
         self.collecting = True
 
+    def part_accumulated(self, variable, start, stop, grad):
+        """A tiled kernel's part ``[start, stop)`` of its gradient (shard="all": ``shard._Tiler``), into its bucket as
+        the hook puts a whole gradient. False (nothing taken) outside a collected step: the caller keeps it."""
+        index = self._slot.get(id(variable))
+        if not self.collecting or self.replica.count is None or index is None or self.reason is not None:
+            return False
+        parts = self.parts_seen.setdefault(index, set())
+        if start in parts or self.seen[index] is not None:
+            self.reason = self.reason or "a gradient was accumulated twice in one step (backward() ran twice)"
+            return True
+        parts.add(start)
+        entries = [entry for entry in self._where[index] if entry[2] == start]
+        if len(parts) == len(self._where[index]):
+            self.seen[index], self.versions[index] = TILED, 0
+            self.arrival.append(index)
+            self.freed = True
+        if self._fill(index, grad.detach().reshape(-1), entries, base=start):
+            self._launch_ready()
+        return True
+
     def _accumulated(self, index, grad):
         if grad is None:
             return
@@ -240,9 +301,16 @@ class Buckets(object):
             self.reason = self.reason or "a gradient was accumulated twice in one step (backward() ran twice)"
             return
         self.seen[index], self.versions[index] = grad, grad._version
-        flat = grad.detach().reshape(-1)
+        self.arrival.append(index)
+        if self._fill(index, grad.detach().reshape(-1), self._where[index]):
+            self._launch_ready()
+
+    def _fill(self, index, flat, entries, base=0):
+        """``flat`` (elements ``base``... of variable ``index``'s gradient) into the buckets of ``entries``;
+        whether one of them is complete now."""
         ready = False
-        for bucket, offset, start, stop in self._where[index]:
+        for bucket, offset, start, stop in entries:
+            start, stop = start - base, stop - base
             if self._in_place(bucket, index, flat):
                 # A bucket that is one part of a gradient this rank drops once sent (a split variable's part,
                 # or a large variable of another owner): scaled in place and sent from the gradient's own
@@ -259,8 +327,7 @@ class Buckets(object):
                 piece.zero_()
             bucket.pending -= 1
             ready = ready or not bucket.pending
-        if ready:
-            self._launch_ready()
+        return ready
 
     def _in_place(self, bucket, index, flat):
         return (self.drop and self.reason is None and self.sharding is not None and bucket.owner != self.replica.rank
@@ -309,6 +376,8 @@ class Buckets(object):
         Writes the flags into the last bucket, launches the buckets not launched yet (a variable without a
         gradient here counts zero), waits for every bucket.
         """
+        if self.sharding is not None:
+            self.sharding.flush_parts()  # a tiled layer used more often than its backward ran: its parts held so far
         self.collecting = False
         reason = self.reason or self._check(grads, variables)
         for bucket in self._buckets[self.next :]:
@@ -346,6 +415,9 @@ class Buckets(object):
                     "of the backward pass",
                 )
             return None
+        if self.sharding is not None and self._observed is None and self._rebuilt is None:
+            came = set(self.arrival)  # those without a gradient here: where the layout expected them
+            self._observed = self.arrival + [index for index in self._order if index not in came]
         averaged = []
         for variable in variables:
             slot = self._slot[id(variable)]

@@ -21,9 +21,11 @@ queue.
   ``Work.is_completed()`` stays False until ``wait()``. One thread waiting for every stream's oldest piece
   in turn can deadlock with a peer doing the same across two full windows; a thread per stream can't.)
   :meth:`Message.wait` waits for a message; a piece that failed (a peer gone: gloo's timeout) raises there.
-- Where every rank is on this host (:func:`configure`) the pieces are large, :data:`ONE_HOST_PIECE_BYTES`: no link to
-  share, and a piece costs a thread hand-off (over loopback 128 KiB pieces made the sharded MLP's step 1.4-1.5x
-  unsharded's, whole messages 0.8-1.0x). On other process group backends (NCCL) messages go whole, at once.
+- Where every rank is on this host (:func:`configure`) the pieces are larger, :data:`ONE_HOST_PIECE_BYTES`, with
+  :data:`ONE_HOST_WINDOW` in flight: no link to share, and a piece costs a thread hand-off (over loopback 128 KiB
+  pieces made the sharded MLP's step 1.4-1.5x unsharded's, whole messages 0.8-1.0x), but an owner posts a receive
+  buffer per piece in flight from each of the N-1 others (with 4 MiB pieces, 4 in flight, up to 112 MiB at N=8:
+  the memory ``shard`` saves). On other process group backends (NCCL) messages go whole, at once.
 """
 
 import collections
@@ -37,7 +39,9 @@ PIECE_BYTES = 128 << 10
 WINDOW = 4
 #: Bytes per piece where every rank is on this host: large (a hand-off per piece costs there), but bounded, so that
 #: a message received piece by piece (:meth:`Links.recv`'s ``on_piece``) never needs a buffer of its whole size.
-ONE_HOST_PIECE_BYTES = 4 << 20
+ONE_HOST_PIECE_BYTES = 1 << 20
+#: Pieces in flight per peer and direction there: an owner posts up to (N-1) x this many receive buffers.
+ONE_HOST_WINDOW = 2
 #: One tag for every piece (the order pairs them); distinct from the tags of anything else sent on the group.
 TAG = 0x6B64
 
@@ -56,6 +60,7 @@ class Message(object):
 
     def __init__(self, pieces):
         self.left = pieces
+        self.fresh = []  # a message received piece by piece: its _Fresh pieces (their buffers while posted)
         self.error = None
         self.event = threading.Event()
         if not pieces:
@@ -103,7 +108,7 @@ class _Stream(object):
         while True:
             if not flying or not self.todo.empty():
                 try:
-                    while len(flying) < WINDOW:
+                    while len(flying) < (ONE_HOST_WINDOW if _one_host[0] else WINDOW):
                         piece, message = self.todo.get(block=not flying)
                         try:
                             if isinstance(piece, _Fresh):  # received into a buffer of its own, made now
@@ -120,7 +125,8 @@ class _Stream(object):
                 try:
                     work.wait()
                     if fresh is not None:
-                        fresh.on_piece(fresh.start, fresh.buffer)
+                        buffer, fresh.buffer = fresh.buffer, None  # on_piece holds it from now on, or drops it
+                        fresh.on_piece(fresh.start, buffer)
                 except Exception as error:  # noqa: BLE001
                     message._piece_done(error)
                 else:
@@ -160,11 +166,26 @@ class Links(object):
         else:
             pieces = [_Fresh(flat, start, min(start + size, flat.numel()), on_piece) for start in starts]
         message = Message(len(pieces))
+        if on_piece is not None:
+            message.fresh = pieces
         if pieces:
             stream = self._stream(kind, peer)
             for piece in pieces:
                 stream.todo.put((piece, message))
         return message
+
+    @staticmethod
+    def posted(messages_):
+        """The storages of the pieces ``messages_`` receive into now (posted, not yet handed on), ``{data_ptr:
+        bytes}`` (the memory benchmark counts them)."""
+        storages = {}
+        for message in messages_:
+            for piece in list(message.fresh):
+                buffer = piece.buffer
+                if buffer is not None:
+                    storage = buffer.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return storages
 
     def send(self, tensor, peer):
         """Send contiguous ``tensor`` to rank ``peer``; returns its :class:`Message` (``tensor`` must not change until it is done)."""

@@ -67,6 +67,11 @@
   others. ``model.get_weights()``, ``save()``, ``save_weights()`` gather every weight on every rank
   (collective), ``set_weights()``/``load_weights()`` re-allocate them all and free again after;
   ``predict()``/``evaluate()`` gather per layer as the forward pass does.
+- **A split Dense kernel is never whole** (:class:`_Tiler`, ZeRO-Infinity's memory-centric tiling, automatic): gathering
+  a layer whole, as FSDP does, holds its whole weight and autograd then makes its whole gradient, which for a kernel
+  that is most of the model is more than 1/N of the model's state. A plain Keras ``Dense`` whose kernel is split
+  computes its matmul one owner's part at a time, forward and backward, and each part's gradient goes to its owner's
+  bucket as soon as it is computed (``Buckets.part_accumulated``).
 """
 
 import contextlib
@@ -81,6 +86,8 @@ from ...errors import ShardError
 from .. import keras_model
 from . import messages
 
+#: Pieces one rank may have waiting at an owner for the other ranks' pieces at their offsets (OwnerReduce).
+AHEAD = 2
 #: The instance attribute of an optimizer that holds its :class:`_Slots`.
 _SLOTS = "_distkeras_slots"
 #: The model's instance attribute that holds its :class:`Sharding`.
@@ -237,7 +244,7 @@ def _guarded_class(base):
 
         def value(self):
             state = self.__dict__["_distkeras_state"]
-            if state.gathered or state.sharding.applying:
+            if (state.gathered and allocated(self)) or state.sharding.applying:  # (a tiled kernel: never whole)
                 return base.value.__get__(self)
             if _BARE[0]:
                 return self._value  # the Parameter object itself (Keras' torch layers track it), not read
@@ -444,6 +451,175 @@ class _Layer(object):
         self.gathered = True  # until prepare_weights() releases them
         self.uses = 0  # calls in flight (a layer whose call calls itself)
         self.pending = None  # in a backward pass: ids of the weights whose gradients are still to come
+        self.tiled = None  # a Dense layer's split kernel computed part by part (_Tiler), never gathered whole
+
+
+def _tileable(layer, kernel, owner):
+    """Whether ``layer`` is a plain Keras Dense whose split kernel :class:`_Tiler` may compute part by part (its
+    ``call`` is known: a matmul, the bias, the activation; no LoRA, no quantization, no kernel regularizer)."""
+    import keras
+
+    return (type(layer) is keras.layers.Dense and owner.get(id(kernel)) == SPLIT and len(kernel.shape) == 2
+            and not getattr(layer, "lora_enabled", False) and getattr(layer, "quantization_mode", None) is None
+            and kernel._value.dtype.is_floating_point
+            and getattr(kernel, "regularizer", None) is None)  # a regularizer reads the whole kernel
+
+
+def _segments(start, stop, columns):
+    """Flat elements ``[start, stop)`` of a row-major matrix of ``columns`` columns as rectangles ``(row0, row1,
+    col0, col1, offset)`` (``offset``: where the rectangle starts in the flat range): a part of a split kernel is
+    a partial first row, whole rows and a partial last row."""
+    found, position = [], start
+    while position < stop:
+        row, column = divmod(position, columns)
+        if column or stop - position < columns:
+            end = min(stop, (row + 1) * columns)
+            found.append((row, row + 1, column, column + end - position, position - start))
+            position = end
+        else:
+            rows = (stop - position) // columns
+            found.append((row, row + rows, 0, columns, position - start))
+            position += rows * columns
+    return found
+
+
+class _Tiler(object):
+    """A plain Dense layer's split kernel with shard="all", computed one owner's part at a time: ZeRO-Infinity's
+    memory-centric tiling (DeepSpeed's ``TiledLinear``), done for the user. FSDP gathers a layer's whole weight
+    for its forward and backward passes and autograd makes its whole gradient before any part can leave; for a
+    kernel that is most of the model (the MLP benchmark's 8000x4000 one: 122 MiB, 64 % of its parameters)
+    those two copies alone exceed 1/N of the model's state. Here the forward pass fetches each part from its
+    owner (:meth:`fetch`), adds ``inputs[:, rows] @ part`` into the output and drops it; the backward pass
+    fetches each part again for the inputs' gradient and computes that part's gradient,
+    ``inputs[:, rows].T @ d_outputs``, which goes to its owner's bucket at once (:meth:`deliver`:
+    ``Buckets.part_accumulated``; outside a collected step it is added into the kernel's ``.grad``, autograd's
+    own result). Each element is computed as the whole matmul computes it, in the same dtypes as Keras' torch
+    ``matmul`` (the kernel cast to the layer's compute dtype, float16 computed in float32 on CPU): only the
+    order of the forward pass' sums over the parts differs, a float rounding."""
+
+    def __init__(self, sharding, layer, kernel):
+        self.sharding, self.layer, self.kernel = sharding, layer, kernel
+        #: Uses in this step whose backward pass hasn't run yet, and the parts of the gradient they made so far:
+        #: a layer called twice in a step (shared) gets one gradient, the sum, as autograd accumulates it.
+        self.uses, self.held = 0, {}
+
+    def flush(self, deliver=True):
+        held, self.held, self.uses = self.held, {}, 0
+        for start, (stop, grad) in sorted(held.items()) if deliver else ():
+            self.deliver(start, stop, grad)
+
+    def dtypes(self, inputs):
+        """(the kernel as the layer sees it, the matmul's compute dtype, its result dtype), as torch dtypes."""
+        from keras.src.backend.common import dtypes as keras_dtypes
+        from keras.src.backend.torch.core import to_torch_dtype
+
+        import keras
+
+        own = keras.backend.standardize_dtype(self.kernel.dtype)
+        seen = self.layer.compute_dtype if self.layer.autocast and own != self.layer.compute_dtype else own
+        result = keras_dtypes.result_type(keras.backend.standardize_dtype(inputs.dtype), seen)
+        compute = "float32" if result == "float16" and inputs.device.type == "cpu" else result
+        return to_torch_dtype(seen), to_torch_dtype(compute), to_torch_dtype(result)
+
+    def parts(self):
+        return self.sharding.parts(self.kernel)
+
+    def fetch(self, owner, start, stop):
+        """The kernel's flat part ``[start, stop)`` from its ``owner`` on every rank (collective: every rank
+        fetches the same parts in the same order)."""
+        link, rank = messages.links(), self.sharding.rank
+        if owner == rank:
+            flat = _source(self.kernel, start, stop)
+            messages.wait([link.send(flat, peer) for peer in range(self.sharding.world) if peer != rank])
+            return flat
+        value = self.kernel._value
+        flat = torch.empty(stop - start, dtype=value.dtype, device=value.device)
+        messages.wait([link.recv(flat, owner)])
+        return flat
+
+    def forward(self, inputs):
+        rows, columns = self.kernel.shape
+        seen, compute, result = self.dtypes(inputs)
+        x = inputs.reshape(-1, rows).to(compute)
+        y = torch.zeros(x.shape[0], columns, dtype=compute, device=x.device)
+        for owner, start, stop in self.parts():
+            part = self.fetch(owner, start, stop).to(seen).to(compute)
+            for row0, row1, col0, col1, offset in _segments(start, stop, columns):
+                block = part[offset : offset + (row1 - row0) * (col1 - col0)].view(row1 - row0, col1 - col0)
+                y[:, col0:col1].addmm_(x[:, row0:row1], block)
+            del part
+        return y.to(result).reshape(tuple(inputs.shape[:-1]) + (columns,))
+
+    def backward(self, inputs, d_outputs, need_inputs):
+        rows, columns = self.kernel.shape
+        seen, compute, _ = self.dtypes(inputs)
+        x = inputs.reshape(-1, rows).to(compute)
+        dy = d_outputs.reshape(-1, columns).to(compute)
+        dx = torch.zeros_like(x) if need_inputs else None
+        for owner, start, stop in self.parts():
+            if need_inputs:
+                part = self.fetch(owner, start, stop).to(seen).to(compute)
+            grad = torch.empty(stop - start, dtype=compute, device=x.device)
+            for row0, row1, col0, col1, offset in _segments(start, stop, columns):
+                size = (row1 - row0) * (col1 - col0)
+                torch.mm(x[:, row0:row1].t(), dy[:, col0:col1], out=grad[offset : offset + size].view(
+                    row1 - row0, col1 - col0))
+                if need_inputs:
+                    block = part[offset : offset + size].view(row1 - row0, col1 - col0)
+                    dx[:, row0:row1].addmm_(dy[:, col0:col1], block.t())
+            part = None
+            grad = grad.to(seen).to(self.kernel._value.dtype)
+            if start in self.held:
+                grad = grad + self.held.pop(start)[1]  # (two terms: the sum autograd's accumulation makes)
+            if self.uses > 1 and self._collected():
+                self.held[start] = (stop, grad)  # another use's backward is still to come
+            else:
+                self.deliver(start, stop, grad)
+            del grad
+        self.uses = max(0, self.uses - 1)
+        return None if dx is None else dx.to(inputs.dtype).reshape(inputs.shape)
+
+    def _collected(self):
+        buckets = getattr(self.sharding, "buckets", None)
+        return buckets is not None and buckets.collecting and buckets.replica.count is not None
+
+    def deliver(self, start, stop, grad):
+        buckets = getattr(self.sharding, "buckets", None)
+        if buckets is not None and buckets.part_accumulated(self.kernel, start, stop, grad):
+            return
+        parameter = self.kernel._value
+        if parameter.grad is None:
+            parameter.grad = torch.zeros(parameter.shape, dtype=parameter.dtype, device=parameter.device)
+        parameter.grad.view(-1)[start:stop].add_(grad)
+
+    def call(self, inputs, training=None):
+        """Dense.call with the matmul tiled (Keras 3's ``Dense.call``: matmul, bias, activation)."""
+        from keras import ops
+
+        if torch.is_grad_enabled() and self.kernel._value.requires_grad:
+            self.uses += 1  # a backward pass of this use may come
+        x = _TiledMatmul.apply(inputs, self.kernel._value, self)
+        if self.layer.bias is not None:
+            x = ops.add(x, self.layer.bias)
+        if self.layer.activation is not None:
+            x = self.layer.activation(x)
+        return x
+
+
+class _TiledMatmul(torch.autograd.Function):
+    """``inputs @ kernel`` by :class:`_Tiler`. The kernel's Parameter is an input only so that the output needs a
+    gradient (a first layer's inputs don't): its gradient goes part by part to the buckets, autograd gets None."""
+
+    @staticmethod
+    def forward(ctx, inputs, parameter, tiler):
+        ctx.tiler = tiler
+        ctx.save_for_backward(inputs)
+        return tiler.forward(inputs)
+
+    @staticmethod
+    def backward(ctx, d_outputs):
+        (inputs,) = ctx.saved_tensors
+        return ctx.tiler.backward(inputs, d_outputs, ctx.needs_input_grad[0]), None, None
 
 
 def _tensors(outputs):
@@ -475,6 +651,7 @@ class Sharding(object):
         self._pinned = 0  # depth of weights_gathered() blocks: every weight held, no layer releases
         self._refresh = False  # weights_restored(): the split weights' parts taken from the loaded values
         self.applying = False  # the owners' update of their own weights in flight: readable there
+        self.buckets = None  # the overlapped buckets (set by the trainer), where a tiled kernel's parts go
 
     # -- ownership
 
@@ -572,6 +749,10 @@ class Sharding(object):
             if state is None:
                 state = self._layers[id(layer)] = _Layer(layer, self)
                 keras_model.hook(layer, "call", self._hooked_call(state, type(layer).call.__get__(layer)))
+            kernel = getattr(layer, "_kernel", None)
+            if state.tiled is None and any(v is kernel for v in direct) and _tileable(layer, kernel, owner):
+                state.tiled = _Tiler(self, layer, kernel)  # its call: Dense's, the matmul tiled
+                keras_model.hook(layer, "call", self._hooked_call(state, state.tiled.call))
             for variable in direct:
                 variable.__dict__["_distkeras_layer"] = layer.name
                 variable.__dict__["_distkeras_state"] = state
@@ -583,10 +764,12 @@ class Sharding(object):
         self._weights_ids = ids
 
     def _hooked_call(self, state, call):
+        own = type(state.layer).call.__get__(state.layer)  # (a tiled layer's: Dense's own)
+
         @functools.wraps(call)
         def hooked(*args, **kwargs):
             if _symbolic():  # shapes only (compute_output_spec): released weights give meta stubs
-                return call(*args, **kwargs)
+                return own(*args, **kwargs)
             return self._use(state, call, *args, **kwargs)
 
         return hooked
@@ -645,17 +828,24 @@ class Sharding(object):
         return hooked
 
     def _gather_layer(self, state):
-        """The layer's weights on every rank (collective; nothing when they are held already)."""
+        """The layer's weights on every rank (collective; nothing when they are held already; a tiled kernel is
+        fetched part by part by its layer's call instead)."""
         if state.gathered:
             return
-        for variable in state.variables:
+        variables = self._gathered_by_call(state)
+        for variable in variables:
             alloc_storage(variable)
         state.gathered = True
-        broadcast_owned(self.groups(state.variables), self.rank)
+        broadcast_owned(self.groups(variables), self.rank)
+
+    @staticmethod
+    def _gathered_by_call(state):
+        return [v for v in state.variables if state.tiled is None or v is not state.tiled.kernel]
 
     def _gather_backward(self, state):
-        self._gather_layer(state)
-        state.pending = {id(v) for v in state.variables if v._value.requires_grad}
+        if state.gathered or any(v._value.requires_grad for v in self._gathered_by_call(state)):
+            self._gather_layer(state)
+            state.pending = {id(v) for v in self._gathered_by_call(state) if v._value.requires_grad}
 
     def _accumulated(self, state, variable):
         def on_grad(parameter):
@@ -680,6 +870,12 @@ class Sharding(object):
             elif owner[id(variable)] != self.rank:
                 free_storage(variable)
         state.gathered, state.pending = False, None
+
+    def flush_parts(self, deliver=True):
+        """Every tiled kernel's held gradient parts (:class:`_Tiler`) into the buckets (``deliver``), or dropped."""
+        for state in self._layers.values():
+            if state.tiled is not None:
+                state.tiled.flush(deliver)
 
     def release_weights(self):
         """Release every weight a layer still holds (the end of a train step: a layer whose gradients never
@@ -1036,12 +1232,15 @@ class OwnerReduce(object):
 
     The owner never holds those copies whole: each arrives in pieces (:meth:`messages.Links.recv`'s
     ``on_piece``), and once every rank's piece at an offset is in, they are summed in rank order into ``flat``
-    (the same sum however they arrived) and dropped: (N-1) copies of a few pieces, not of the buffer.
+    (the same sum however they arrived) and dropped: (N-1) copies of a few pieces, not of the buffer. A
+    rank ahead of the others waits once :data:`AHEAD` of its pieces wait for theirs (its stream posts no
+    more receives meanwhile): the held pieces stay bounded, however unequal the ranks' pace.
     """
 
     def __init__(self, flat, dst, rank, world, group=None):
         self.flat, self.rank, self.world, self.sending = flat, rank, world, None
-        self.arrived, self.lock = {}, threading.Lock()  # piece offset -> {src: buffer}, until all are in
+        self.arrived = {}  # piece offset -> {src: buffer}, until all are in
+        self.lock = threading.Condition()
         link = messages.links(group)
         if dst != rank:
             self.sent = [link.send(flat, dst)]
@@ -1057,8 +1256,14 @@ class OwnerReduce(object):
             pieces = self.arrived.setdefault(start, {})
             pieces[src] = buffer
             if len(pieces) < self.world - 1:
+                # On src's stream thread: it waits while src is AHEAD pieces ahead (a failed message, a peer gone,
+                # ends the wait: its error is raised by wait()).
+                while (sum(src in waiting for waiting in self.arrived.values()) > AHEAD
+                       and not any(message.error for message in getattr(self, "sent", ()))):
+                    self.lock.wait(1.0)
                 return
             del self.arrived[start]
+            self.lock.notify_all()
         mine = self.flat[start : start + buffer.numel()]
         pieces[self.rank] = mine
         order = sorted(pieces)  # rank order, as one all-reduce of the whole buffers would add them
@@ -1069,10 +1274,14 @@ class OwnerReduce(object):
             mine.copy_(total)
 
     def held_storages(self):
-        """Received pieces waiting for the other ranks' pieces at their offset, ``{data_ptr: bytes}``."""
+        """Received pieces, waiting for the other ranks' pieces at their offset or still arriving, ``{data_ptr:
+        bytes}``."""
         with self.lock:
             buffers = [b.untyped_storage() for pieces in self.arrived.values() for b in pieces.values()]
-        return {storage.data_ptr(): storage.nbytes() for storage in buffers}
+        held = {storage.data_ptr(): storage.nbytes() for storage in buffers}
+        if self.flat is not None:  # the owner: also the pieces posted and not arrived yet
+            held.update(messages.Links.posted(self.sent))
+        return held
 
     def wait(self):
         messages.wait(self.sent)

@@ -447,6 +447,7 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None):
         torch_shard.install(replica.shard)
         if replica.buckets is not None:
             replica.buckets.sharding = replica.shard
+            replica.shard.buckets = replica.buckets
             replica.buckets.drop = shard != "optimizer"
     model.train_function = model.test_function = model.predict_function = None
 
