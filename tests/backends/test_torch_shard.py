@@ -635,7 +635,9 @@ def train_tiled(shard, variant, options=None):
         tiled = sorted(s.layer.name for s in sharding._layers.values() if s.tiled is not None)
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, seen)
-    return {"initial": initial, "weights": model.get_weights(), "tiled": tiled, "ranks": every}
+    predicted = model.predict(x, batch_size=12, verbose=0)  # the forward pass part by part, without gradients
+    return {"initial": initial, "weights": model.get_weights(), "tiled": tiled, "ranks": every,
+            "predicted": np.asarray(predicted)}
 
 
 @pytest.mark.parametrize("variant, options", [("plain", {}), ("shared", {}), ("mixed", {}), ("plain", {"overlap": False})])
@@ -654,6 +656,7 @@ def test_a_dominant_dense_kernel_is_computed_part_by_part(variant, options):
     tolerance = 2e-3 if variant == "mixed" else 2e-5
     for g, e in zip(got["weights"], expected["weights"]):
         np.testing.assert_allclose(g, e, rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(got["predicted"], expected["predicted"], rtol=tolerance, atol=tolerance)
     assert len(got["ranks"]) == DEVICES
     if not options:
         assert all(r["whole_gradients"] == 0 and r["kernel_storage"] == 0 for r in got["ranks"]), got["ranks"]

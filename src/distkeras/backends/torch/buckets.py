@@ -59,8 +59,11 @@ MIB = 1 << 20
 #: DDP's default first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``); the adapter's DEFAULT_BUCKET_MB is
 #: its ``bucket_cap_mb`` default.
 FIRST_BUCKET_BYTES = 1 << 20
-#: With shard: at most this many buckets' bytes of gradients on their way to other owners (Buckets._hold_back).
+#: With shard: at most this many buckets' bytes of gradients on their way to other owners (Buckets._hold_back); with
+#: shard="all", whose point is memory, one (the MLP benchmark at N=8: 0.231 of one device's bytes with two, where
+#: the in-flight parts of its split kernel were the largest term left).
 SENDING_BUCKETS = 2
+SENDING_BUCKETS_ALL = 1
 
 #: What ``seen`` holds for a tiled kernel once every part of its gradient came (it never has a whole ``.grad``).
 TILED = "tiled"
@@ -354,7 +357,8 @@ class Buckets(object):
         bytes, wait for the oldest (inside the backward pass, which waits with it: DeepSpeed's bound on its
         reduce buckets), so the step never holds more of the others' gradients than that."""
         self.sending = [(work, size) for work, size in self.sending if not all(m.done for m in work.sent)]
-        while self.sending and sum(size for _, size in self.sending) > SENDING_BUCKETS * self.bucket_bytes:
+        limit = (SENDING_BUCKETS_ALL if self.sharding.mode == "all" else SENDING_BUCKETS) * self.bucket_bytes
+        while self.sending and sum(size for _, size in self.sending) > limit:
             work, _ = self.sending.pop(0)
             work.wait()
 
