@@ -487,7 +487,7 @@ class _Tiler(object):
     """A plain Dense layer's split kernel with shard="all", computed one owner's part at a time: ZeRO-Infinity's
     memory-centric tiling (DeepSpeed's ``TiledLinear``), done for the user. FSDP gathers a layer's whole weight
     for its forward and backward passes and autograd makes its whole gradient before any part can leave; for a
-    kernel that is most of the model (the MLP benchmark's 8000x4000 one: 122 MiB, 64 % of its parameters)
+    kernel that is most of the model (the MLP benchmark's 8000x4000 one: 122 MiB, 78 % of its parameters)
     those two copies alone exceed 1/N of the model's state. Here the forward pass fetches each part from its
     owner (:meth:`fetch`), adds ``inputs[:, rows] @ part`` into the output and drops it; the backward pass
     fetches each part again for the inputs' gradient and computes that part's gradient,
@@ -509,17 +509,15 @@ class _Tiler(object):
             self.deliver(start, stop, grad)
 
     def dtypes(self, inputs):
-        """(the kernel as the layer sees it, the matmul's compute dtype, its result dtype), as torch dtypes."""
-        from keras.src.backend.common import dtypes as keras_dtypes
-        from keras.src.backend.torch.core import to_torch_dtype
-
+        """(the kernel as the layer sees it, the matmul's compute dtype, its result dtype), as torch dtypes: Keras'
+        torch ``matmul``'s rule (result_type of both; float16 computed in float32 on CPU)."""
         import keras
 
         own = keras.backend.standardize_dtype(self.kernel.dtype)
         seen = self.layer.compute_dtype if self.layer.autocast and own != self.layer.compute_dtype else own
-        result = keras_dtypes.result_type(keras.backend.standardize_dtype(inputs.dtype), seen)
+        result = keras.backend.result_type(keras.backend.standardize_dtype(inputs.dtype), seen)
         compute = "float32" if result == "float16" and inputs.device.type == "cpu" else result
-        return to_torch_dtype(seen), to_torch_dtype(compute), to_torch_dtype(result)
+        return getattr(torch, seen), getattr(torch, compute), getattr(torch, result)  # float names are torch's too
 
     def parts(self):
         return self.sharding.parts(self.kernel)
@@ -749,7 +747,8 @@ class Sharding(object):
             if state is None:
                 state = self._layers[id(layer)] = _Layer(layer, self)
                 keras_model.hook(layer, "call", self._hooked_call(state, type(layer).call.__get__(layer)))
-            kernel = getattr(layer, "_kernel", None)
+            kernel = getattr(layer, "_kernel", None)  # Dense's own kernel variable (a Keras private; its public
+            # ``kernel`` property adds LoRA's terms): pinned by test_a_dominant_dense_kernel_is_computed_part_by_part
             if state.tiled is None and any(v is kernel for v in direct) and _tileable(layer, kernel, owner):
                 state.tiled = _Tiler(self, layer, kernel)  # its call: Dense's, the matmul tiled
                 keras_model.hook(layer, "call", self._hooked_call(state, state.tiled.call))
