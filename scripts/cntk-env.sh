@@ -49,7 +49,7 @@ cntk_env_main() {
     cntk_env_skip "no CPython 3.6 found (tried \$DISTKERAS_PYTHON36, python3.6 on PATH, pyenv's versions/3.6.*)${python36:+; $python36 is not one}"
     return 0
   fi
-  if ! command -v mpiexec >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep -q 'libmpi_cxx\.so\.40'; then
+  if ! command -v mpiexec >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep 'libmpi_cxx\.so\.40' >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
       echo "scripts/cntk-env.sh: installing Open MPI (openmpi-bin libopenmpi3) for CNTK" >&2
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi3 >/dev/null \
@@ -73,7 +73,9 @@ cntk_env_main() {
   libs="$("$VENV_CNTK/bin/python" -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("cntk").origin), "libs"))')"
   for pair in "libmpi.so.12 libmpi.so.40" "libmpi_cxx.so.1 libmpi_cxx.so.40"; do
     set -- $pair
-    lib="$(ldconfig -p | awk -v name="$2" '$1 == name && /x86-64/ {print $NF; exit}')"
+    # awk reads to the end: a reader that stops early (exit, grep -q) kills ldconfig with SIGPIPE, and under
+    # pipefail that 141 ends this script.
+    lib="$(ldconfig -p | awk -v name="$2" '$1 == name && /x86-64/ && lib == "" {lib = $NF} END {print lib}')"
     [ -n "$lib" ] || { cntk_env_skip "ldconfig finds no $2 (Open MPI 4)"; return 0; }
     ln -sfn "$lib" "$libs/$1"
   done
