@@ -8,9 +8,13 @@ For each backend it makes ``--hosts`` network-namespace hosts (tests/netns.py; r
 ``distkeras launch`` per host (one process each), and runs :func:`job` there: the workload's model is built
 once per compression setting from the same weights, each copy distributed with its ``compression``, and
 their timed windows (one ``fit()`` of ``--steps`` steps, timed from the end of its first step) are
-interleaved (A B A B ...), so every setting meets the same machine noise. The job runs twice: over links
-shaped to ``--rate`` (``tc ... tbf`` on every host's link, both ways) and over unshaped links; the difference of the medians is the step's communication time. The
-ring all-reduce bound is ``2 (N-1)/N * bytes / rate`` with the gradient bytes of the wire dtype.
+interleaved (A B A B ...), so every setting meets the same machine noise (the first window, not timed, runs at least
+:data:`WARM_UP_STEPS` steps: JAX compression's trial ends there). The job runs twice: over links shaped to ``--rate``
+(``tc ... tbf`` on every host's link, both ways) and over unshaped links; the difference of the medians is the step's
+communication time. The ring all-reduce bound is ``2 (H-1)/H * bytes / rate`` for H hosts, with the gradient bytes of
+the wire dtype: what each host's link must carry at least. With ``--workers-per-host`` W > 1 that is the bound of a
+hierarchical all-reduce (sum within the host first); a flat ring over all H*W workers carries ``2 (HW-1)/HW * bytes``
+over each host's link (``flat_ring_bound_s``).
 
 Then the digits model (the demo's) is trained for ``--loss-epochs`` epochs at each setting, unshaped, and
 its final training loss is reported: what compression does to the result.
@@ -25,15 +29,20 @@ import shlex
 import subprocess
 import sys
 import time
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PORT = 29500
 _WIRE_BYTES = {"none": 4, "bf16": 2, "fp16": 2}
+#: Steps the warm-up window runs at least: JAX compression's trial (12 steps) ends there, before the timed windows.
+WARM_UP_STEPS = 12
 
 
 def add_arguments(parser):
     parser.add_argument("--backends", default=None, help="comma-separated (default: KERAS_BACKEND)")
-    parser.add_argument("--hosts", type=int, default=2, help="namespace hosts, one worker each (default 2)")
+    parser.add_argument("--hosts", type=int, default=2, help="namespace hosts (default 2)")
+    parser.add_argument("--workers-per-host", type=int, default=1,
+                        help="worker processes per host, one device each (default 1)")
     parser.add_argument("--rate", default="100mbit", help="each host's link rate, tc syntax (default 100mbit)")
     parser.add_argument("--workload", default="mlp", help="benchmarks workload (default mlp)")
     parser.add_argument("--width", type=float, default=0.2, help="MLP width scale (default 0.2: 1.6 M parameters)")
@@ -57,18 +66,22 @@ def _rate_bits(rate):
 
 def _setting(name):
     """distribute()'s options for a setting: ``none``, ``bf16`` or ``fp16`` (compression), then any of ``+overlap``
-    or ``+no-overlap`` (PyTorch: its all-reduce during or after the backward pass) and ``+shard-optimizer``,
+    or ``+no-overlap`` (PyTorch: its all-reduce during or after the backward pass), ``+always`` (JAX:
+    ``compression_fallback=False``, the 16-bit step without its trial) and ``+shard-optimizer``,
     ``+shard-gradients`` or ``+shard-all`` (sharded training state, ``shard=``)."""
     compression, *extras = name.split("+")
     options = {"compression": None if compression == "none" else compression}
     for extra in extras:
         if extra in ("overlap", "no-overlap"):
             options["overlap"] = extra == "overlap"
+        elif extra == "always":
+            options["compression_fallback"] = False
         elif extra.startswith("shard-"):
             options["shard"] = extra[len("shard-"):]
         else:
-            raise SystemExit("unknown setting {!r}: expected none, bf16 or fp16, optionally +overlap or +no-overlap "
-                             "and +shard-optimizer, +shard-gradients or +shard-all".format(name))
+            raise SystemExit("unknown setting {!r}: expected none, bf16 or fp16, optionally +overlap or +no-overlap, "
+                             "+always (JAX: no trial against the uncompressed step) and +shard-optimizer, "
+                             "+shard-gradients or +shard-all".format(name))
     return options
 
 
@@ -110,20 +123,27 @@ def job(args):
                 raise
             not_built[name] = str(exc)  # an option that exists, its implementation not yet: the others go on
     settings = [name for name in settings if name in models]
-    global_batch = args.batch * args.hosts
+    global_batch = args.batch * args.hosts  # job's --hosts: every worker of the job
     batches = workload.batches(np.random.default_rng(0), global_batch * args.steps, 1)[0]
     seconds = {name: [] for name in settings}
+    fell_back = {}
     clock = _step_clock(keras)
-    for window in range(args.windows + 1):  # window 0 warms up (tracing, compilation)
+    for window in range(args.windows + 1):  # window 0 warms up (tracing, compilation, JAX compression's trial)
         for name in settings[window % len(settings):] + settings[: window % len(settings)]:
-            models[name].fit(batches[0], batches[1], batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
-                             callbacks=[clock])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                models[name].fit(batches[0], batches[1], batch_size=global_batch,
+                                 epochs=1 if window else -(-WARM_UP_STEPS // args.steps), shuffle=False, verbose=0,
+                                 callbacks=[clock])
+            said = [str(w.message) for w in caught if "made this model's training step slower" in str(w.message)]
+            if said:
+                fell_back[name] = said[0]
             if window:
                 seconds[name].append(clock.seconds_per_step())
     if rank == 0:
         params = sum(int(np.prod(w.shape)) for w in first.weights if w.trainable)
-        print("RESULT " + json.dumps({"seconds_per_step": seconds, "parameters": params, "not_built": not_built}),
-              flush=True)
+        print("RESULT " + json.dumps({"seconds_per_step": seconds, "parameters": params, "not_built": not_built,
+                                      "fell_back": fell_back}), flush=True)
 
 
 def _step_clock(keras):
@@ -153,7 +173,8 @@ def _job_environment(backend):
 def _job_arguments(args):
     return ["-m", "benchmarks.hosts", "job", "--workload", args.workload, "--width", str(args.width), "--batch",
             str(args.batch), "--steps", str(args.steps), "--windows", str(args.windows), "--compression",
-            args.compression, "--hosts", str(args.hosts), "--loss-epochs", str(args.loss_epochs)]
+            args.compression, "--hosts", str(args.hosts * getattr(args, "workers_per_host", 1)), "--loss-epochs",
+            str(args.loss_epochs)]
 
 
 def _job_result(backend, processes, outputs):
@@ -176,7 +197,7 @@ def run_hosts(backend, args, rate):
                 hosts.limit(host, rate)
         launchers = []
         for host in range(args.hosts):
-            command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "1", "--nnodes",
+            command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", str(args.workers_per_host), "--nnodes",
                        str(args.hosts), "--node-rank", str(host), "--coordinator",
                        "{}:{}".format(hosts.addresses[0], PORT), "--backend", backend] + _job_arguments(args)
             launchers.append(hosts.popen(host, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -217,7 +238,7 @@ def measure(args):
         raise SystemExit("--steps must be 2 or more: a window is timed from the end of its first step")
     backends = (args.backends or os.environ.get("KERAS_BACKEND", "tensorflow")).split(",")
     report = {"command": args.command_line, "machine": machine.describe(ROOT),
-              "rate": args.rate, "hosts": args.hosts, "runs": {}}
+              "rate": args.rate, "hosts": args.hosts, "workers_per_host": args.workers_per_host, "runs": {}}
     bits = _rate_bits(args.rate)
     for backend in backends:
         shaped = run_hosts(backend, args, args.rate)
@@ -229,8 +250,12 @@ def measure(args):
             compute = _median(free["seconds_per_step"][name])
             wire = shaped["parameters"] * _WIRE_BYTES[name.partition("+")[0]]
             bound = 2.0 * (n - 1) / n * wire * 8 / bits
+            workers = n * args.workers_per_host
             entry["settings"][name] = {"step_s": step, "unshaped_step_s": compute, "communication_s": step - compute,
-                                       "ring_bound_s": bound, "communication_over_bound": (step - compute) / bound}
+                                       "ring_bound_s": bound, "communication_over_bound": (step - compute) / bound,
+                                       "flat_ring_bound_s": 2.0 * (workers - 1) / workers * wire * 8 / bits}
+            if name in shaped.get("fell_back", {}):
+                entry["settings"][name]["fell_back"] = shaped["fell_back"][name]
         base = entry["settings"].get("none")
         for setting in entry["settings"].values():
             if base:
@@ -264,10 +289,22 @@ def table(report):
     return "\n".join(lines) + "\n"
 
 
+def _hosts_label(report):
+    workers = report.get("workers_per_host", 1)
+    return str(report["hosts"]) if workers == 1 else "{}x{}".format(report["hosts"], workers)
+
+
+def _workload(report):
+    """The workload a results file measured, from its command (older files: the MLP)."""
+    words = report["command"].split()
+    return words[words.index("--workload") + 1] if "--workload" in words else "mlp"
+
+
 def summary(paths, out):
-    """One table (every run of every results file: backend, hosts, setting) and one plot, ``hosts.png``: per
-    backend and host count, the step time of each setting split into compute (unshaped) and communication,
-    with the ring bound of each setting marked."""
+    """One table (every run of every results file: backend, workload, hosts, setting) and two plots:
+    ``hosts.png``, per run the step time of each setting split into compute (unshaped) and communication, with
+    the ring bound marked; ``scaling.png``, communication over the ring bound against the workers N, a line per
+    backend and setting (hosts x workers marked apart)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,20 +319,24 @@ def summary(paths, out):
         for backend, entry in report["runs"].items():
             for name, s in entry["settings"].items():
                 loss = (entry.get("digits_loss") or {}).get(name, {}).get("final_loss")
-                rows.append((backend, report["hosts"], report["rate"], name, s, loss, report["command"]))
-    lines = ["| backend | hosts | link | setting | step (s) | compute (s) | communication (s) | ring bound (s) | "
-             "communication / bound | speed-up over none | digits loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for backend, hosts, rate, name, s, loss, _ in rows:
-        lines.append("| {} | {} | {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {} | {} |".format(
-            backend, hosts, rate, name, s["step_s"], s["unshaped_step_s"], s["communication_s"], s["ring_bound_s"],
-            s["communication_over_bound"], "{:.2f}x".format(s["speedup_over_none"]) if "speedup_over_none" in s
-            else "", "{:.4f}".format(loss) if loss is not None else ""))
-    lines += ["", "Commands:", ""] + sorted({"    " + command for *_, command in rows})
+                rows.append((backend, _hosts_label(report), report["rate"], name, s, loss, report["command"],
+                             _workload(report), report["hosts"] * report.get("workers_per_host", 1)))
+    lines = ["| backend | workload | hosts | link | setting | step (s) | compute (s) | communication (s) | "
+             "ring bound (s) | communication / bound | speed-up over none | digits loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for backend, hosts, rate, name, s, loss, _, workload, _ in rows:
+        lines.append("| {} | {} | {} | {} | {}{} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {} | {} |".format(
+            backend, workload, hosts, rate, name, " (fell back)" if s.get("fell_back") else "", s["step_s"],
+            s["unshaped_step_s"], s["communication_s"], s["ring_bound_s"], s["communication_over_bound"],
+            "{:.2f}x".format(s["speedup_over_none"]) if "speedup_over_none" in s else "",
+            "{:.4f}".format(loss) if loss is not None else ""))
+    lines += ["", "Commands:", ""] + sorted({"    " + row[6] for row in rows})
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     figure, axis = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4))
-    labels = ["{}\n{} hosts\n{}".format(backend, hosts, name.replace("+", "\n+")) for backend, hosts, _, name, *_ in rows]
+    labels = ["{}\n{}\n{} hosts\n{}".format(backend, workload, hosts, name.replace("+", "\n+"))
+              for backend, hosts, _, name, _, _, _, workload, _ in rows]
     compute = [r[4]["unshaped_step_s"] for r in rows]
     communication = [r[4]["step_s"] - r[4]["unshaped_step_s"] for r in rows]
     positions = range(len(rows))
@@ -304,15 +345,41 @@ def summary(paths, out):
     axis.scatter(positions, [c + r[4]["ring_bound_s"] for c, r in zip(compute, rows)], marker="_", s=400, color="k",
                  label="compute + ring all-reduce bound", zorder=3)
     axis.set_xticks(list(positions))
-    axis.set_xticklabels(labels, fontsize=7)
+    axis.set_xticklabels(labels, fontsize=6)
     axis.set_ylabel("seconds per step (median)")
     axis.set_title("Step time across namespace hosts, links shaped to {}".format(
         ", ".join(sorted({r[2] for r in rows}))))
     axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(os.path.join(out, "hosts.png"), dpi=120)
+    plt.close(figure)
+    _scaling_plot(rows, os.path.join(out, "scaling.png"), plt)
     print("\n".join(lines))
     return 0
+
+
+def _scaling_plot(rows, path, plt):
+    """Communication / ring bound against the workers N, and the step time against N: a line per backend,
+    workload and setting over the one-worker-per-host runs; hosts x workers runs as separate markers."""
+    figure, (ratio_axis, step_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    lines = {}
+    for backend, hosts, _, name, s, _, _, workload, workers in rows:
+        lines.setdefault((backend, workload, name, "x" in hosts), []).append((workers, s))
+    for (backend, workload, name, stacked), points in sorted(lines.items()):
+        points.sort(key=lambda point: point[0])
+        label = "{} {} {}{}".format(backend, workload, name, " (hosts x 2 workers)" if stacked else "")
+        style = dict(marker="s" if stacked else "o", linestyle="none" if stacked else "-", label=label)
+        ratio_axis.plot([n for n, _ in points], [s["communication_over_bound"] for _, s in points], **style)
+        step_axis.plot([n for n, _ in points], [s["step_s"] for _, s in points], **style)
+    ratio_axis.axhline(1.10, color="k", linestyle=":", label="target 1.10")
+    ratio_axis.set_xlabel("workers N")
+    ratio_axis.set_ylabel("communication / ring bound")
+    step_axis.set_xlabel("workers N")
+    step_axis.set_ylabel("seconds per step (median, shaped links)")
+    ratio_axis.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def main(argv=None):

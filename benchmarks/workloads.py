@@ -226,8 +226,6 @@ def _transformer(width):
                     "{feed_forward}), vocabulary {vocabulary}, sequences of {sequence}".format(**shape), 2,
                     "sparse_categorical_crossentropy", build, batches)
 
-
-#: Workload names, in the order tables list them.
 def _dense512():
     """Issue 25's held-out model, a shape no benchmark here was tuned on: Dense 512 -> 1024 -> 1024 -> 10."""
 
@@ -243,7 +241,35 @@ def _dense512():
                     build, batches)
 
 
-NAMES = ("mlp", "cnn", "digits", "bncnn", "transformer", "dense512")
+def _shape_sweep(name, inputs, layers, description):
+    """A Dense stack of issue 25's compression sweep: ~1.6 M parameters (the held-out model's) laid out as
+    ``name`` says, regression on random data (mse, Adam)."""
+
+    outputs = layers[-1][0]
+
+    def build(keras):
+        return _dense_stack(keras, name, inputs, layers, keras.optimizers.Adam(), "mse")
+
+    def batches(rng, size, count):
+        return [(rng.random((size, inputs), dtype=np.float32), rng.random((size, outputs), dtype=np.float32))
+                for _ in range(count)]
+
+    sizes = [inputs] + [units for units, _ in layers]
+    params = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+    return Workload(name, "{} ({:,} params, {} tensors)".format(description, params, 2 * len(layers)), 64, "mse",
+                    build, batches)
+
+
+#: The compression sweep's shapes (with ``dense512``, wide and shallow, and ``mlp``): many mid-size layers, many
+#: small tensors, one huge tensor.
+SWEEP = {
+    "deep": lambda: _shape_sweep("deep", 256, [(256, "relu")] * 24 + [(10, None)], "Dense 256 x 24 layers"),
+    "small": lambda: _shape_sweep("small", 64, [(64, "relu")] * 200 + [(10, None)], "Dense 64 x 200 layers"),
+    "huge": lambda: _shape_sweep("huge", 1600, [(1000, None)], "one Dense 1600-1000"),
+}
+
+#: Workload names, in the order tables list them.
+NAMES = ("mlp", "cnn", "digits", "bncnn", "transformer", "dense512") + tuple(SWEEP)
 
 
 def get(name, width=1.0):
@@ -260,4 +286,6 @@ def get(name, width=1.0):
         return _transformer(width)
     if name == "dense512":
         return _dense512()
+    if name in SWEEP:
+        return SWEEP[name]()
     raise ValueError("Expected a workload in {}. Received: {!r}".format(NAMES, name))

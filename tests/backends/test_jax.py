@@ -563,7 +563,7 @@ def test_exact_wire_with_batchnorm_equals_single_device():
     x, y = scenarios.data(48)
     single = _bn_model()
     expected = single.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
-    model = distkeras.distribute(_bn_model(), devices=2, compression="bf16")
+    model = distkeras.distribute(_bn_model(), devices=2, compression="bf16", compression_fallback=False)
     distribution = list(jax_adapter._ours.keys())[-1]
     jax_steps.install(model, distribution.device_mesh.backend_mesh, "batch", "float32")
     history = model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
@@ -582,6 +582,93 @@ def test_compression_with_batchnorm_trains_close_to_single_device():
         np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-2)
     # Outside the step BatchNormalization is Keras' own again (predict, evaluate).
     np.testing.assert_allclose(model.predict(x, verbose=0), single.predict(x, verbose=0), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("compressed, plain, keep", [
+    ([0.2, 0.2, 0.2, 0.2, 0.2], [0.4, 0.5, 0.4, 0.4, 0.6], True),   # across hosts on a slow link
+    ([0.13, 0.12, 0.14, 0.13, 0.12], [0.05, 0.06, 0.05, 0.05, 0.07], False),  # one host: the detour costs
+    ([0.1, 0.1, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.1, 0.1], True),   # a tie keeps what was asked for
+    ([0.1, 0.1, 9.0, 0.1, 0.1], [0.11, 0.11, 0.11, 0.11, 0.11], True),  # one stall doesn't decide
+    ([0.2, 0.2, 0.2, 0.2], [0.1, 0.1, 0.15, 0.3], False),           # an even count: the middle two's mean
+])
+def test_compression_is_kept_only_where_its_median_step_is_no_slower(compressed, plain, keep):
+    from distkeras.backends.jax import steps as jax_steps
+
+    assert jax_steps.keep_compression(compressed, plain) is keep
+
+
+def _trial_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")  # no optimizer state but the step count
+    return model
+
+
+def _assert_same(expected, actual):
+    for e, a in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7)
+
+
+def _continued(weights, x, y, **options):
+    """A fresh model set to ``weights``, distributed with ``options``, after one more epoch on (x, y)."""
+    model = distkeras.distribute(_trial_model(), devices=2, **options)
+    model.set_weights(weights)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_compression_trial_keeps_one_kind_of_step_for_good(keep, monkeypatch):
+    """compression='bf16' on trial (the default): the first 12 steps alternate 16-bit and float32 steps, then the
+    kind :func:`keep_compression` picks (patched here: the timing rule has its own test) trains every later step,
+    across fit() calls and a new compile(). Read from the weights: after the trial the model trains exactly as
+    the uncompressed distributed model does from the same weights, or as the always-16-bit one does, which
+    differ from each other. Rank 0 warns once when it falls back."""
+    import warnings
+
+    from distkeras.backends.jax import steps as jax_steps
+
+    monkeypatch.setattr(jax_steps, "keep_compression", lambda compressed, plain: keep)
+    x, y = scenarios.data(96)  # 12 steps of 8
+    model = distkeras.distribute(_trial_model(), devices=2, compression="bf16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # the trial
+        after_trial = model.get_weights()
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    fell_back = [w for w in caught if "made this model's training step slower" in str(w.message)]
+    assert len(fell_back) == (0 if keep else 1), [str(w.message) for w in caught]
+    exact = _continued(after_trial, x, y)
+    compressed = _continued(after_trial, x, y, compression="bf16", compression_fallback=False)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(exact, compressed)) > 1e-6  # the two kinds differ
+    _assert_same(compressed if keep else exact, model.get_weights())
+    # A new compile() traces the step again: the kept kind's.
+    before = model.get_weights()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    expected = _continued(before, x, y, **({"compression": "bf16", "compression_fallback": False} if keep else {}))
+    _assert_same(expected, model.get_weights())
+
+
+def test_the_compression_trial_alternates_both_kinds_before_it_decides(monkeypatch):
+    """Until the trial ends, steps alternate 16-bit, float32, ...: after 2 steps the weights are those of one
+    16-bit step then one float32 step; with compression_fallback=False no trial runs and no float32 step."""
+    from distkeras.backends.jax import steps as jax_steps
+
+    calls = []
+    monkeypatch.setattr(jax_steps, "keep_compression", lambda compressed, plain: calls.append(1) or True)
+    x, y = scenarios.data(16)  # 2 steps of 8
+    model = distkeras.distribute(_trial_model(), devices=2, compression="bf16")
+    start = model.get_weights()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    one = distkeras.distribute(_trial_model(), devices=2, compression="bf16", compression_fallback=False)
+    one.set_weights(start)
+    one.fit(x[:8], y[:8], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    expected = _continued(one.get_weights(), x[8:], y[8:])
+    _assert_same(expected, model.get_weights())
+    assert not calls  # undecided after 2 steps
+    with pytest.raises(distkeras.OptionError, match="compression_fallback to be True or False"):
+        distkeras.distribute(_trial_model(), devices=2, compression="bf16", compression_fallback="yes")
 
 
 def test_compression_is_refused_where_it_has_no_gradient_to_compress():

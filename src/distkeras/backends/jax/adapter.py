@@ -89,6 +89,9 @@ class JaxAdapter(Adapter):
         "default: the last axis of every kernel and embedding table that the 'model' axis divides",
         "model_shards": "strategy='model': devices on the 'model' mesh axis (default: all); the rest form 'batch'",
         "compression": COMPRESSION_HELP + "; strategy='data' only",
+        "compression_fallback": "with compression: True (default) times the 16-bit step against the uncompressed "
+        "one over the first steps of training and keeps the faster (a warning when that is the uncompressed one); "
+        "False: always 16-bit",
     }
 
     def pass_over_function(self, take):
@@ -176,7 +179,7 @@ class JaxAdapter(Adapter):
         return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
     def distribute(self, model, devices, cluster, strategy="data", layout_map=None, model_shards=None,
-                   compression=None, shard=None):
+                   compression=None, shard=None, compression_fallback=True):
         """Lay ``model`` out under a Keras distribution over exactly ``devices``, in place.
 
         Args:
@@ -196,6 +199,10 @@ class JaxAdapter(Adapter):
             shard: ``"optimizer"``, ``"gradients"`` or ``"all"``: the training state split along the mesh's data
                 axis (:mod:`distkeras.backends.jax.shard`); ``strategy="data"`` only, and with ``compression``
                 not ``"all"``.
+            compression_fallback: with ``compression``, True (the default) puts the 16-bit step on trial: over the
+                first 12 steps of training it is timed against the uncompressed step, interleaved, and the faster
+                is kept for good, the same on every process (rank 0 warns when that is the uncompressed one); see
+                :class:`distkeras.backends.jax.steps._Trial`. False: the 16-bit step always (reproducible runs).
 
         Returns:
             ``model`` itself, its variables on the mesh.
@@ -215,6 +222,9 @@ class JaxAdapter(Adapter):
         from . import uneven as jax_uneven
 
         compression = check_compression(compression)
+        if compression_fallback not in (True, False):
+            raise OptionError("Expected compression_fallback to be True or False. Received: compression_fallback="
+                              "{!r}".format(compression_fallback))
         shard = check_shard(shard)
         _check_shard_combination(shard, strategy, compression)
         if compression is not None and strategy != "data":
@@ -256,7 +266,8 @@ class JaxAdapter(Adapter):
         scatter = jax_shard.scatter_rule(model, distribution, compression is not None) if shard is not None else None
         if compression is not None or scatter is not None:
             jax_steps.install(model, distribution.device_mesh.backend_mesh, distribution.batch_dim_name,
-                              jax_steps.WIRE.get(compression, "float32"), cluster.rank, scatter)
+                              jax_steps.WIRE.get(compression, "float32"), cluster.rank, scatter,
+                              fallback=compression_fallback)
         for name in _SCOPED:
             keras_model.hook(model, name, _scoped(getattr(model, name), model, distribution, name))
         if cluster.is_multi_worker:
