@@ -254,8 +254,6 @@ def measure(args):
             entry["settings"][name] = {"step_s": step, "unshaped_step_s": compute, "communication_s": step - compute,
                                        "ring_bound_s": bound, "communication_over_bound": (step - compute) / bound,
                                        "flat_ring_bound_s": 2.0 * (workers - 1) / workers * wire * 8 / bits}
-            if name in shaped.get("fell_back", {}):
-                entry["settings"][name]["fell_back"] = shaped["fell_back"][name]
         base = entry["settings"].get("none")
         for setting in entry["settings"].values():
             if base:
@@ -294,6 +292,14 @@ def _hosts_label(report):
     return str(report["hosts"]) if workers == 1 else "{}x{}".format(report["hosts"], workers)
 
 
+def _trial(backend, name, entry):
+    """What JAX compression's trial kept over shaped and unshaped links ("" where no trial ran)."""
+    if backend != "jax" or name.partition("+")[0] == "none" or "+always" in name:
+        return ""
+    return " / ".join("fell back" if name in entry.get(run, {}).get("fell_back", {}) else "kept"
+                      for run in ("shaped", "unshaped"))
+
+
 def _workload(report):
     """The workload a results file measured, from its command (older files: the MLP)."""
     words = report["command"].split()
@@ -319,14 +325,15 @@ def summary(paths, out):
         for backend, entry in report["runs"].items():
             for name, s in entry["settings"].items():
                 loss = (entry.get("digits_loss") or {}).get(name, {}).get("final_loss")
+                s = dict(s, trial=_trial(backend, name, entry))
                 rows.append((backend, _hosts_label(report), report["rate"], name, s, loss, report["command"],
                              _workload(report), report["hosts"] * report.get("workers_per_host", 1)))
-    lines = ["| backend | workload | hosts | link | setting | step (s) | compute (s) | communication (s) | "
-             "ring bound (s) | communication / bound | speed-up over none | digits loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| backend | workload | hosts | link | setting | trial (shaped / unshaped) | step (s) | compute (s) | "
+             "communication (s) | ring bound (s) | communication / bound | speed-up over none | digits loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for backend, hosts, rate, name, s, loss, _, workload, _ in rows:
-        lines.append("| {} | {} | {} | {} | {}{} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {} | {} |".format(
-            backend, workload, hosts, rate, name, " (fell back)" if s.get("fell_back") else "", s["step_s"],
+        lines.append("| {} | {} | {} | {} | {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {} | {} |".format(
+            backend, workload, hosts, rate, name, s["trial"], s["step_s"],
             s["unshaped_step_s"], s["communication_s"], s["ring_bound_s"], s["communication_over_bound"],
             "{:.2f}x".format(s["speedup_over_none"]) if "speedup_over_none" in s else "",
             "{:.4f}".format(loss) if loss is not None else ""))
