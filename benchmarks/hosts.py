@@ -368,14 +368,18 @@ def summary(paths, out):
 def _scaling_plot(rows, path, plt):
     """Communication / ring bound against the workers N, and the step time against N: a line per backend,
     workload and setting over the one-worker-per-host runs; hosts x workers runs as separate markers."""
-    figure, (ratio_axis, step_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (ratio_axis, step_axis) = plt.subplots(1, 2, figsize=(10, 4))
     lines = {}
     for backend, hosts, _, name, s, _, _, workload, workers in rows:
         lines.setdefault((backend, workload, name, "x" in hosts), []).append((workers, s))
+    colors = {"jax": "tab:blue", "tensorflow": "tab:orange", "torch": "tab:green"}
+    dashes = {"none": "-", "bf16": "--", "fp16": "--"}
     for (backend, workload, name, stacked), points in sorted(lines.items()):
         points.sort(key=lambda point: point[0])
-        label = "{} {} {}{}".format(backend, workload, name, " (hosts x 2 workers)" if stacked else "")
-        style = dict(marker="s" if stacked else "o", linestyle="none" if stacked else "-", label=label)
+        label = "{} {} {}{}".format(backend, workload, name, " (hosts x workers)" if stacked else "")
+        style = dict(marker="s" if stacked else "o", color=colors.get(backend), label=label, markersize=5,
+                     linestyle="none" if stacked else dashes.get(name, ":"),
+                     fillstyle="full" if name == "none" else "none")
         ratio_axis.plot([n for n, _ in points], [s["communication_over_bound"] for _, s in points], **style)
         step_axis.plot([n for n, _ in points], [s["step_s"] for _, s in points], **style)
     ratio_axis.axhline(1.10, color="k", linestyle=":", label="target 1.10")
@@ -383,9 +387,10 @@ def _scaling_plot(rows, path, plt):
     ratio_axis.set_ylabel("communication / ring bound")
     step_axis.set_xlabel("workers N")
     step_axis.set_ylabel("seconds per step (median, shaped links)")
-    ratio_axis.legend(fontsize=6)
+    handles, labels = ratio_axis.get_legend_handles_labels()
+    figure.legend(handles, labels, fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
 
 
