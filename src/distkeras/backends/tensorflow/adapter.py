@@ -440,7 +440,7 @@ def _mirror_variables(tf, strategy, variables):
             # storage was created with, as on one device (where freezing a built layer changes Keras' flag
             # only; Keras' steps take the gradients of ``trainable_variables``, which follow that flag).
             flag = variable.trainable
-            pass  # REVERTED
+            variable.trainable = bool(getattr(storage, "trainable", flag))
             try:
                 with strategy.scope():
                     variable._initialize(value)
