@@ -18,12 +18,14 @@ from .errors import (
     DeviceSpecError,
     DistKerasError,
     LaunchError,
+    LoopError,
     ModelError,
     NetworkError,
     OptionError,
     ShardError,
     TooLateError,
 )
+from .loops import attach, distribute_dataset, distribute_step
 from .sharding import shard, shard_bounds
 
 __version__ = "0.1.0"
@@ -37,13 +39,17 @@ __all__ = [
     "DeviceSpecError",
     "DistKerasError",
     "LaunchError",
+    "LoopError",
     "ModelError",
     "NetworkError",
     "OptionError",
     "ShardError",
     "TooLateError",
+    "attach",
     "describe",
     "distribute",
+    "distribute_dataset",
+    "distribute_step",
     "global_batch_size",
     "shard",
     "shard_bounds",

@@ -49,5 +49,10 @@ class LaunchError(DistKerasError, RuntimeError):
     """Starting, watching or stopping worker processes failed."""
 
 
+class LoopError(DistKerasError, RuntimeError):
+    """A hand-written training loop on a distributed model misses one of the calls of :mod:`distkeras.loops`
+    (an optimizer not attached, a step not run per replica) or gave one of them what it can't take."""
+
+
 class NetworkError(DistKerasError, ConnectionError):
     """No interface reaches the coordinator, a named interface doesn't exist, or a host of the job is lost."""

@@ -217,6 +217,7 @@ class JaxAdapter(Adapter):
         """
         import keras
 
+        from . import loops as jax_loops
         from . import shard as jax_shard
         from . import steps as jax_steps
         from . import uneven as jax_uneven
@@ -270,6 +271,7 @@ class JaxAdapter(Adapter):
                               fallback=compression_fallback)
         for name in _SCOPED:
             keras_model.hook(model, name, _scoped(getattr(model, name), model, distribution, name))
+        jax_loops.install(model, distribution)  # hand-written loops (distkeras.loops)
         if cluster.is_multi_worker:
             _same_random_state_every_epoch(model)
         policies.rank0_speaks_and_writes(model, cluster.rank)

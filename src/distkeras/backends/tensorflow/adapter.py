@@ -72,6 +72,7 @@ from ...environments import tf_config
 from ...errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
 from .. import batchnorm, keras_model, policies, when_imported
 from ..base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
+from . import loops as tensorflow_loops
 from . import steps as tensorflow_steps
 
 _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
@@ -231,6 +232,9 @@ class TensorFlowAdapter(Adapter):
                 global_batch = None if cluster.is_multi_worker else _global_batch_of_each_run(tf, strategy)
                 _weigh_replicas_by_batch_share(model, tf, strategy.num_replicas_in_sync, global_batch)
         else:
+            # Hand-written loops (distkeras.loops): before the optimizers' apply is hooked, which wraps the checked one.
+            tensorflow_loops.install(model, tf, strategy, functools.partial(adopt, tf=tf, strategy=strategy,
+                                                                            compression=compression))
             _mirror_in_place(model, tf, strategy, compression)
             _global_gradient_first(model, tf, strategy, compression)
             _batchnorm_moments(model, tf, sync_batchnorm, cluster.rank)
@@ -456,6 +460,23 @@ def _adopt_optimizer(optimizer, strategy):
         }
 
 
+def adopt(obj, tf, strategy, compression=None):
+    """An optimizer or metric a hand-written loop made (:func:`distkeras.attach`), distributed as the model's own:
+    variables mirrored; an optimizer told the strategy and given the global gradient."""
+    optimizers = [o for o in [obj, getattr(obj, "inner_optimizer", None)] if o is not None and hasattr(o, "apply")]
+    _mirror_variables(tf, strategy, list(obj.variables))
+    for optimizer in optimizers:
+        if keras_model.is_hooked(optimizer, "apply"):
+            continue  # the model's own, adopted already
+        _adopt_optimizer(optimizer, strategy)
+        if hasattr(optimizer, "_all_reduce_sum_gradients"):
+            keras_model.hook(optimizer, "_all_reduce_sum_gradients", list)
+        if hasattr(optimizer, "_backend_apply_gradients") and hasattr(optimizer, "gradient_accumulation_steps"):
+            keras_model.hook(optimizer, "_backend_apply_gradients", _decided_across_replicas(optimizer, tf))
+    if optimizers and not keras_model.is_hooked(optimizers[0], "apply"):
+        keras_model.hook(optimizers[0], "apply", _apply_global(optimizers[0], tf, compression))
+
+
 def _global_gradient_first(model, tf, strategy, compression=None):
     """All-reduce the gradients when they reach ``optimizer.apply`` (of every optimizer the model holds),
     before clipping, accumulation or the loss-scale overflow check, and skip the all-reduce Keras'
@@ -486,6 +507,7 @@ def _apply_global(optimizer, tf, compression):
     apply = type(optimizer).apply.__get__(optimizer)
 
     def apply_global(grads, trainable_variables=None):
+        tensorflow_loops.check_apply(tf, optimizer, trainable_variables)  # a hand-written loop's mistakes, said
         context = tf.distribute.get_replica_context()
         grads = list(grads)
         if not optimizer.built and trainable_variables is not None and context is not None:

@@ -146,6 +146,7 @@ class TorchAdapter(Adapter):
         import torch
 
         from . import launch as torch_launch
+        from . import loops as torch_loops
         from . import trainer as torch_trainer
         from . import messages as torch_messages
 
@@ -196,6 +197,7 @@ class TorchAdapter(Adapter):
         )
         torch_trainer.broadcast_new_variables(model, replica)  # all of them, this first time
         torch_trainer.install(model, replica, sync_batchnorm, overlap, bucket_mb, shard)
+        torch_loops.install(model, replica)  # hand-written loops (distkeras.loops)
         return model
 
 
