@@ -24,6 +24,7 @@ from .errors import (
     OptionError,
     ShardError,
     TooLateError,
+    VerifyError,
 )
 from .loops import attach, distribute_dataset, distribute_step
 from .sharding import shard, shard_bounds
@@ -45,6 +46,7 @@ __all__ = [
     "OptionError",
     "ShardError",
     "TooLateError",
+    "VerifyError",
     "attach",
     "describe",
     "distribute",

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 from . import backends, sharding
 from . import cluster as cluster_lib
 from . import devices as devices_lib
+from . import verify as verify_lib
 from .devices import CPU_DEVICES_ENV
 from .errors import ClusterError, DeviceSpecError, ModelError, TooLateError
 
@@ -231,7 +232,11 @@ def distribute(model, devices=None, **options):
             first builds are created distributed. Keras 2 (MXNet, CNTK) models must be built.
         devices: ``None``/``"auto"`` (every accelerator, else every CPU device), an int N (the first N),
             a list of accelerator ids, or device strings such as ``"gpu:0"``, ``"/device:GPU:1"``.
-        **options: backend options; each adapter lists the ones it accepts (an unknown one is an error).
+        **options: backend options; each adapter lists the ones it accepts (an unknown one is an error). On
+            every backend also ``verify`` (True/"raise", "warn" or False; default: the ``DISTKERAS_VERIFY``
+            environment variable): the first step of each ``fit()`` runs again as one device would, and a
+            difference raises :class:`~distkeras.errors.VerifyError` or warns (:mod:`distkeras.verify`); and
+            ``verify_tolerance=(rtol, atol)``, its float tolerance (default (1e-4, 1e-5)).
 
     Returns:
         ``model`` itself, data-parallel (unchanged when one device is asked for in a one-process job).
@@ -247,6 +252,8 @@ def distribute(model, devices=None, **options):
         >>> model.fit(x, y, batch_size=64)                    # 32 samples per device
     """
     adapter = _adapter_for(model)
+    verify_mode = verify_lib.mode(options.pop("verify", None))
+    rtol, atol = verify_lib.tolerance(options.pop("verify_tolerance", None))
     adapter.check_options(options)
     if "shard" not in adapter.options:
         options.pop("shard", None)  # None, which check_options allowed on a backend that doesn't shard
@@ -274,6 +281,8 @@ def distribute(model, devices=None, **options):
     # Read again: distribute() may have made this process part of a job (PyTorch's self-launch makes a
     # plain process rank 0 of the processes it starts, through os.environ).
     info = _record(result, adapter, chosen, cluster_lib.from_env(), distributed=True)
+    if verify_mode is not None:
+        adapter.verify(result, verify_lib.Check(verify_mode, adapter.name, info["replicas"], info["rank"], rtol, atol))
     logger.info(
         "%s backend, %d replica(s) on %s%s; fit()'s batch_size is the global batch, split evenly",
         adapter.name,

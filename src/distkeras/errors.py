@@ -56,3 +56,13 @@ class LoopError(DistKerasError, RuntimeError):
 
 class NetworkError(DistKerasError, ConnectionError):
     """No interface reaches the coordinator, a named interface doesn't exist, or a host of the job is lost."""
+
+
+class VerifyError(DistKerasError, AssertionError):
+    """The one-device check (``distribute(..., verify=True)``, ``DISTKERAS_VERIFY=1``) found a distributed
+    step that differs from the same step on one device."""
+
+
+class CollectiveError(DistKerasError, RuntimeError):
+    """A call every process of a job makes together (``predict()``, ``evaluate()``, ``save()``) wasn't made by
+    every process in time, differed between them, or failed on the one that does the work."""

@@ -226,6 +226,11 @@ class Adapter(abc.ABC):
         itself before it calls the function (keras/src/backend/torch/trainer.py)."""
         return lambda *args: {}
 
+    def verify(self, model: object, check: object) -> None:
+        """Install the one-device check (:class:`distkeras.verify.Check`) on a distributed ``model``. Default: the
+        check can't run on this backend, which ``check.skip`` says once."""
+        check.skip("the {} backend has no one-device check".format(self.name))
+
     def check_options(self, options: Dict[str, object]) -> None:
         """Reject options this adapter doesn't know, naming the ones it does.
 

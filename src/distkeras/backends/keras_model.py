@@ -9,13 +9,19 @@ second ``distribute()`` replaces the first one's hooks instead of stacking on th
 :func:`clone` and :func:`compile_like` remain for tf.keras 2.x only (see the TensorFlow adapter).
 """
 
+import contextlib
 import importlib
+import weakref
 
 from ..errors import ModelError
 from . import keras_package
 
 #: The instance attribute that lists the names :func:`hook` set on an object.
 _HOOKS = "_distkeras_hooks"
+#: Every object :func:`hook` set something on, for :func:`suspended` (weakly: a dropped model goes).
+_hooked = weakref.WeakSet()
+#: How many suspended() blocks are open (plain Keras runs inside them: the one-device check's reference step).
+_suspended = [0]
 
 
 def hook(obj, name, function):
@@ -28,6 +34,32 @@ def hook(obj, name, function):
     names = obj.__dict__.setdefault(_HOOKS, [])
     if name not in names:
         names.append(name)
+    try:
+        _hooked.add(obj)
+    except TypeError:  # not weak-referenceable: suspended() can't reach it
+        pass
+
+
+@contextlib.contextmanager
+def suspended():
+    """Every hook :func:`hook` set, on every object of this process, taken off for the ``with`` block and put
+    back after it: the classes' own methods, i.e. plain Keras, show through (the one-device check's reference)."""
+    saved = []
+    _suspended[0] += 1
+    for obj in list(_hooked):
+        names = obj.__dict__.get(_HOOKS, ())
+        saved.append((obj, {name: obj.__dict__.pop(name) for name in names if name in obj.__dict__}))
+    try:
+        yield
+    finally:
+        _suspended[0] -= 1
+        for obj, hooks in saved:
+            obj.__dict__.update(hooks)
+
+
+def is_suspended():
+    """Whether plain Keras is running inside :func:`suspended` (checks of distkeras' own must stand aside)."""
+    return _suspended[0] > 0
 
 
 def is_hooked(obj, name):

@@ -178,6 +178,16 @@ class JaxAdapter(Adapter):
 
         return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
+    def verify(self, model, check):
+        """The one-device check (:mod:`.verify`), in one process; not with ``shard=``."""
+        if self.shard_mode(model) is not None:
+            check.skip("a sharded model (shard=...) is whole on no one device")
+            return
+        from . import verify as jax_verify
+        from .. import verifying
+
+        verifying.install(model, check, jax_verify.wrap(model, check))
+
     def distribute(self, model, devices, cluster, strategy="data", layout_map=None, model_shards=None,
                    compression=None, shard=None, compression_fallback=True):
         """Lay ``model`` out under a Keras distribution over exactly ``devices``, in place.

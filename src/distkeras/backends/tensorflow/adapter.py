@@ -195,6 +195,16 @@ class TensorFlowAdapter(Adapter):
             _agreements[strategy] = agree
         return bool(int(agree(tf.constant(int(bool(flag))))) > 0)
 
+    def verify(self, model, check):
+        """The one-device check (:mod:`.verify`): one host; across workers the global batch isn't gathered yet."""
+        if cluster_lib.from_env().is_multi_worker:
+            check.skip("across TensorFlow workers the check doesn't gather the global batch yet; it runs on one host")
+            return
+        from . import verify as tensorflow_verify
+        from .. import verifying
+
+        verifying.install(model, check, tensorflow_verify.wrap(model, check))
+
     def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True, sync_batchnorm=True,
                    compression=None):
         import tensorflow as tf

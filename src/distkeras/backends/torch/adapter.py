@@ -45,6 +45,8 @@ DEFAULT_TIMEOUT = 1800.0
 #: DDP's bucket_cap_mb default. Here, where options are checked before torch is imported; buckets.py takes it from here.
 DEFAULT_BUCKET_MB = 25
 _BACKENDS = ("gloo", "nccl")
+#: The instance attribute holding the model's torch_trainer.Replica (read by verify()).
+_REPLICA = "_distkeras_replica"
 
 #: The store of the job's rendezvous (wrapped in a "distkeras" prefix), once this process has joined.
 _store = None
@@ -198,7 +200,15 @@ class TorchAdapter(Adapter):
         torch_trainer.broadcast_new_variables(model, replica)  # all of them, this first time
         torch_trainer.install(model, replica, sync_batchnorm, overlap, bucket_mb, shard)
         torch_loops.install(model, replica)  # hand-written loops (distkeras.loops)
+        keras_model.hook(model, _REPLICA, replica)  # for verify()
         return model
+
+    def verify(self, model, check):
+        """The one-device check (:mod:`.verify`): every rank runs the one-device step on the gathered global batch."""
+        from . import verify as torch_verify
+        from .. import verifying
+
+        verifying.install(model, check, torch_verify.wrap(model, check, model.__dict__[_REPLICA]))
 
 
 def use_local_gpu(local_rank):

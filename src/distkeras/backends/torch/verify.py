@@ -1,0 +1,91 @@
+"""PyTorch's primitives of the one-device check (:mod:`distkeras.verify`).
+
+Keras' torch step function takes ``[batch]`` (``keras/src/backend/torch/trainer.py``). Each rank's batch holds
+its rows of the global batch (``[rank::world]``, read by the sharded loader) or, where Keras hands every rank
+the whole batch, all of it. The checked step gathers the rows (one all_gather per input, in the global batch's
+order) and, after the distributed step, every rank runs the model class' own ``train_step`` on the whole global
+batch with every distkeras hook off: no collective, one device's arithmetic. Every rank compares the same
+values, so every rank comes to the same verdict (and raises together: no rank is left waiting in a collective).
+"""
+
+from .. import verifying
+from . import collectives
+
+
+def global_batch(replica, local):
+    """The global batch of which ``local`` (what Keras handed this rank's step) is this rank's part."""
+    import keras
+    import torch
+
+    entry = next((e for e in replica.read if e[0] is local), None)
+    if entry is None:
+        return local  # every rank was handed the whole batch
+    rows, count, total = entry
+
+    def whole(value):
+        shape = getattr(value, "shape", None)
+        if shape is None or not len(shape):
+            return value
+        tensor = torch.as_tensor(value)
+        device = collectives._device()
+        gathered = collectives.gather_rows(tensor.to(device), count, replica.rank, replica.world, total)
+        return gathered.to(tensor.device)
+
+    return keras.tree.map_structure(whole, rows)
+
+
+def _rng():
+    import torch
+
+    def get():
+        return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+    def set_(state):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state_all(state[1])
+
+    return get, set_
+
+
+def summed_metrics(entries):
+    """The metric states over the job: each rank keeps its own rows' (Keras' metric variables aggregate by sum);
+    one all_reduce of them all, in the order every rank lists them."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    where = [i for i, (_, kind, _) in enumerate(entries) if kind == "metric"]
+    if not where:
+        return entries
+    flat = torch.cat([torch.as_tensor(np.asarray(entries[i][2], dtype="float64")).reshape(-1) for i in where])
+    flat = flat.to(collectives._device())
+    dist.all_reduce(flat)
+    flat = flat.cpu().numpy()
+    entries, offset = list(entries), 0
+    for i in where:
+        name, kind, value = entries[i]
+        value = np.asarray(value)
+        entries[i] = (name, kind, flat[offset:offset + value.size].reshape(value.shape).astype(value.dtype))
+        offset += value.size
+    return entries
+
+
+def wrap(model, check, replica):
+    """``wrap(train_function)`` for :func:`verifying.install`."""
+
+    def wrapping(function):
+        def train_function(data):
+            if not check.due:
+                return function(data)
+            if replica.shard is not None:
+                check.skip("a sharded model (shard=...) is whole on no one device")
+                return function(data)
+            batch = global_batch(replica, data[0])
+            return verifying.checked_in_place(
+                model, check, verifying.numpy, lambda: function(data), lambda: type(model).train_step(model, batch),
+                random_state=_rng(), reduce=summed_metrics)
+
+        return train_function
+
+    return wrapping

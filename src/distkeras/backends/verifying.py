@@ -1,0 +1,171 @@
+"""What the Keras 3 backends' one-device checks share (:mod:`distkeras.verify` holds the idea).
+
+:func:`install` hooks the model so that the first step of every ``fit()`` (and the first after a ``compile()``,
+which drops Keras' step function) goes through the backend's checked step function. :class:`State` reads and
+writes a model's whole training state (weights, every optimizer's and metric's variables, Keras' global seed
+generator) as NumPy arrays: TensorFlow and PyTorch train their variables in place, so the check snapshots them
+before the step, puts the snapshot back for the one-device run, and puts the distributed result back after it.
+:func:`one_device` is the reference's context: every distkeras hook off (plain Keras).
+"""
+
+import contextlib
+import functools
+
+from .. import verify
+from . import keras_model
+
+#: Keras' global SeedGenerator (keras.random without a seed draws from it) lives in Keras' global state under
+#: this name; no public API returns it without creating it. Pinned by tests/backends/test_verify.py.
+_GLOBAL_SEED = "global_seed_generator"
+
+
+def numpy(value):
+    """A tensor, Keras variable or number of any backend as a NumPy array (a copy)."""
+    import keras
+    import numpy as np
+
+    if hasattr(value, "assign") and callable(getattr(value, "numpy", None)):
+        return np.array(value.numpy())  # a Keras variable (a mirrored one's primary value on TensorFlow)
+    return np.array(keras.ops.convert_to_numpy(value))
+
+
+def _global_seed_variables():
+    from keras.src.backend.common import global_state  # private: see _GLOBAL_SEED
+
+    generator = global_state.get_global_attribute(_GLOBAL_SEED)
+    return [generator.state] if generator is not None else []
+
+
+def named_variables(model):
+    """``[(name, kind, variable)]``: every variable a step of ``model`` may change, once each."""
+    kinds = {}
+    for variable in model.variables:
+        kinds.setdefault(id(variable), "weight")
+    for variable in getattr(model, "metrics_variables", []):
+        kinds.setdefault(id(variable), "metric")
+    for optimizer in keras_model.all_optimizers(model):
+        inner = optimizer
+        while inner is not None:
+            for variable in inner.variables:
+                kinds.setdefault(id(variable), "optimizer")
+            inner = getattr(inner, "inner_optimizer", None)
+    named, seen = [], set()
+    for variable in (keras_model.state_variables(model) + [v for o in keras_model.all_optimizers(model)
+                                                           for v in _wrapped_variables(o)]):
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            named.append((getattr(variable, "path", None) or variable.name, kinds.get(id(variable), "weight"), variable))
+    for variable in _global_seed_variables():
+        if id(variable) not in seen:
+            named.append(("keras.random's global seed", "seed", variable))
+    return named
+
+
+def _wrapped_variables(optimizer):
+    found = []
+    inner = getattr(optimizer, "inner_optimizer", None)
+    while inner is not None:
+        found.extend(inner.variables)
+        inner = getattr(inner, "inner_optimizer", None)
+    return found
+
+
+class State:
+    """A model's training state as NumPy arrays, read and written in place (TensorFlow, PyTorch)."""
+
+    def __init__(self, model, numpy):
+        self.named = named_variables(model)
+        self.numpy = numpy
+
+    def read(self):
+        return [(name, kind, self.numpy(variable)) for name, kind, variable in self.named]
+
+    def write(self, values):
+        for (_, _, variable), (_, _, value) in zip(self.named, values):
+            variable.assign(value)
+
+
+@contextlib.contextmanager
+def one_device():
+    """Plain Keras for the ``with`` block: every hook distkeras set, on every object, off."""
+    with keras_model.suspended():
+        yield
+
+
+def logs_of(logs, numpy):
+    """A step's logs as ``{name: NumPy value}`` (a nested dict flattened with "/"); what isn't a number is left out."""
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(prefix + str(key) if not prefix else prefix + "/" + str(key), item)
+            return
+        try:
+            flat[prefix] = numpy(value)
+        except Exception:  # noqa: BLE001 - a log that is no tensor (a string, None): not compared
+            pass
+
+    walk("", logs if isinstance(logs, dict) else {"logs": logs})
+    return flat
+
+
+def checked_in_place(model, check, numpy, distributed_step, one_device_step, random_state=None, reduce=None):
+    """The check for backends that train variables in place: ``distributed_step()`` (returns its logs) from the
+    current state, then ``one_device_step()`` from the same state, compared; the distributed result stays.
+
+    ``random_state``: ``(get, set)`` of random state outside Keras' variables (torch's global generator, which
+    unseeded Dropout draws from), put back for the one-device step too. ``reduce``: what the distributed state
+    is over the job, from this rank's (metric states that each rank keeps for its own rows, summed).
+    """
+    state = State(model, numpy)
+    before = state.read()
+    drawn = random_state[0]() if random_state else None
+    logs = distributed_step()
+    after = state.read()
+    got = reduce(after) if reduce else after
+    got_logs = logs_of(logs, numpy)
+    drawn_after = random_state[0]() if random_state else None
+    state.write(before)
+    try:
+        if random_state:
+            random_state[1](drawn)
+        with one_device():
+            want_logs = logs_of(one_device_step(), numpy)
+        reference = state.read()
+    finally:
+        state.write(after)
+        if random_state:
+            random_state[1](drawn_after)
+    check.judge(verify.pairs(got, reference) + verify.log_pairs(got_logs, want_logs))
+    return logs
+
+
+def install(model, check, wrap):
+    """Hook ``model`` so that its next ``fit()``'s first step, and the first after each ``compile()``, is checked.
+
+    ``wrap(train_function)`` is the backend's checked step function around Keras' own. Instance hooks, wrapping
+    whatever ``fit``/``make_train_function`` the adapter installed; nothing is saved.
+    """
+    make = model.make_train_function
+    fit = model.fit
+
+    @functools.wraps(make)
+    def make_train_function(*args, **kwargs):
+        result = make(*args, **kwargs)
+        function = model.train_function
+        if function is not None and not getattr(function, "_distkeras_checked", False):
+            checked = wrap(function)
+            checked._distkeras_checked = True
+            model.train_function = checked
+            check.due = check.skipped is None  # a new step function: a compile(), a first fit()
+        return result
+
+    @functools.wraps(fit)
+    def checked_fit(*args, **kwargs):
+        check.due = check.skipped is None
+        return fit(*args, **kwargs)
+
+    keras_model.hook(model, "make_train_function", make_train_function)
+    keras_model.hook(model, "fit", checked_fit)
+    keras_model.hook(model, "_distkeras_check", check)

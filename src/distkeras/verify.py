@@ -1,0 +1,190 @@
+"""The one-device check: run a distributed training step a second time as one device would, and compare.
+
+``distribute(model, devices, verify=True)`` (or ``DISTKERAS_VERIFY=1`` in the environment, for a script that
+must not change) checks the first training step of every ``fit()`` call, which is also the first after a
+``compile()`` or a change of ``trainable``, since Keras makes its step function again for each of them. That
+step runs distributed, as always; then, from the state it started from (every weight, every optimizer's and
+metric's variables, the seed generators' states), on the very global batch it trained on, the model's own
+``train_step`` runs again the way plain Keras runs it on one device: distkeras' hooks suspended, no strategy, no
+mesh, no collective. The two results are compared variable by variable (weights, optimizer slots, metric
+states) and log by log; training then goes on from the distributed result.
+
+A difference beyond float tolerance raises :class:`~distkeras.errors.VerifyError` (``verify=True``/``"raise"``)
+or logs a warning (``"warn"``), naming each variable and log that differs, by how much, and linking the docs
+section on the usual causes. Differential testing, as compilers are tested: two implementations of one program
+must agree, and the one-device one is the specification.
+
+The neutral part is here: the switch, the snapshot-and-compare, the message. Each backend's
+``backends/<name>/verify.py`` supplies its primitives: how its step function receives a batch, how the global
+batch is put together from the replicas' parts, and how plain Keras' step runs on one device.
+
+Where it can't run, it says so once and trains on: a sharded model (``shard=``), whose state is not whole on any
+one device, and a job of several processes on a backend whose primitives don't gather the batch across them.
+"""
+
+import logging
+import os
+from typing import Dict, List, NamedTuple, Optional, Sequence
+
+from .errors import OptionError, VerifyError
+
+logger = logging.getLogger("distkeras")
+
+#: The environment switch: 1/true/raise, warn, or 0/false/off (the default).
+ENV = "DISTKERAS_VERIFY"
+#: Where the usual causes of a difference are explained.
+DOCS = "https://distkeras.github.io/distkeras/guide/verify/#what-a-difference-usually-means"
+#: Float tolerance of the comparison, as numpy.allclose: |distributed - one device| <= atol + rtol * |one device|.
+RTOL = 1e-4
+ATOL = 1e-5
+_TRUE = ("1", "true", "yes", "on", "raise")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def mode(option: object = None, environ: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """The check's mode: ``"raise"``, ``"warn"`` or None (off), from ``distribute()``'s ``verify`` option, else
+    from :data:`ENV`.
+
+    Raises:
+        OptionError: a value that is none of True, False, None, "raise", "warn" (or, in the environment, 1/0).
+    """
+    if option is None:
+        value = (environ if environ is not None else os.environ).get(ENV, "").strip().lower()
+        if value in _TRUE:
+            return "raise"
+        if value == "warn":
+            return "warn"
+        if value in _FALSE:
+            return None
+        raise OptionError(
+            "Expected {}=1 (raise on a difference), warn or 0. Received: {}={!r}".format(ENV, ENV, value))
+    if option is True or option == "raise":
+        return "raise"
+    if option is False:
+        return None
+    if option == "warn":
+        return "warn"
+    raise OptionError(
+        "Expected verify=True (raise on a difference), 'warn', or False. Received: verify={!r}".format(option))
+
+
+def tolerance(option: object = None):
+    """``(rtol, atol)`` from ``distribute()``'s ``verify_tolerance`` option (a pair of non-negative numbers)."""
+    if option is None:
+        return RTOL, ATOL
+    try:
+        rtol, atol = (float(v) for v in option)
+        if rtol < 0 or atol < 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise OptionError(
+            "Expected verify_tolerance=(rtol, atol), two non-negative numbers. Received: verify_tolerance={!r}".format(
+                option))
+    return rtol, atol
+
+
+class Difference(NamedTuple):
+    """One variable or log whose distributed value is not the one-device value."""
+
+    name: str
+    kind: str  # "weight", "optimizer", "metric", "log", "seed"
+    max_abs: float
+    where: str  # the first element that differs, with both values
+
+
+def differences(named: Sequence, rtol: float, atol: float) -> List[Difference]:
+    """Compare ``(name, kind, distributed, one_device)`` entries (NumPy-convertible); the ones beyond tolerance."""
+    import numpy as np
+
+    found = []
+    for name, kind, got, want in named:
+        got, want = np.asarray(got), np.asarray(want)
+        if got.shape != want.shape:
+            found.append(Difference(name, kind, float("inf"), "shape {} against {}".format(got.shape, want.shape)))
+            continue
+        if got.dtype.kind not in "fciub" or want.dtype.kind not in "fciub":
+            continue  # strings, objects: not numbers to compare
+        got64, want64 = got.astype("float64"), want.astype("float64")
+        bad = ~np.isclose(got64, want64, rtol=rtol, atol=atol, equal_nan=True)
+        if not bad.any():
+            continue
+        error = np.abs(got64 - want64)
+        index = np.unravel_index(int(np.argmax(np.where(bad, np.nan_to_num(error, nan=np.inf), -1.0))), bad.shape)
+        where = "at {}: {:.6g} distributed, {:.6g} on one device".format(
+            tuple(int(i) for i in index) if index else "()", float(got64[index]), float(want64[index]))
+        worst = float(np.nanmax(np.where(bad, error, 0.0))) if np.isfinite(error[bad]).all() else float("inf")
+        found.append(Difference(name, kind, worst, where))
+    return found
+
+
+def message(found: Sequence[Difference], backend: str, replicas: int, rtol: float, atol: float) -> str:
+    """What the check tells the user: what differs, by how much, and where to read why."""
+    lines = [
+        "distkeras' one-device check: the first training step on {} replicas ({}) is not the step one device "
+        "takes on the same global batch from the same state ({} of them differ beyond rtol={:g}, atol={:g}):".format(
+            replicas, backend, len(found), rtol, atol)]
+    for entry in sorted(found, key=lambda d: -d.max_abs)[:12]:
+        lines.append("  {} {}: max |difference| {:.3g} ({})".format(entry.kind, entry.name, entry.max_abs, entry.where))
+    if len(found) > 12:
+        lines.append("  ... and {} more".format(len(found) - 12))
+    lines.append(
+        "Usual causes: an op that mixes the rows of a batch (a contraction over the batch axis, a metric comparing "
+        "shapes that broadcast across rows), a sum written by hand instead of a mean, TensorFlow's own random ops in "
+        "a custom train_step. See {}".format(DOCS))
+    return "\n".join(lines)
+
+
+class Check:
+    """The state of one model's check: when it is due, and what it does with a verdict."""
+
+    def __init__(self, mode_: str, backend: str, replicas: int, rank: int = 0, rtol: float = RTOL, atol: float = ATOL):
+        self.mode = mode_
+        self.backend = backend
+        self.replicas = replicas
+        self.rank = rank
+        self.rtol, self.atol = rtol, atol
+        self.due = True
+        self.checked = 0  # steps compared so far
+        self.found = []  # the last verdict's differences
+        self.skipped = None  # why the check can't run here, once said
+
+    def skip(self, why: str) -> None:
+        """Say once (rank 0) why the check can't run, and don't try again."""
+        self.due = False
+        if self.skipped is None and self.rank == 0:
+            logger.warning("distkeras' one-device check is off for this model: %s", why)
+        self.skipped = why
+
+    def judge(self, named: Sequence) -> List[Difference]:
+        """Compare, then raise or warn by the mode. Every rank judges the same values, so every rank raises."""
+        self.due = False
+        self.checked += 1
+        self.found = differences(named, self.rtol, self.atol)
+        if self.found:
+            text = message(self.found, self.backend, self.replicas, self.rtol, self.atol)
+            if self.mode == "raise":
+                raise VerifyError(text)
+            if self.rank == 0:
+                logger.warning("%s", text)
+        return self.found
+
+
+def named_state(kinds: Sequence, values: Sequence) -> List:
+    """Pair each ``(name, kind)`` with its value."""
+    return [(name, kind, value) for (name, kind), value in zip(kinds, values)]
+
+
+def pairs(distributed: Sequence, one_device: Sequence) -> List:
+    """``(name, kind, distributed, one_device)`` entries from two :func:`named_state` lists of the same names."""
+    return [(name, kind, got, want) for (name, kind, got), (_, _, want) in zip(distributed, one_device)]
+
+
+def log_pairs(distributed: Dict, one_device: Dict) -> List:
+    """The logs both steps returned, compared by name; a log only one of them returned is a difference."""
+    entries = []
+    for key in sorted(set(distributed) | set(one_device)):
+        if key not in distributed or key not in one_device:
+            entries.append((key, "log", [float("nan")], [0.0] if key in one_device else [1.0]))
+            continue
+        entries.append((key, "log", distributed[key], one_device[key]))
+    return entries
