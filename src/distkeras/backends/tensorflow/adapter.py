@@ -70,7 +70,7 @@ from ... import exchange, network
 from ...devices import Device
 from ...environments import tf_config
 from ...errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
-from .. import batchnorm, keras_model, policies, when_imported
+from .. import agreement, batchnorm, keras_model, policies, when_imported
 from ..base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
 from . import loops as tensorflow_loops
 from . import steps as tensorflow_steps
@@ -260,6 +260,7 @@ class TensorFlowAdapter(Adapter):
             _reducible_step_logs(model, tf)
             _py_datasets_as_global_batches(model, tf)
             _same_shuffle_on_every_worker(model, tf, strategy, cluster.rank)
+        agreement.use(_board(cluster) if cluster.is_multi_worker else None)  # saves and predict()/evaluate()
         policies.rank0_speaks_and_writes(model, cluster.rank)
         return model
 
@@ -295,6 +296,29 @@ class TensorFlowAdapter(Adapter):
                 )
             )
         return self._multi_worker
+
+
+def _board(cluster):
+    """The job's :class:`~distkeras.backends.agreement.Board` on TensorFlow's coordination service (which
+    MultiWorkerMirroredStrategy starts): an entry is inserted once (AlreadyExistsError after), and a read that
+    waits 1 ms stands for "none yet" (DeadlineExceededError)."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context  # the coordination service's key-value store has no public API
+
+    def read(key):
+        try:
+            return context.context().get_config_key_value(key, timeout_in_ms=1)
+        except tf.errors.DeadlineExceededError:
+            return None
+
+    def post(key, value):
+        try:
+            context.context().set_config_key_value(key, value)
+            return value
+        except tf.errors.AlreadyExistsError:
+            return context.context().get_config_key_value(key)
+
+    return agreement.Board(post, read, cluster.rank, cluster.world_size)
 
 
 def write_tf_config(cluster, environ=None):

@@ -75,9 +75,11 @@ so distributing a model twice replaces the hooks instead of stacking them.
   rows of array data.
 - ``save`` / ``save_weights`` (also when a callback such as ModelCheckpoint calls them): rank 0 writes
   (a temporary file, then a rename); the other ranks write a throwaway copy into a temporary folder of
-  their own, deleted when the call returns, as on every backend (:func:`~distkeras.backends.policies.rank0_writes`). No rank waits for another, whatever path each one names, and calling ``save()``
-  on rank 0 alone works as well. A rank that must read rank 0's file waits for it itself, for example
-  after a ``torch.distributed.barrier()`` that every rank reaches once rank 0's ``save()`` returned.
+  their own, deleted when the call returns, as on every backend (:func:`~distkeras.backends.policies.rank0_writes`),
+  and return once rank 0's file is complete (:func:`~distkeras.backends.agreement.saving`, over the job's
+  store). Rank 0 waits for nobody: calling ``save()`` on rank 0 alone works as well.
+- ``predict`` / ``evaluate`` start with every rank agreeing, over the store, that all make the call
+  (:func:`~distkeras.backends.agreement.join`): on one rank only they raise within ``DISTKERAS_JOIN_TIMEOUT``.
 
 Every rank must call ``fit``/``evaluate``/``predict`` alike: they are collective, and so is a
 BatchNormalization layer called in training mode. A custom ``train_step`` (the Keras guide's:
@@ -102,7 +104,7 @@ import keras
 import torch
 
 from ...errors import DistKerasError, LaunchError
-from .. import batchnorm, keras_model, policies
+from .. import agreement, batchnorm, keras_model, policies
 from . import buckets as torch_buckets
 from . import collectives
 from . import random as torch_random
@@ -440,6 +442,8 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None):
     for name, hook in hooks.items():
         keras_model.hook(model, name, hook)
     policies.rank0_writes(model, replica.rank)
+    agreement.use(agreement.store_board(replica.store, replica.rank, replica.world) if replica.store is not None else None)
+    policies.every_rank_calls(model)  # predict()/evaluate() on one rank only: an error within seconds
     replica.shard = None
     if shard is not None:
         replica.shard = torch_shard.Sharding(
