@@ -40,7 +40,7 @@ import keras
 
 from . import backends
 from . import cluster as cluster_lib
-from .backends import policies
+from .backends import agreement, policies
 from .launch import EXIT_PREEMPTED
 
 MANIFEST = "checkpoint.json"
@@ -163,9 +163,15 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _save(self, epoch, step, random_states=None):
         """A checkpoint of ``step`` batches into epoch ``epoch`` (0-based; step 0: the epoch's start)."""
         name = "epoch-{:05d}{}.weights.h5".format(epoch, "-step-{:06d}".format(step) if step else "")
+        rank = cluster_lib.from_env().rank
+        # Every rank returns once the checkpoint is complete: the others wait for rank 0's manifest.
+        agreement.saving(os.path.join(self.backup_dir, MANIFEST), lambda: self._write(name, epoch, step, random_states),
+                         rank)
+
+    def _write(self, name, epoch, step, random_states):
         if not self._writer:
             # Every rank takes part in saving (collective reads on JAX); distribute() made save_weights
-            # write a throwaway copy on ranks other than 0, which wait for nobody's file.
+            # write a throwaway copy on ranks other than 0, which returns once rank 0 wrote its file.
             self.model.save_weights(os.path.join(self.backup_dir, ".tmp-" + name))
             return
         os.makedirs(self.backup_dir, exist_ok=True)

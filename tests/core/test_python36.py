@@ -13,6 +13,7 @@ CORE = ["__init__.py", "__main__.py", "api.py", "devices.py", "cluster.py", "sha
         "exchange.py",  # what TF and JAX workers under torchrun exchange (imports torch only when it does)
         "backends/__init__.py", "backends/base.py", "backends/keras_model.py", "backends/policies.py",
         "backends/batchnorm.py",  # the BatchNormalization rule, framework-free
+        "backends/agreement.py",  # policies' saves wait on it, framework-free
         # the two Keras 2 backends, whole (keras-mxnet 2.2.4.3 itself is at home on Python 3.6-3.8)
         "backends/cntk/__init__.py", "backends/cntk/adapter.py", "backends/cntk/launch.py",
         "backends/mxnet/__init__.py", "backends/mxnet/adapter.py", "backends/mxnet/launch.py", "backends/mxnet/shims.py"]

@@ -27,7 +27,7 @@ import random
 import tempfile
 
 from ..errors import ShardError
-from . import keras_model
+from . import agreement, keras_model
 
 # ---- batch-share weights
 
@@ -142,6 +142,17 @@ def rank0_speaks_and_writes(model, rank):
 
             keras_model.hook(model, name, functools.wraps(method)(quiet))
     rank0_writes(model, rank)
+    every_rank_calls(model)
+
+
+def every_rank_calls(model):
+    """Make the model's ``predict`` and ``evaluate`` (split over the processes, so collective) start with
+    :func:`~distkeras.backends.agreement.join` across processes (instance hooks, outermost): called on one rank
+    only, they raise :class:`~distkeras.errors.CollectiveError` within ``DISTKERAS_JOIN_TIMEOUT`` seconds instead
+    of waiting for the engine's timeout. A no-op in one process. Used by TensorFlow, JAX and PyTorch (MXNet and
+    CNTK have no board: :func:`~distkeras.backends.agreement.current` is None there)."""
+    for name in ("evaluate", "predict"):
+        keras_model.hook(model, name, agreement.agreed(getattr(model, name), name))
 
 
 def rank0_writes(model, rank):
@@ -151,7 +162,9 @@ def rank0_writes(model, rank):
       target's folder and renames it onto the target (:func:`write_atomically`): a crash or an error half-way
       leaves the previous file intact and no temporary file. Folders, shards, remote paths (``gs://``), file
       objects and ``overwrite=False`` (Keras asks first) are written as Keras writes them.
-    - the other ranks write nothing at the path given (:func:`throwaway_saves`).
+    - the other ranks write nothing at the path given (:func:`throwaway_saves`), and return once rank 0's
+      file is complete (:func:`~distkeras.backends.agreement.saving`, across processes: rank 0 waits for
+      nobody, so a save on rank 0 alone works too).
 
     Used by every backend (TensorFlow, JAX, PyTorch, MXNet, CNTK); a second ``distribute()`` replaces the
     first one's hooks instead of wrapping them.
@@ -199,13 +212,13 @@ def atomic_saves(method):
         bound, named = _arguments(signature, args, kwargs)
         path = _local_file(named)
         if path is None:
-            return method(*args, **kwargs)
+            return agreement.saving(named.get("filepath"), lambda: method(*args, **kwargs), 0)
 
         def write(temporary):
             bound.arguments["filepath"] = temporary
             return method(*bound.args, **bound.kwargs)
 
-        return write_atomically(path, write)
+        return agreement.saving(named.get("filepath"), lambda: write_atomically(path, write), 0)
 
     return atomic
 
@@ -215,7 +228,9 @@ def throwaway_saves(method, rank):
     for ranks other than 0.
 
     The file is written under its own name in a new temporary folder, which is deleted when the call
-    returns; nothing is written at the path given, and the call never waits for another rank. It still
+    returns; nothing is written at the path given. Across processes the call then waits until rank 0 has
+    written the path, and raises where rank 0's write failed (:func:`~distkeras.backends.agreement.saving`), so
+    a ``load_model`` right after it reads the complete file on every rank. It still
     runs: reading a multi-process JAX array (or a TensorFlow variable of a multi-worker strategy) can be a
     collective step every process must take, and an error (a bad file name) is raised on every rank alike.
     """
@@ -224,9 +239,14 @@ def throwaway_saves(method, rank):
     @functools.wraps(method)
     def throwaway(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        with tempfile.TemporaryDirectory(prefix="distkeras-rank{}-".format(rank)) as folder:
-            bound.arguments["filepath"] = os.path.join(folder, os.path.basename(str(bound.arguments["filepath"])))
-            return method(*bound.args, **bound.kwargs)
+        filepath = bound.arguments["filepath"]
+
+        def write():
+            with tempfile.TemporaryDirectory(prefix="distkeras-rank{}-".format(rank)) as folder:
+                bound.arguments["filepath"] = os.path.join(folder, os.path.basename(str(filepath)))
+                return method(*bound.args, **bound.kwargs)
+
+        return agreement.saving(filepath, write, rank)
 
     return throwaway
 

@@ -55,7 +55,7 @@ from typing import List
 
 from ...devices import Device
 from ...errors import ClusterError, DistKerasError, NetworkError, OptionError, TooLateError
-from .. import keras_model, policies, when_imported
+from .. import agreement, keras_model, policies, when_imported
 from ..base import COMPRESSION_HELP, SHARD_HELP, Adapter, check_compression, check_shard, pin_local_gpus
 
 logger = logging.getLogger("distkeras")
@@ -267,6 +267,9 @@ class JaxAdapter(Adapter):
         _replicate_uneven_batches()
         keras_model.unhook(model)  # an earlier distribute()'s hooks
         jax_shard.unhook_optimizers(model)
+        agreement.use(_board(cluster) if cluster.is_multi_worker else None)
+        if cluster.is_multi_worker:
+            _take_rank0_values(model)
         jax_steps.uninstall(model)
         jax_uneven.install(model)
         with distribution.scope():
@@ -344,6 +347,51 @@ def _same_random_state_every_epoch(model):
         return fit(*bound.args, **bound.kwargs)
 
     keras_model.hook(model, "fit", same_shuffle_fit)
+
+
+def _take_rank0_values(model):
+    """Every variable of ``model`` (weights, seed-generator states, optimizer and metric state) takes process 0's
+    value, in one ``broadcast_one_to_all``: a process that built its model from another seed (or none) would
+    otherwise hand ``jax.device_put`` different values for one replicated array, which JAX refuses with an
+    AssertionError that prints the arrays. TensorFlow and PyTorch broadcast rank 0's values alike."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    variables = keras_model.state_variables(model)
+    values = multihost_utils.broadcast_one_to_all([np.asarray(v.value) for v in variables])
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def _board(cluster):
+    """The job's :class:`~distkeras.backends.agreement.Board` on ``jax.distributed``'s key-value store.
+
+    Private API, on purpose: JAX keeps its distributed client in ``jax._src.distributed.global_state`` (its own
+    ``multihost_utils`` reads it there too); the client's ``key_value_set`` refuses to overwrite an entry (the
+    first writer wins) and ``key_value_try_get`` doesn't wait. Pinned by tests/backends/test_multiprocess_basics.py.
+    """
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+
+    def read(key):
+        try:
+            return client.key_value_try_get(key)
+        except Exception as exc:  # jaxlib's XlaRuntimeError: NOT_FOUND
+            if "NOT_FOUND" in str(exc):
+                return None
+            raise
+
+    def post(key, value):
+        try:
+            client.key_value_set(key, value)
+            return value
+        except Exception as exc:  # ALREADY_EXISTS: another process wrote it first
+            if "ALREADY_EXISTS" not in str(exc):
+                raise
+            return client.key_value_try_get(key)
+
+    return agreement.Board(post, read, cluster.rank, cluster.world_size)
 
 
 def _broadcast_bytes(data):

@@ -1,0 +1,98 @@
+"""One worker of a test job of multi-process basics, started by `distkeras launch` (see
+test_multiprocess_basics.py).
+
+    python -m tests.backends.basics_job OUT_DIR MODE
+
+MODE:
+
+- "unseeded": every rank builds the model from its own seed (rank 0's initial weights go to OUT_DIR/init.npz),
+  distributes it and trains; every rank writes its final weights to OUT_DIR/rank{R}.npz.
+- "save": every rank saves and at once loads again, ROUNDS times each: ``model.save`` + ``load_model``,
+  ``save_weights`` + ``load_weights``, and ``ModelCheckpoint(save_best_only=True)`` in fit() followed by
+  ``load_model`` of each epoch's best (a callback after it); each rank prints "loaded N" with the number of files it read back.
+- "alone": rank 0 alone calls predict() and then evaluate() (the Horovod habit) and prints what each raised and
+  how long it took; rank 1 goes on to the end of its script.
+"""
+
+import os
+import sys
+import time
+
+import distkeras  # first: a multi-worker engine starts before the backend's first op
+import keras
+import numpy as np
+
+from tests.backends import scenarios
+
+#: Saves (and loads) of each kind in mode "save": the race this checks lost 2 jobs of 3 with one save.
+ROUNDS = 3
+
+
+def unseeded(out_dir, rank):
+    model = scenarios.build(keras, seed=1000 + rank)  # another seed on every rank, as without any seed
+    if rank == 0:
+        np.savez(os.path.join(out_dir, "init.npz"), *model.get_weights())
+    model = distkeras.distribute(model)
+    x, y = scenarios.data(48)
+    model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    np.savez(os.path.join(out_dir, "rank{}.npz".format(rank)), *model.get_weights())
+
+
+def saves(out_dir, rank):
+    model = distkeras.distribute(scenarios.build(keras))
+    expected = model.get_weights()
+    loaded = 0
+    for i in range(ROUNDS):
+        path = os.path.join(out_dir, "model-{}.keras".format(i))
+        model.save(path)
+        same(keras.saving.load_model(path).get_weights(), expected)
+        path = os.path.join(out_dir, "w-{}.weights.h5".format(i))
+        model.save_weights(path)
+        model.load_weights(path)
+        same(model.get_weights(), expected)
+        loaded += 2
+    x, y = scenarios.data(48)
+    path = os.path.join(out_dir, "best-{epoch}.keras")  # the loss falls every epoch: a new best file each time
+    best = keras.callbacks.ModelCheckpoint(path, monitor="loss", save_best_only=True)
+    load = LoadBest(path)
+    model.fit(x, y, batch_size=12, epochs=ROUNDS, shuffle=False, verbose=0, callbacks=[best, load])
+    print("loaded", loaded + load.loaded)
+
+
+class LoadBest(keras.callbacks.Callback):
+    """After ModelCheckpoint (the callback before it) saved the epoch's best model: load it on every rank."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path, self.loaded = path, 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        best = keras.saving.load_model(self.path.format(epoch=epoch + 1))
+        same(best.get_weights(), self.model.get_weights())
+        self.loaded += 1
+
+
+def same(actual, expected):
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6, atol=1e-6)
+
+
+def alone(out_dir, rank):
+    model = distkeras.distribute(scenarios.build(keras))
+    x, y = scenarios.data(24)
+    if rank != 0:
+        return
+    for name, call in (("predict", lambda: model.predict(x, verbose=0)),
+                       ("evaluate", lambda: model.evaluate(x, y, verbose=0))):
+        started = time.time()
+        try:
+            result = call()
+            print("{} returned {} in {:.1f} s".format(name, np.asarray(result).shape, time.time() - started))
+        except distkeras.DistKerasError as exc:
+            print("{} raised {}: {} after {:.1f} s".format(name, type(exc).__name__, exc, time.time() - started))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    out, mode = sys.argv[1], sys.argv[2]
+    {"unseeded": unseeded, "save": saves, "alone": alone}[mode](out, distkeras.cluster.from_env().rank)

@@ -1,0 +1,87 @@
+"""Multi-process basics as a new user meets them under `distkeras launch --nproc-per-node 2`, on the backend's own
+engine over 127.0.0.1 (jobs: basics_job.py): a model built from another seed on every rank trains from rank 0's
+values; a save returns on every rank once the file is complete; predict()/evaluate() on one rank only end within
+seconds with an error saying to call them on every rank."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from tests.backends import basics_job, scenarios
+from tests.backends.harness import BACKEND, keras
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: Seconds every rank has to join predict()/evaluate() in these jobs (DISTKERAS_JOIN_TIMEOUT; default 60).
+JOIN_TIMEOUT = 4
+#: The bound on a whole job: a hang fails the test here (subprocess.run kills the launcher, whose workers die
+#: with it: PR_SET_PDEATHSIG), never waits for the engine's own timeout.
+JOB_TIMEOUT = 150
+
+
+def launch(out_dir, mode):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_") and k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND=BACKEND,
+               DISTKERAS_JOIN_TIMEOUT=str(JOIN_TIMEOUT))
+    command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "2", "--backend", BACKEND,
+               "--stop-timeout", "5", "-m", "tests.backends.basics_job", str(out_dir), mode]
+    started = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=JOB_TIMEOUT)
+    return done, time.time() - started
+
+
+def shown(done):
+    return done.stdout[-4000:] + done.stderr[-4000:]
+
+
+def weights(path):
+    saved = np.load(path)
+    return [saved["arr_{}".format(i)] for i in range(len(saved.files))]
+
+
+def test_ranks_built_from_different_seeds_train_from_rank_0s_values(tmp_path):
+    """Each rank builds its model from its own seed (as a script that seeds nothing does). JAX refused such a
+    model in distribute() (device_put's "not the same on each process", printing the arrays); now every backend
+    takes rank 0's values, and both ranks end where one device ends from rank 0's initial weights."""
+    done, _ = launch(tmp_path, "unseeded")
+    assert done.returncode == 0, shown(done)
+    assert "not the same on each process" not in done.stderr
+    model = scenarios.build(keras)
+    model.set_weights(weights(os.path.join(str(tmp_path), "init.npz")))
+    x, y = scenarios.data(48)
+    model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    r0, r1 = (weights(os.path.join(str(tmp_path), "rank{}.npz".format(r))) for r in (0, 1))
+    for a, b in zip(r0, r1):
+        np.testing.assert_array_equal(a, b)
+    for expected, actual in zip(model.get_weights(), r0):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_every_rank_loads_what_it_just_saved(tmp_path):
+    """save()+load_model(), save_weights()+load_weights() and ModelCheckpoint(save_best_only=True) followed by
+    load_model() of the best, on every rank, several times each: rank 1 returned from save() before rank 0 had
+    written the file ("File not found" in 2 jobs of 3 with a single save)."""
+    done, _ = launch(tmp_path, "save")
+    assert done.returncode == 0, shown(done)
+    files = 3 * basics_job.ROUNDS
+    assert "[rank 0] loaded {}".format(files) in done.stdout and "[rank 1] loaded {}".format(files) in done.stdout
+    assert not [name for name in os.listdir(str(tmp_path)) if name.startswith(".tmp-")]
+
+
+def test_predict_and_evaluate_on_one_rank_only_end_within_seconds_saying_what_to_do(tmp_path):
+    """Rank 0 alone calls predict(), then evaluate() (the Horovod habit); rank 1 ends its script. Each raises a
+    CollectiveError after DISTKERAS_JOIN_TIMEOUT seconds, never the engine's 30-minute wait."""
+    done, elapsed = launch(tmp_path, "alone")
+    out = done.stdout
+    for call in ("predict", "evaluate"):
+        found = re.search(r"\[rank 0\] {} raised CollectiveError: (.*) after ([0-9.]+) s".format(call), out)
+        assert found, shown(done)
+        message, seconds = found.group(1), float(found.group(2))
+        assert JOIN_TIMEOUT <= seconds < JOIN_TIMEOUT + 10, seconds
+        assert "Rank 0 called {}(), rank 1 did not within {} s (DISTKERAS_JOIN_TIMEOUT)".format(
+            call, JOIN_TIMEOUT) in message
+        assert "Call {}() on every rank".format(call) in message
+    print("rank 0 alone: predict and evaluate raised; job ended {:.1f} s after start".format(elapsed))
