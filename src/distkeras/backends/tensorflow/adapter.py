@@ -703,12 +703,20 @@ def _moments(layer, keras_moments, tf, synchronized):
 
 
 def _build_from_one_replica(model, tf, strategy):
-    """Let fit() start with a global batch the replica count doesn't divide (32 on 3 devices).
+    """Build metrics and optimizer before the first step, as Keras 3 does under a strategy, without drawing a batch.
 
-    Before its first step Keras 3 builds metrics and optimizer from one batch; with a strategy it
-    averages the replicas' batches to get one, which fails when they differ in size (TensorFlow splits
-    32 into 11+11+10). Only the batch's shapes and dtypes matter there, so take the first replica's.
-    Installed only where Keras has the method this replaces; an instance attribute, never saved.
+    Keras 3's TensorFlow trainer builds them from one batch (``_maybe_symbolic_build``) before fit() and
+    evaluate() start: under a strategy it takes the batch from a fresh iterator of the distributed dataset and
+    resets it, so a shuffling pipeline (``tf.data`` ``shuffle()``, a ``PyDataset`` under ``shuffle=True``, a
+    shuffling torch ``DataLoader``) spends one of its permutations there, and training runs on the dataset's
+    second pass where one device runs on its first; on an empty dataset (an empty ``validation_data``) the
+    peek raises a bare ``StopIteration`` where one device only warns. Only the batch's shapes and dtypes are
+    used there, so they are read from the distributed dataset's ``element_spec`` (the first replica's: a
+    batch the replica count doesn't divide, 32 on 3 devices, splits 11+11+10), which iterates nothing. A
+    dataset whose spec leaves a non-batch dimension unknown, given to a model with unbuilt layers, is still
+    peeked (no shape to build them from otherwise). The epoch iterator's ``_distributed_dataset`` is Keras'
+    private attribute (pinned by tests/backends/test_tensorflow_round2.py). Installed only where Keras has the
+    method this replaces; an instance attribute, never saved.
     """
     if not (hasattr(model, "_maybe_symbolic_build") and hasattr(model, "_symbolic_build")):
         return
@@ -728,9 +736,16 @@ def _build_from_one_replica(model, tf, strategy):
             # unbuilt model with a call() is built here, in the scope, as Keras builds it under a strategy.
             return
         if iterator is not None:
+            data_batch = _batch_spec(tf, model, iterator)
+        if iterator is not None and data_batch is None:
             for _, _, batches in iterator:
-                data_batch = tf.nest.map_structure(local, next(batches))
+                try:
+                    data_batch = tf.nest.map_structure(local, next(batches))
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    return  # an empty dataset: no step will run to need the build (one device warns later)
                 break
+            if data_batch is None:
+                return
         with strategy.scope():
             model._symbolic_build(data_batch=data_batch)
         # Keras builds metrics in a stateless scope and creates their variables only when it exits, under
@@ -739,6 +754,30 @@ def _build_from_one_replica(model, tf, strategy):
         _mirror_variables(tf, strategy, _state_variables(model))
 
     keras_model.hook(model, "_maybe_symbolic_build", maybe_symbolic_build)
+
+
+def _batch_spec(tf, model, iterator):
+    """The shapes and dtypes of the first replica's batch of ``iterator`` (a Keras ``TFEpochIterator``), read
+    from its distributed dataset's ``element_spec`` without iterating; None where they can't be read so or
+    leave a layer of an unbuilt model without the dimensions it builds from."""
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    try:
+        spec = dataset.element_spec
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return None
+
+    def first_replica(leaf):
+        values = getattr(leaf, "_value_specs", None)  # a PerReplicaSpec: one spec per local replica
+        return values[0] if values else leaf
+
+    spec = tf.nest.map_structure(first_replica, spec)
+    leaves = tf.nest.flatten(spec)
+    if not all(hasattr(leaf, "shape") and hasattr(leaf, "dtype") and leaf.shape.rank is not None for leaf in leaves):
+        return None
+    unbuilt = not all(layer.built for layer in model._flatten_layers())
+    if unbuilt and not all(leaf.shape.rank is not None and leaf.shape[1:].is_fully_defined() for leaf in leaves):
+        return None
+    return spec
 
 
 def _reducible_step_logs(model, tf):
