@@ -177,3 +177,86 @@ def test_the_build_reads_the_distributed_datasets_spec():
     iterator = TFEpochIterator(x=x, y=y, batch_size=6, distribute_strategy=model.distribute_strategy)
     spec = iterator._distributed_dataset.element_spec
     assert [tuple(s.shape)[1:] for s in spec[0]._value_specs] == [(4,), (4,)]  # one spec per replica
+
+
+# 3. TensorFlow's random ops in a custom train_step ---------------------------------------------------------------
+
+class _WGANGP(keras.Model):
+    """keras-io's WGAN-GP, tiny: latent vectors and interpolation weights drawn with ``tf.random`` in train_step,
+    a gradient penalty through a nested tape, optimizers of its own given to its ``compile()``."""
+
+    def __init__(self, critic, generator, latent_dim, draws):
+        super().__init__()
+        self.critic, self.generator, self.latent_dim, self.draws = critic, generator, latent_dim, draws
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+
+    def gradient_penalty(self, batch_size, real, fake):
+        import tensorflow as tf
+
+        alpha = self.draws["alpha"](tf, [batch_size, 1], self.d_optimizer.iterations)
+        interpolated = real + alpha * (fake - real)
+        with tf.GradientTape() as gp_tape:
+            gp_tape.watch(interpolated)
+            pred = self.critic(interpolated, training=True)
+        grads = gp_tape.gradient(pred, [interpolated])[0]
+        norm = tf.sqrt(tf.reduce_sum(tf.square(grads), axis=[1]))
+        return tf.reduce_mean((norm - 1.0) ** 2)
+
+    def train_step(self, real):
+        import tensorflow as tf
+
+        if isinstance(real, tuple):
+            real = real[0]
+        batch_size = tf.shape(real)[0]
+        for _ in range(2):  # the critic's extra steps
+            latent = self.draws["latent"](tf, (batch_size, self.latent_dim), self.d_optimizer.iterations)
+            with tf.GradientTape() as tape:
+                fake = self.generator(latent, training=True)
+                d_cost = tf.reduce_mean(self.critic(fake, training=True)) - tf.reduce_mean(self.critic(real, training=True))
+                d_loss = d_cost + 10.0 * self.gradient_penalty(batch_size, real, fake)
+            grads = tape.gradient(d_loss, self.critic.trainable_variables)
+            self.d_optimizer.apply_gradients(zip(grads, self.critic.trainable_variables))
+        latent = self.draws["generator"](tf, (batch_size, self.latent_dim), self.g_optimizer.iterations)
+        with tf.GradientTape() as tape:
+            g_loss = -tf.reduce_mean(self.critic(self.generator(latent, training=True), training=True))
+        grads = tape.gradient(g_loss, self.generator.trainable_variables)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_variables))
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+#: How the draws are written: TensorFlow's stateless functions (a seed of the step), stateful ones with an op seed.
+_DRAWS = {
+    "stateless": {
+        "latent": lambda tf, shape, step: tf.random.stateless_normal(shape, seed=tf.stack([tf.cast(step, "int32"), 1])),
+        "alpha": lambda tf, shape, step: tf.random.stateless_uniform(shape, seed=tf.stack([tf.cast(step, "int32"), 2])),
+        "generator": lambda tf, shape, step: tf.random.stateless_truncated_normal(shape, seed=[3, 4]),
+    },
+    "op seed": {
+        "latent": lambda tf, shape, step: tf.random.normal(shape, seed=7),
+        "alpha": lambda tf, shape, step: tf.random.uniform(shape, 0.0, 1.0, seed=11),
+        "generator": lambda tf, shape, step: tf.random.truncated_normal(shape, seed=13),
+    },
+}
+
+
+def _train_wgan(devices, draws):
+    keras.utils.set_random_seed(0)
+    critic = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    generator = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(4)])
+    model = _WGANGP(critic, generator, 3, _DRAWS[draws])
+    model.compile(d_optimizer=keras.optimizers.Adam(0.01, beta_1=0.5), g_optimizer=keras.optimizers.Adam(0.01, beta_1=0.5))
+    model = _distributed(model, devices)
+    history = model.fit(_data()[0], batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    return _weights(critic) + _weights(generator), history
+
+
+@pytest.mark.parametrize("draws", sorted(_DRAWS))
+def test_tf_random_in_a_custom_train_step_draws_one_devices_rows(draws):
+    weights, history = _train_wgan(1, draws)
+    weights_n, history_n = _train_wgan(2, draws)
+    _assert_same(weights, weights_n, 1e-4)
+    for key in history:
+        np.testing.assert_allclose(history_n[key], history[key], rtol=1e-4, atol=1e-4, err_msg=key)

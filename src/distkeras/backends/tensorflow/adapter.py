@@ -24,7 +24,11 @@ What the adapter changes so that every step is exactly the single-device step at
   no Keras 3 loss code, keep a correction of their ``compute_loss`` (:func:`_weigh_replicas_by_batch_share`).
 - **Random draws of one device.** ``keras.random.*``, Dropout and its variants, GaussianNoise, the
   augmentation layers and seed generators in custom layers draw, on each replica, one device's values for
-  its rows of the global batch (see :mod:`.steps` for which functions are exact).
+  its rows of the global batch (see :mod:`.steps` for which functions are exact). So do TensorFlow's
+  ``tf.random.stateless_*`` and, given an op seed, ``tf.random.normal``/``uniform``/``truncated_normal`` called in
+  a custom step (keras-io's WGAN-GP); without an op seed, and ``tf.random.Generator``, they draw independently per
+  replica: TensorFlow seeds such an op from the count of ops traced before it, which no other program shares
+  (:func:`tensorflow_steps.draw_tf_like_one_device`).
 - **Every optimizer of the model.** ``model.optimizer``, the optimizer a LossScaleOptimizer wraps, and
   optimizers held in the model's attributes (a GAN's ``d_optimizer``, ``g_optimizer`` given to its own
   ``compile()``), at ``distribute()`` and after each ``compile()``: told the strategy, their variables
@@ -252,6 +256,7 @@ class TensorFlowAdapter(Adapter):
             tensorflow_steps.tell_replicas_their_rows(tf, strategy, exact_loss_scaling)
             tensorflow_steps.gate_keras_loss_scaling()
             tensorflow_steps.draw_like_one_device(tf)
+            tensorflow_steps.draw_tf_like_one_device(tf)
             keras_model.weigh_scalar_means(model, tensorflow_steps.scalar_share(tf, strategy.num_replicas_in_sync))
             tensorflow_steps.convolve_empty_batches(tf)
             tensorflow_steps.one_device_step_logs(tf, model, keras_model.keras_module(model).Model)

@@ -53,6 +53,7 @@ Across workers a worker's rows are not a contiguous block of the global batch: d
 per replica there, not one device's.
 """
 
+import contextlib
 import inspect
 import threading
 from typing import NamedTuple
@@ -292,7 +293,7 @@ def draw_like_one_device(tf):
         return not hasattr(value, "shape") or len(value.shape) == 0
 
     def shaped(name, params=()):
-        keras_fn = getattr(module, name)
+        keras_fn = _as_asked(getattr(module, name))
         signature = inspect.signature(keras_fn)
 
         def draw(shape, *args, **kwargs):
@@ -317,7 +318,7 @@ def draw_like_one_device(tf):
     shaped("binomial", [("counts", 1.0), ("probabilities", 0.5)])
     shaped("beta", [("alpha", 1.0), ("beta", 1.0)])
 
-    keras_dropout = module.dropout
+    keras_dropout = _as_asked(module.dropout)
 
     def dropout(inputs, rate, noise_shape=None, seed=None):
         rows = current()
@@ -336,7 +337,7 @@ def draw_like_one_device(tf):
     dropout.__wrapped__ = keras_dropout
     module.dropout = dropout
 
-    keras_categorical = module.categorical
+    keras_categorical = _as_asked(module.categorical)
 
     def categorical(logits, num_samples, dtype="int64", seed=None):
         rows = current()
@@ -351,7 +352,7 @@ def draw_like_one_device(tf):
     categorical.__wrapped__ = keras_categorical
     module.categorical = categorical
 
-    keras_shuffle = module.shuffle
+    keras_shuffle = _as_asked(module.shuffle)
 
     def shuffle(x, axis=0, seed=None):
         rows = current()
@@ -366,6 +367,86 @@ def draw_like_one_device(tf):
 
     shuffle.__wrapped__ = keras_shuffle
     module.shuffle = shuffle
+
+
+@contextlib.contextmanager
+def _held_as_asked():
+    outer, _held.as_asked = getattr(_held, "as_asked", False), True
+    try:
+        yield
+    finally:
+        _held.as_asked = outer
+
+
+def _as_asked(fn):
+    """``fn`` with TensorFlow's random functions drawing as asked while it runs (:func:`draw_tf_like_one_device`):
+    Keras' random functions call ``tf.random.stateless_*`` with the shape their own plan already made global."""
+
+    def as_asked(*args, **kwargs):
+        with _held_as_asked():
+            return fn(*args, **kwargs)
+
+    as_asked.__wrapped__ = fn
+    return as_asked
+
+
+#: TensorFlow's random functions drawn like one device: name -> (needs an op seed to be one device's, parameters).
+_TF_DRAWS = {
+    "stateless_normal": (False, ("mean", "stddev")),
+    "stateless_uniform": (False, ("minval", "maxval")),
+    "stateless_truncated_normal": (False, ("mean", "stddev")),
+    "normal": (True, ("mean", "stddev")),
+    "uniform": (True, ("minval", "maxval")),
+    "truncated_normal": (True, ("mean", "stddev")),
+}
+
+
+def draw_tf_like_one_device(tf):
+    """Have TensorFlow's own random functions called in a replica step (``tf.random.normal``, as keras-io's
+    WGAN-GP draws its latent vectors and interpolation weights in its ``train_step``) draw one device's values for
+    the replica's rows, by the plan of :func:`draw_like_one_device`: drawn at the global batch, the replica keeps
+    its rows. Idempotent; patches the ``tf.random`` module's attributes, which user code looks up at call time.
+
+    Exact for ``tf.random.stateless_normal``, ``stateless_uniform``, ``stateless_truncated_normal`` (the values
+    depend on the seed and the shape only), and for ``tf.random.normal``, ``uniform``, ``truncated_normal`` given
+    an op ``seed``: each replica's kernel is seeded as one device's and, drawing the global shape at every step,
+    advances its stream as one device's does. Not one device's, drawn as asked, independently on every replica:
+    the stateful functions without an op seed (their op seed is TensorFlow's count of the ops traced before them
+    under a global seed, or random without one: no other program, one device's included, draws those values),
+    ``tf.random.Generator`` (its state is one variable the replicas would each advance), other functions
+    (``categorical``, ``gamma``, ``poisson``, ``shuffle``, ``stateless_binomial`` ...), a mean or bound given per
+    element, and functions reached through another module (``tf.compat.v1.random``).
+    """
+    module = tf.random
+    if getattr(module, "_distkeras_patched", False):
+        return
+    module._distkeras_patched = True
+
+    def patch(name, needs_seed, params):
+        tf_fn = getattr(module, name)
+        signature = inspect.signature(tf_fn)
+
+        def draw(*args, **kwargs):
+            rows = current()
+            if rows is None or getattr(_held, "as_asked", False):
+                return tf_fn(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            given = [bound.arguments.get(param) for param in params]
+            if (needs_seed and bound.arguments.get("seed") is None
+                    or any(value is not None and hasattr(value, "shape") and len(value.shape) for value in given)):
+                return tf_fn(*args, **kwargs)
+            plan = _plan(tf, rows, bound.arguments["shape"])
+            if plan is None:
+                return tf_fn(*args, **kwargs)
+            drawn, index, asked = plan
+            bound.arguments["shape"] = drawn
+            return _mine(tf, _as_asked(tf_fn)(*bound.args, **bound.kwargs), index, asked)
+
+        draw.__wrapped__ = tf_fn
+        setattr(module, name, draw)
+
+    for name, (needs_seed, params) in _TF_DRAWS.items():
+        patch(name, needs_seed, params)
 
 
 def _every_metric(model):
