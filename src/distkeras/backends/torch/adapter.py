@@ -45,6 +45,7 @@ DEFAULT_TIMEOUT = 1800.0
 #: DDP's bucket_cap_mb default. Here, where options are checked before torch is imported; buckets.py takes it from here.
 DEFAULT_BUCKET_MB = 25
 _BACKENDS = ("gloo", "nccl")
+_BATCH_LOGS = ("global", "local")
 #: The instance attribute holding the model's torch_trainer.Replica (read by verify()).
 _REPLICA = "_distkeras_replica"
 
@@ -69,6 +70,8 @@ class TorchAdapter(Adapter):
         "overlap": "all-reduce the gradients in buckets during the backward pass, as DDP does (default True); "
                    "False: all at once after it",
         "bucket_mb": "MiB of gradients (as sent) per overlapped all-reduce (default 25, the first bucket 1 at most)",
+        "batch_logs": "'global' (default): each batch's logs are one device's wherever a callback or the progress "
+                      "bar reads them, at one small all-reduce per step; 'local': this rank's own running values",
     }
 
     def prepare(self, cluster):
@@ -144,7 +147,7 @@ class TorchAdapter(Adapter):
         return bool(value.item())
 
     def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None, sync_batchnorm=True,
-                   compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB, shard=None):
+                   compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB, shard=None, batch_logs="global"):
         import torch
 
         from . import launch as torch_launch
@@ -164,6 +167,8 @@ class TorchAdapter(Adapter):
                 "Expected a positive number of MiB for bucket_mb (default {}). Received: bucket_mb={!r}".format(
                     DEFAULT_BUCKET_MB, bucket_mb)
             )
+        if batch_logs not in _BATCH_LOGS:
+            raise OptionError("Expected batch_logs in {}. Received: batch_logs={!r}".format(_BATCH_LOGS, batch_logs))
         if len({d.kind for d in devices}) > 1:
             raise DeviceSpecError(
                 "Expected devices of one kind: with PyTorch every replica is a process, and the processes of a job "
@@ -198,7 +203,7 @@ class TorchAdapter(Adapter):
             cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None, compression
         )
         torch_trainer.broadcast_new_variables(model, replica)  # all of them, this first time
-        torch_trainer.install(model, replica, sync_batchnorm, overlap, bucket_mb, shard)
+        torch_trainer.install(model, replica, sync_batchnorm, overlap, bucket_mb, shard, batch_logs)
         torch_loops.install(model, replica)  # hand-written loops (distkeras.loops)
         keras_model.hook(model, _REPLICA, replica)  # for verify()
         return model

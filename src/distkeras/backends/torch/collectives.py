@@ -97,9 +97,10 @@ def average_gradients(grads, variables, count, compression=None):
     return averaged
 
 
-def all_reduce_states(variables, rank, world):
+def all_reduce_states(variables, rank, world, extra=()):
     """Replace each metric variable by its value over the job: summed ("sum", Keras' default for
-    metrics), averaged ("mean"), or rank 0's (anything else)."""
+    metrics), averaged ("mean"), or rank 0's (anything else). The floats ``extra`` are summed over the
+    ranks in the same all-reduce, and returned (a list)."""
     pieces = []
     for variable in variables:
         value = variable.value.detach().reshape(-1).to(torch.float64)
@@ -109,9 +110,19 @@ def all_reduce_states(variables, rank, world):
         elif aggregation != "sum":
             value = value * float(rank == 0)
         pieces.append(value)
+    if extra:
+        pieces.append(torch.tensor([float(v) for v in extra], dtype=torch.float64, device=pieces[0].device))
     flat = torch.cat(pieces)
     dist.all_reduce(flat)
     _scatter(flat, variables)
+    return flat[len(flat) - len(extra):].tolist() if extra else []
+
+
+def any_rank(flag):
+    """True on every rank when ``flag`` is true on any (one all-reduce of one integer)."""
+    value = torch.tensor([int(bool(flag))], dtype=torch.int32, device=_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def plain(value):

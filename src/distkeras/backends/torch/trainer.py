@@ -68,7 +68,10 @@ so distributing a model twice replaces the hooks instead of stacking them.
   batch's value. A ``keras.metrics.Mean`` tracker the step updates with a scalar (``update_state(loss)``,
   the guides' GAN and VAE) gets the rank's rows over an equal share as its sample weight
   (:func:`~distkeras.backends.keras_model.weigh_scalar_means`), so its summed states are the global batch's
-  too, however unevenly the batch splits. Per-batch progress shows rank 0's own running values.
+  too, however unevenly the batch splits. The logs of each train and test step (what ``on_train_batch_end``,
+  ``on_test_batch_end``, the progress bar, ``train_on_batch`` and ``test_on_batch`` get) are made global the
+  same way, in one all-reduce per step, where something reads them (:func:`_batch_logs_read`, agreed by every
+  rank when ``fit``/``evaluate`` starts); ``batch_logs="local"`` keeps each rank's own running values.
 - ``fit`` / ``evaluate`` / ``predict``: ``verbose=0`` on ranks other than 0. ``fit()`` starts, and
   every epoch begins, with rank 0's random state (Python, NumPy, torch), so shuffling and augmentation
   produce the same global batches on every rank. ``fit``/``evaluate``/``predict`` read only this rank's
@@ -140,6 +143,8 @@ class Replica(object):
         self.count = None  # samples of the train or test step in flight (None outside one)
         self.total = None  # samples of the whole global batch of that step (every rank's counts summed)
         self.last_count = None  # samples of the last train or test step
+        self.batch_logs = True  # whether train and test steps return the global logs (one all-reduce)
+        self.batch_logs_mode = "global"  # distribute()'s batch_logs: "global" or "local" (never global)
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
         self.buckets = None  # the overlapping all-reduce (torch_buckets.Buckets), when on
         self.shard = None  # the sharded training state (torch_shard.Sharding), with distribute(shard=...)
@@ -390,7 +395,7 @@ def _in_step(replica):
         _stepping.replica = outer
 
 
-def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None):
+def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None, batch_logs="global"):
     """Install the hooks of the module docstring on ``model`` (already on this rank's device).
 
     Hooks an earlier call installed are removed first. Keras' cached step functions are dropped, so a
@@ -399,9 +404,12 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None):
     (:class:`~distkeras.backends.torch_buckets.Buckets`). With ``shard`` (``"optimizer"``, ``"gradients"``,
     ``"all"``) the training state is sharded (:mod:`~distkeras.backends.torch.shard`); with ``"all"`` each
     step first shards the weights of layers built since (``Sharding.prepare_weights``) and ends with every
-    weight freed again off its owner.
+    weight freed again off its owner. ``batch_logs`` (``"global"``, ``"local"``): whether the logs of each
+    step are one device's (where something reads them: :func:`_batch_logs_read`) or this rank's own.
     """
     uninstall(model)
+    replica.batch_logs_mode = batch_logs
+    replica.batch_logs = batch_logs == "global"
     _gate_sum_reduction()
     for name in (_PRIVATE_LOGS, _PRIVATE_LAYERS):
         if not callable(getattr(model, name, None)):
@@ -416,13 +424,14 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None):
     for layer in synced:
         keras_model.hook(layer, batchnorm.MOMENTS, _global_moments(layer, replica))
     global_state = frozenset(id(v) for layer in synced for v in layer.non_trainable_variables)
+    global_logs = _global_logs(model, getattr(model, _PRIVATE_LOGS), replica)
     hooks = {
-        "train_step": _train_step(model, model.train_step, replica, global_state),
-        "test_step": _test_step(model, model.test_step, replica),
+        "train_step": _train_step(model, model.train_step, replica, global_state, global_logs),
+        "test_step": _test_step(model, model.test_step, replica, global_logs),
         "predict_step": _predict_step(model, model.predict_step, replica),
-        _PRIVATE_LOGS: _global_logs(model, getattr(model, _PRIVATE_LOGS), replica),
-        "fit": _entry(model.fit, replica, sync_random=True, sharded=True),
-        "evaluate": _entry(model.evaluate, replica, sharded=True),
+        _PRIVATE_LOGS: global_logs,
+        "fit": _entry(model.fit, replica, sync_random=True, sharded=True, logs="train"),
+        "evaluate": _entry(model.evaluate, replica, sharded=True, logs="test"),
         "predict": _entry(model.predict, replica, sharded=True),
     }
     # Keras after 3.15 (keras-nightly 3.16.0.dev) does data parallelism of its own once torch.distributed
@@ -534,7 +543,7 @@ def _wrap_optimizers(model, replica):
             _wrap_optimizer(optimizer, replica)
 
 
-def _train_step(model, step, replica, global_state):
+def _train_step(model, step, replica, global_state, global_logs):
     def train_step(data):
         # Wrapped here, not once: compile() after distribute() brings new optimizers.
         _wrap_optimizers(model, replica)
@@ -571,12 +580,15 @@ def _train_step(model, step, replica, global_state):
                     type(model).__name__,
                 )
             )
-        return logs
+        # The one-device check (distribute(verify=...), its Check held as "_distkeras_check") compares the logs of
+        # the step it checks with one device's, so they are global there too; "due" is alike on every rank.
+        checked = getattr(model.__dict__.get("_distkeras_check"), "due", False)
+        return global_logs(logs) if replica.batch_logs or checked else logs
 
     return train_step
 
 
-def _test_step(model, step, replica):
+def _test_step(model, step, replica, global_logs):
     def test_step(data):
         broadcast_new_variables(model, replica)
         if replica.shard is not None:
@@ -588,10 +600,12 @@ def _test_step(model, step, replica):
         try:
             with torch_random.global_draws(replica.rank, replica.world, count, total), _in_step(replica):
                 if count:
-                    return step(local)
-                return _without_trace(step, local, _metric_variables(model))
+                    logs = step(local)
+                else:
+                    logs = _without_trace(step, local, _metric_variables(model))
         finally:
             replica.count = None
+        return global_logs(logs) if replica.batch_logs else logs
 
     return test_step
 
@@ -629,22 +643,33 @@ def _metric_variables(model):
 
 
 def _global_logs(model, local_logs, replica):
+    """The logs of the step or epoch that just ended as one device has them (one all-reduce).
+
+    ``local_logs`` is Keras' ``_get_metrics_result_or_logs``. The metric states are summed over the ranks
+    (sorted metric names), read, and put back; a custom step's own scalars travel in the same all-reduce.
+    """
+
     def global_logs(logs):
+        if not isinstance(logs, dict):
+            return logs
         # A custom step's own logs are its rows' mean: weighted by the rows, their average is the global
         # batch's (a stand-in step's count for nothing).
         weight = 1.0 if replica.last_count is None else float(replica.last_count)
         variables = _metric_variables(model)
         if not variables:
             return collectives.average_logs(logs, weight) if logs else logs
+        metrics = {metric.name: metric for metric in model.metrics}
+        others = {k: collectives.plain(v) for k, v in logs.items() if k not in metrics}
+        names = sorted(k for k, v in others.items() if isinstance(v, float))
         saved = [v.value.detach().clone() for v in variables]
         try:
-            collectives.all_reduce_states(variables, replica.rank, replica.world)
+            sums = collectives.all_reduce_states(
+                variables, replica.rank, replica.world, [others[k] * weight for k in names] + [weight])
             result = local_logs(logs)
             if result is not logs:
                 return {name: collectives.plain(value) for name, value in result.items()}
             # A custom step's logs, which Keras passes through: those named after a metric are its global result.
-            metrics = {metric.name: metric for metric in model.metrics}
-            others = collectives.average_logs({k: v for k, v in logs.items() if k not in metrics}, weight)
+            others.update(zip(names, (value / (sums[-1] or 1.0) for value in sums[:-1])))
             return {k: collectives.plain(metrics[k].result()) if k in metrics else others[k] for k in logs}
         finally:  # the local states again: the global ones are never counted twice
             for variable, value in zip(variables, saved):
@@ -658,14 +683,21 @@ class _SyncRandomState(keras.callbacks.Callback):
         collectives.sync_random_state()
 
 
-def _entry(method, replica, sync_random=False, sharded=False):
+def _entry(method, replica, sync_random=False, sharded=False, logs=None):
     """fit/evaluate/predict: quiet off rank 0; a dead self-launched worker reported by rank and exit code;
-    with ``sharded``, each rank reads only its rows of array data (:func:`sharded_batches`)."""
+    with ``sharded``, each rank reads only its rows of array data (:func:`sharded_batches`); with ``logs``
+    (``"train"``, ``"test"``), the steps of the call return one device's logs only where something reads
+    them (:func:`_batch_logs_read`)."""
     signature = inspect.signature(method)
 
     @functools.wraps(method)
     def entry(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
+        outer = replica.batch_logs
+        if logs is not None and replica.batch_logs_mode == "global":
+            verbose = bound.arguments.get("verbose", signature.parameters["verbose"].default)
+            reads = _batch_logs_read(bound.arguments.get("callbacks"), verbose, logs == "train")
+            replica.batch_logs = collectives.any_rank(reads)  # every rank alike, or the steps' collectives differ
         if replica.rank != 0:
             bound.arguments["verbose"] = 0
         try:
@@ -685,5 +717,39 @@ def _entry(method, replica, sync_random=False, sharded=False):
             if failure:
                 raise LaunchError(failure) from exc
             raise
+        finally:
+            replica.batch_logs = outer
 
     return entry
+
+
+#: What a callback overrides when it reads the logs of each batch of fit() (train) or evaluate() (test).
+_BATCH_END = {True: ("on_train_batch_end", "on_batch_end"), False: ("on_test_batch_end",)}
+
+
+def _batch_logs_read(callbacks, verbose, train):
+    """Whether anything in a ``fit()`` (``train``) or ``evaluate()`` call reads the logs of each batch, so that
+    the steps must return one device's (one small all-reduce each).
+
+    Keras' ``CallbackList`` hands every batch's logs to each callback; only these read them: Keras' progress
+    bar (``ProgbarLogger``) at ``verbose=1`` (``"auto"`` is 1) outside ``fit()``'s validation, and any
+    callback with a batch-end method of its own (a ``LossHistory``, ``TerminateOnNaN``, ``TensorBoard``,
+    ``ModelCheckpoint``, a ``LambdaCallback`` given one). ``History`` reads epoch logs only. Epoch logs are
+    one device's either way (:func:`_global_logs`).
+    """
+    listed = isinstance(callbacks, keras.callbacks.CallbackList)  # fit()'s own, handed to its validation
+    progbar = not listed  # Keras adds a bar to a plain list where verbose != 0
+    for callback in keras.tree.flatten(callbacks.callbacks if listed else callbacks or []):
+        if type(callback) is keras.callbacks.ProgbarLogger:
+            progbar = False  # this one decides
+            level = callback.verbose if listed else verbose  # a CallbackList's bar is set up already
+            # _called_in_fit (a Keras private): a bar that fit() set up shows none of its validation batches.
+            if level in (1, "auto") and (train or not getattr(callback, "_called_in_fit", False)):
+                return True
+            continue
+        for name in _BATCH_END[train]:
+            method = getattr(callback, name, None)
+            if getattr(method, "__func__", method) is not getattr(keras.callbacks.Callback, name):
+                return True
+    return progbar and verbose in (1, "auto")
+
