@@ -139,7 +139,18 @@ def _fit_shuffled_py_dataset(devices):
     return _weights(model), history
 
 
-@pytest.mark.parametrize("fit", [_fit_shuffled_tf_data, _fit_shuffled_py_dataset], ids=["tf.data", "PyDataset"])
+def _fit_shuffled_torch_loader(devices):
+    torch = pytest.importorskip("torch")
+    model = _distributed(_small_model(), devices)
+    x, y = _data(22)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y)), batch_size=6,
+                                         shuffle=True, generator=torch.Generator().manual_seed(3))
+    history = model.fit(loader, epochs=1, verbose=0).history  # one epoch: see _fit_shuffled_py_dataset
+    return _weights(model), history
+
+
+@pytest.mark.parametrize("fit", [_fit_shuffled_tf_data, _fit_shuffled_py_dataset, _fit_shuffled_torch_loader],
+                         ids=["tf.data", "PyDataset", "torch DataLoader"])
 def test_a_shuffling_dataset_trains_on_the_order_one_device_trains_on(fit):
     weights, history = fit(1)
     weights_n, history_n = fit(2)
