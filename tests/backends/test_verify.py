@@ -6,6 +6,8 @@ not: a forward pass that mixes the rows of a batch, which TensorFlow and PyTorch
 program over the global batch, where it is exact and the check stays quiet).
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -80,18 +82,20 @@ def test_warn_mode_trains_on(caplog):
 def test_environment_switch(monkeypatch):
     import distkeras
 
-    monkeypatch.setenv("DISTKERAS_VERIFY", "1")
-    model = replicated(2, _distributed_has_check)
-    assert model
+    assert replicated(2, _distributed_has_check, "1")  # in the job's processes (PyTorch's are workers)
     monkeypatch.setenv("DISTKERAS_VERIFY", "nonsense")
     with pytest.raises(distkeras.OptionError, match="DISTKERAS_VERIFY"):
         distkeras.distribute(_model(), 2)
 
 
-def _distributed_has_check():
+def _distributed_has_check(switch):
     import distkeras
 
-    return "_distkeras_check" in distkeras.distribute(_model(), 2).__dict__
+    os.environ["DISTKERAS_VERIFY"] = switch
+    try:
+        return "_distkeras_check" in distkeras.distribute(_model(), 2).__dict__
+    finally:
+        del os.environ["DISTKERAS_VERIFY"]
 
 
 def test_global_seed_generator_is_where_the_check_reads_it():
