@@ -10,8 +10,8 @@ MODE:
 - "save": every rank saves and at once loads again, ROUNDS times each: ``model.save`` + ``load_model``,
   ``save_weights`` + ``load_weights``, and ``ModelCheckpoint(save_best_only=True)`` in fit() followed by
   ``load_model`` of each epoch's best (a callback after it); each rank prints "loaded N" with the number of files it read back.
-- "alone": rank 0 alone calls predict() and then evaluate() (the Horovod habit) and prints what each raised and
-  how long it took; rank 1 goes on to the end of its script.
+- "alone": rank 0 alone saves the model, then calls predict() and then evaluate() (the Horovod habit) and prints
+  what each raised and how long it took; rank 1 goes on to the end of its script.
 """
 
 import os
@@ -82,6 +82,9 @@ def alone(out_dir, rank):
     x, y = scenarios.data(24)
     if rank != 0:
         return
+    started = time.time()
+    model.save(os.path.join(out_dir, "alone.keras"))  # rank 0 alone saves: it waits for nobody
+    print("saved alone in {:.1f} s".format(time.time() - started))
     for name, call in (("predict", lambda: model.predict(x, verbose=0)),
                        ("evaluate", lambda: model.evaluate(x, y, verbose=0))):
         started = time.time()

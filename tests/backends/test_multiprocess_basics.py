@@ -72,10 +72,14 @@ def test_every_rank_loads_what_it_just_saved(tmp_path):
 
 
 def test_predict_and_evaluate_on_one_rank_only_end_within_seconds_saying_what_to_do(tmp_path):
-    """Rank 0 alone calls predict(), then evaluate() (the Horovod habit); rank 1 ends its script. Each raises a
-    CollectiveError after DISTKERAS_JOIN_TIMEOUT seconds, never the engine's 30-minute wait."""
+    """Rank 0 alone saves, then calls predict(), then evaluate() (the Horovod habit); rank 1 ends its script. The
+    save returns at once; predict and evaluate each raise a CollectiveError after DISTKERAS_JOIN_TIMEOUT seconds,
+    never the engine's 30-minute wait."""
     done, elapsed = launch(tmp_path, "alone")
     out = done.stdout
+    saved = re.search(r"\[rank 0\] saved alone in ([0-9.]+) s", out)  # a save on rank 0 alone waits for nobody
+    assert saved and float(saved.group(1)) < JOIN_TIMEOUT, shown(done)
+    assert os.path.exists(os.path.join(str(tmp_path), "alone.keras"))
     for call in ("predict", "evaluate"):
         found = re.search(r"\[rank 0\] {} raised CollectiveError: (.*) after ([0-9.]+) s".format(call), out)
         assert found, shown(done)
