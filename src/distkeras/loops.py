@@ -36,6 +36,7 @@ Backend-neutral: this module imports no framework; each backend's primitives are
 """
 
 import importlib
+import importlib.util
 
 from . import backends
 from .errors import ModelError
@@ -47,7 +48,7 @@ def _backend_loops(model):
             "Expected a Keras model distributed with distkeras.distribute(). Received: {!r} of type {}".format(
                 model, type(model).__name__))
     name = backends.active_name(model)
-    if name not in ("tensorflow", "jax", "torch"):
+    if importlib.util.find_spec("distkeras.backends.{}.loops".format(name)) is None:  # a backend without loops
         raise ModelError("Hand-written loops are supported on TensorFlow, JAX and PyTorch (Keras 3); this model's "
                          "backend is {}. Use fit().".format(name))
     return importlib.import_module("distkeras.backends.{}.loops".format(name))
