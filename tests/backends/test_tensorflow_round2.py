@@ -133,8 +133,8 @@ class _Batches(keras.utils.PyDataset):
 def _fit_shuffled_py_dataset(devices):
     model = _distributed(_small_model(), devices)
     # One epoch: the defect was a first epoch trained on the second permutation. Later epochs of a PyDataset
-    # under MirroredStrategy vary from run to run on TensorFlow 2.21 (the batch order drawn is the same; see the
-    # adapter's notes), which this test doesn't cover.
+    # under MirroredStrategy vary from run to run on TensorFlow 2.21 though the batch order drawn is the same (a
+    # from_generator dataset's epoch end; not this defect), which this test doesn't cover.
     history = model.fit(_Batches(*_data(22)), epochs=1, verbose=0).history  # shuffle=True: Python's random, seeded
     return _weights(model), history
 
