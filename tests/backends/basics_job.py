@@ -11,7 +11,7 @@ MODE:
   ``save_weights`` + ``load_weights``, and ``ModelCheckpoint(save_best_only=True)`` in fit() followed by
   ``load_model`` of each epoch's best (a callback after it); each rank prints "loaded N" with the number of files it read back.
 - "alone": rank 0 alone saves the model, then calls predict() and then evaluate() (the Horovod habit) and prints
-  what each raised and how long it took; rank 1 goes on to the end of its script.
+  what each raised and how long it took; rank 1 stays alive outside any collective until rank 0 is through.
 """
 
 import os
@@ -80,7 +80,11 @@ def same(actual, expected):
 def alone(out_dir, rank):
     model = distkeras.distribute(scenarios.build(keras))
     x, y = scenarios.data(24)
-    if rank != 0:
+    done = os.path.join(out_dir, "done")
+    if rank != 0:  # alive and busy elsewhere (not in a collective) until rank 0 is through, 60 s at most
+        deadline = time.time() + 60
+        while not os.path.exists(done) and time.time() < deadline:
+            time.sleep(0.1)
         return
     started = time.time()
     model.save(os.path.join(out_dir, "alone.keras"))  # rank 0 alone saves: it waits for nobody
@@ -94,6 +98,7 @@ def alone(out_dir, rank):
         except distkeras.DistKerasError as exc:
             print("{} raised {}: {} after {:.1f} s".format(name, type(exc).__name__, exc, time.time() - started))
     sys.stdout.flush()
+    open(done, "w").close()
 
 
 if __name__ == "__main__":

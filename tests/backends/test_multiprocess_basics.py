@@ -72,7 +72,7 @@ def test_every_rank_loads_what_it_just_saved(tmp_path):
 
 
 def test_predict_and_evaluate_on_one_rank_only_end_within_seconds_saying_what_to_do(tmp_path):
-    """Rank 0 alone saves, then calls predict(), then evaluate() (the Horovod habit); rank 1 ends its script. The
+    """Rank 0 alone saves, then calls predict(), then evaluate() (the Horovod habit); rank 1 stays alive elsewhere. The
     save returns at once; predict and evaluate each raise a CollectiveError after DISTKERAS_JOIN_TIMEOUT seconds,
     never the engine's 30-minute wait."""
     done, elapsed = launch(tmp_path, "alone")
