@@ -1,0 +1,55 @@
+"""A wider real-code corpus: keras-io examples and guides, each shrunk to generated data and a few steps.
+
+One module per area (``vision``, ``nlp``, ``structured``, ``timeseries``, ``generative``, ``audio``, ``guides``).
+A program is ``name(devices)``: it seeds Keras, builds its model the way its keras-io source does (same layers,
+same custom steps, same ``compile()`` arguments, callbacks and fit/evaluate/predict calls), adds the one line
+``model = distkeras.distribute(model, devices)`` when ``devices > 1``, trains, and returns
+:func:`tests.backends.realcode.result`. Each area's ``PROGRAMS`` maps a name to
+``(keras-io source, tolerance, backends, speed, expected)``: ``speed`` is ``"fast"`` (the default run) or
+``"slow"`` (the full run); ``expected`` is ``"pass"`` or ``"not-one-device: <the difference and its cause>"``,
+or a dict of those by backend.
+"""
+
+import os
+
+from tests.backends.corpus import audio, generative, guides, nlp, structured, timeseries, vision
+
+AREAS = {"vision": vision, "nlp": nlp, "structured": structured, "timeseries": timeseries,
+         "generative": generative, "audio": audio, "guides": guides}
+
+
+class Program:
+    """One registry entry, with its area and function."""
+
+    def __init__(self, area, name, entry):
+        self.area, self.name = area, name
+        self.source, self.tolerance, self.backends, self.speed, self._expected = entry
+        self.fn = getattr(AREAS[area], name)
+
+    def expected(self, backend):
+        """``"pass"`` or ``"not-one-device: ..."`` on ``backend``."""
+        if isinstance(self._expected, dict):
+            return self._expected.get(backend, "pass")
+        return self._expected
+
+
+PROGRAMS = {}
+for _area, _module in AREAS.items():
+    for _name, _entry in _module.PROGRAMS.items():
+        assert _name not in PROGRAMS, _name
+        PROGRAMS[_name] = Program(_area, _name, _entry)
+
+
+def run(name, devices, verify="raise"):
+    """Run program ``name`` on ``devices`` (1: plain Keras); its result. A distributed run sets
+    ``DISTKERAS_VERIFY`` (the one-device check) to ``verify`` where it runs, worker processes included."""
+    previous = os.environ.get("DISTKERAS_VERIFY")
+    if devices > 1 and verify:
+        os.environ["DISTKERAS_VERIFY"] = verify
+    try:
+        return PROGRAMS[name].fn(devices)
+    finally:
+        if previous is None:
+            os.environ.pop("DISTKERAS_VERIFY", None)
+        else:
+            os.environ["DISTKERAS_VERIFY"] = previous
