@@ -530,7 +530,7 @@ PROGRAMS = {
     "convmixer": (K + "convmixer.py", 1e-5, ALL, "slow", "pass"),
     "denoising_autoencoder": (K + "autoencoder.py", 1e-5, ALL, "slow", "pass"),
     "oxford_pets_segmentation": (K + "oxford_pets_image_segmentation.py", BN_ADAM, ALL, "slow",
-                                 {"torch": CONTIGUOUS, "tensorflow": VERIFY_BN}),
+                                 {"torch": CONTIGUOUS, "tensorflow": VERIFY_BN, "jax": VERIFY_BN}),
     "pointnet": (K + "pointnet.py", 5e-4, ALL, "fast", {"tensorflow": ORTHOGONAL, "torch": ORTHOGONAL,
                                                                "jax": VERIFY_BN}),
     "image_classification_3d": (K + "3D_image_classification.py", BN_ADAM, ALL, "slow", {"torch": VERIFY_BN}),
