@@ -1,7 +1,6 @@
 """distkeras.backends.agreement without a framework: ranks are threads sharing one dict as the job's store
 (first writer wins, as on every engine's board); each has its own counters, as each process has."""
 
-import collections
 import itertools
 import threading
 import time
@@ -23,7 +22,7 @@ def boards(world):
         with lock:
             return entries.get(key)
 
-    return [agreement.Board(post, read, rank, world, (itertools.count(1), collections.Counter()))
+    return [agreement.Board(post, read, rank, world, (itertools.count(1), itertools.count(1)))
             for rank in range(world)]
 
 
@@ -84,15 +83,23 @@ def test_a_nested_call_does_not_join_again():
     assert calls == ["evaluate"]
 
 
+def slow_write(path, result):
+    """Rank 0's write of ``path``: "done", after a while; returns ``result``."""
+
+    def write():
+        time.sleep(0.3)
+        with open(path, "w") as f:
+            f.write("done")
+        return result
+
+    return write
+
+
 def test_other_ranks_return_from_a_save_once_rank_0_wrote_and_raise_where_it_failed(tmp_path):
     rank0, rank1 = boards(2)
     path = str(tmp_path / "model.keras")
 
-    def write0():
-        time.sleep(0.3)
-        with open(path, "w") as f:
-            f.write("done")
-        return "rank0"
+    write0 = slow_write(path, "rank0")
 
     def read1():
         result = agreement.saving(path, lambda: "rank1", 1, rank1, timeout=10)
@@ -113,11 +120,30 @@ def test_other_ranks_return_from_a_save_once_rank_0_wrote_and_raise_where_it_fai
 def test_a_save_rank_0_never_makes_ends_within_the_timeout_and_rank_0_alone_waits_for_nobody(tmp_path):
     rank0, rank1 = boards(2)
     path = str(tmp_path / "w.weights.h5")
-    with pytest.raises(CollectiveError, match="waited 0.2 s .DISTKERAS_SAVE_TIMEOUT. for rank 0"):
+    with pytest.raises(CollectiveError, match="waited 0.2 s .DISTKERAS_SAVE_TIMEOUT. for rank 0.s save of it; rank 0 "):
         agreement.saving(path, lambda: None, 1, rank1, timeout=0.2)
     started = time.time()
     assert agreement.saving(str(tmp_path / "alone.keras"), lambda: "written", 0, rank0) == "written"
     assert time.time() - started < 0.1
+
+
+def test_saves_pair_by_order_and_a_rank_saving_a_path_of_its_own_never_waits_for_that_path(tmp_path):
+    """TensorFlow's multi-worker tutorial: the chief saves the real path, every other worker a path of its own.
+    Rank 1 returns once rank 0's save of the same number is through, without an error; the next saves of one
+    path pair again."""
+    rank0, rank1 = boards(2)
+    shared = str(tmp_path / "model.keras")
+
+    write0 = slow_write(shared, 0)
+
+    def second1():
+        agreement.saving(str(tmp_path / "rank1" / "model.keras"), lambda: None, 1, rank1, timeout=10)
+        agreement.saving(shared, lambda: None, 1, rank1, timeout=10)
+        with open(shared) as f:
+            return f.read()
+
+    assert run(lambda: [agreement.saving(str(tmp_path / "chief.keras"), lambda: 0, 0, rank0),
+                        agreement.saving(shared, write0, 0, rank0)], second1) == [[0, 0], "done"]
 
 
 def test_without_a_board_nothing_waits(tmp_path):

@@ -7,8 +7,11 @@ service), made current by its ``distribute()`` with :func:`use`:
 - **A save is complete when it returns, on every rank** (:func:`saving`). Rank 0 writes the file and posts its
   outcome; every other rank, after its throwaway copy, waits for that post before it returns. So
   ``model.save(p)`` followed by ``keras.saving.load_model(p)`` works on every rank, and a failed write raises on
-  every rank. Rank 0 waits for nobody: ``if rank == 0: model.save(p)`` (the Horovod habit) still works. The n-th
-  save of a path on one rank pairs with the n-th save of that path on rank 0.
+  every rank. Rank 0 waits for nobody: ``if rank == 0: model.save(p)`` (the Horovod habit) still works. Saves
+  pair by their order: a rank's n-th save pairs with rank 0's n-th save. Where both name the same file the rank
+  waits for rank 0's; where they name different ones (each rank's own path, as TensorFlow's multi-worker
+  tutorial writes non-chief workers' copies) it returns as soon as rank 0's n-th save is through. Saves made on
+  rank 0 alone before saves made on every rank shift the pairs: those then return without waiting.
 - **A collective call is made by every rank, or fails within seconds** (:func:`join`). ``predict()`` and
   ``evaluate()`` split their batches over the processes: a rank that calls one alone would wait in its first
   collective until the engine's timeout (30 minutes). Before such a call every rank posts which call it makes
@@ -19,7 +22,6 @@ service), made current by its ``distribute()`` with :func:`use`:
 No framework import here; Python 3.6 syntax.
 """
 
-import collections
 import hashlib
 import itertools
 import os
@@ -47,9 +49,9 @@ class Board(object):
         read: ``read(key)`` returns the entry at ``key``, or None at once where there is none.
         rank: this process' rank.
         world: the number of processes.
-        counters: ``(calls, saves)``: this process' count of agreed calls (an ``itertools.count``) and of saves by
-            path (a ``collections.Counter``). Default: the process' own, kept across boards, since a job's store
-            keeps its entries across distribute() calls.
+        counters: ``(calls, saves)``: this process' counts of agreed calls and of saves (``itertools.count``
+            objects). Default: the process' own, kept across boards, since a job's store keeps its entries across
+            distribute() calls.
     """
 
     def __init__(self, post, read, rank, world, counters=None):
@@ -72,7 +74,7 @@ def store_board(store, rank, world):
 
 _state = threading.local()
 _board = [None]
-_COUNTERS = (itertools.count(1), collections.Counter())
+_COUNTERS = (itertools.count(1), itertools.count(1))
 
 
 def use(board):
@@ -195,44 +197,53 @@ def agreed(method, call):
     return joined
 
 
-def _save_key(board, path):
-    """The board key of this rank's next save of ``path``: the n-th save of a path pairs with rank 0's n-th."""
-    board.saves[path] += 1
-    return "distkeras/save/{}/{}".format(hashlib.sha1(path.encode("utf-8")).hexdigest(), board.saves[path])
+def _fingerprint(path):
+    """A short name of the file ``path`` saves to (the same on every rank), or ``-`` for no path (a file object)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return "-"
+    name = os.path.abspath(os.fsdecode(os.fspath(path)))
+    return hashlib.sha1(name.encode("utf-8")).hexdigest()[:16]
 
 
 def saving(path, write, rank, board=None, timeout=None):
     """Run ``write()`` (this rank's save of ``path``) and return what it returned once ``path`` is complete.
 
-    Rank 0: ``write()`` writes the file; its outcome is posted (``"ok"``, or the error) whether it succeeds or
-    raises. Other ranks: ``write()`` (their throwaway copy) first, then wait up to ``timeout`` seconds
-    (:func:`save_timeout`) for rank 0's post; rank 0's failure raises :class:`~distkeras.errors.CollectiveError`
-    there too. No waiting without a board, or where ``path`` is no path (a file object).
+    Rank 0: ``write()`` writes the file; its outcome is posted (``"ok"``, or the error) under this save's number,
+    whether it succeeds or raises. Other ranks: ``write()`` (their throwaway copy) first, then wait up to
+    ``timeout`` seconds (:func:`save_timeout`) for rank 0's save of the same number; where it wrote the same path,
+    rank 0's failure raises :class:`~distkeras.errors.CollectiveError` there too. No waiting without a board, nor
+    for a save to no path (a file object).
     """
     board = current() if board is None else board
-    if board is None or not isinstance(path, (str, bytes, os.PathLike)):
+    if board is None:
         return write()
-    key = _save_key(board, os.fsdecode(os.fspath(path)))
+    key = "distkeras/save/{}".format(next(board.saves))
+    mine = _fingerprint(path)
     if rank == 0:
         try:
             result = write()
         except BaseException as exc:
-            board.post(key, "failed {}: {}".format(type(exc).__name__, exc))
+            board.post(key, "failed {} {}: {}".format(mine, type(exc).__name__, exc))
             raise
-        board.post(key, "ok")
+        board.post(key, "ok " + mine)
         return result
     result = write()
+    if mine == "-":
+        return result
     timeout = save_timeout() if timeout is None else timeout
     deadline = time.time() + timeout
     outcome = board.read(key)
     while outcome is None:
         if time.time() > deadline:
             raise CollectiveError(
-                "Rank {} saved {} and waited {:g} s ({}) for rank 0 to write it; rank 0 did not. Save on every rank "
-                "(rank 0 writes the file, every rank returns once it is complete), or on rank 0 alone.".format(
+                "Rank {} saved {} and waited {:g} s ({}) for rank 0's save of it; rank 0 made none. Save on every "
+                "rank (rank 0 writes the file, every rank returns once it is complete), or on rank 0 alone.".format(
                     rank, path, timeout, SAVE_TIMEOUT_ENV))
         time.sleep(POLL)
         outcome = board.read(key)
-    if outcome != "ok":
-        raise CollectiveError("Rank 0 failed to write {}, which every rank saved: {}".format(path, outcome[7:]))
+    status, theirs, detail = (outcome.split(" ", 2) + [""])[:3]
+    if theirs != mine:
+        return result  # rank 0 saved another file: this one is this rank's own
+    if status != "ok":
+        raise CollectiveError("Rank 0 failed to write {}, which every rank saved: {}".format(path, detail))
     return result
