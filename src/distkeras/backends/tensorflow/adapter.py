@@ -41,9 +41,11 @@ What the adapter changes so that every step is exactly the single-device step at
   computed from no sample (a position embedding's ``arange(maxlen)``: the same indices on every replica)
   has, on one device, one slice per index holding the whole batch's sum: its values are all-reduced under
   those indices (:func:`tensorflow_steps.depends_on_batch` walks the traced step to tell them apart).
-- **A custom step's logs.** A custom ``train_step`` / ``test_step`` that returns ``m.result()`` of the
-  model's metrics returns the global results, and the other scalars it returns are weighed by batch
-  share, so History and ``evaluate()`` show one device's values (:func:`tensorflow_steps.one_device_step_logs`).
+- **A step's logs.** Every metric's ``result()`` read inside a step is the global batch's (one all-reduce of
+  its variables), so per-batch logs (callbacks, the progress bar) are one device's for AUC, Precision or
+  counts too, where Keras would average each replica's own. A custom ``train_step`` / ``test_step``'s other
+  scalars are weighed by batch share, so History and ``evaluate()`` show one device's values
+  (:func:`tensorflow_steps.one_device_step_logs`).
   Metrics Keras builds after ``distribute()`` (a compiled metric first built by fit()) are mirrored too.
 - **Batches smaller than the replica count.** A replica a batch leaves without rows runs Keras'
   convolutions and poolings on one row of zeros and keeps none of it: TensorFlow's oneDNN kernels

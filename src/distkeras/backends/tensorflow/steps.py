@@ -495,8 +495,7 @@ def _global_result(tf, metric):
 
 
 def one_device_step_logs(tf, model, keras_model_class):
-    """For a custom ``train_step`` / ``test_step`` (Keras' own read their logs from the metric variables):
-    make what it returns one device's.
+    """Make what a ``train_step`` / ``test_step`` returns (its per-batch logs) one device's.
 
     Keras averages a step's returned values over the replicas, and reads a custom step's epoch and
     ``evaluate()`` logs from the last step's values when their names aren't exactly the model's metrics
@@ -505,23 +504,28 @@ def one_device_step_logs(tf, model, keras_model_class):
     weighed by ``R * n_r / N`` (``R`` replicas, ``n_r`` of the ``N`` rows), so Keras' average is the
     batch-share-weighted sum: a metric result stays itself, a replica's mean over its rows becomes the mean
     over the global batch, and a replica a short batch left without rows (whose mean over no rows is NaN
-    or 0) counts for nothing.
+    or 0) counts for nothing. (1) holds for Keras' own steps too, whose per-batch logs are their metrics'
+    results: the average of each replica's own result is not one device's for a ratio or a count (AUC,
+    Precision, TruePositives: a callback's ``on_train_batch_end`` logs, the progress bar), nor for a mean
+    over replicas' unequal parts of a batch. It costs an all-reduce of the metrics' variables a step, in
+    the step's graph.
     """
     from distkeras.backends import keras_model
 
     for name in ("train_step", "test_step"):
-        if getattr(type(model), name, None) is getattr(keras_model_class, name, None):
-            continue
+        if keras_model.is_hooked(model, name):  # an earlier distribute()'s: the class' own again
+            keras_model.unhook(model, name)
         step = getattr(model, name)
+        custom = getattr(type(model), name, None) is not getattr(keras_model_class, name, None)
 
-        def one_device_step(data, _step=step):
+        def one_device_step(data, _step=step, _custom=custom):
             for metric in _every_metric(model):
                 _global_result(tf, metric)
             logs = _step(data)
             rows = current()
             context = tf.distribute.get_replica_context()
-            if rows is None or context is None or context.num_replicas_in_sync == 1:
-                return logs
+            if not _custom or rows is None or context is None or context.num_replicas_in_sync == 1:
+                return logs  # Keras' own step returns its metrics' results only
 
             def weighed(value):
                 if not isinstance(value, tf.Tensor) or value.shape.rank != 0 or not value.dtype.is_floating:
