@@ -117,6 +117,64 @@ def differences(named: Sequence, rtol: float, atol: float) -> List[Difference]:
     return found
 
 
+def _slot_owners(entries: Sequence) -> Dict[str, List[int]]:
+    """For each weight, the indices of its optimizer slots among ``entries`` (``(name, kind, ...)``).
+
+    Keras names a slot after its variable's path, ``/`` made ``_``, then the slot's name (``dense_bias_momentum``:
+    ``add_variable_from_reference``); a slot belongs to the longest weight path it starts with.
+    """
+    prefixes = {name.replace("/", "_") + "_": name for name, kind, *_ in entries if kind == "weight"}
+    owners: Dict[str, List[int]] = {}
+    for index, (name, kind, *_) in enumerate(entries):
+        if kind != "optimizer":
+            continue
+        last = name.rsplit("/", 1)[-1]
+        matches = [prefix for prefix in prefixes if last.startswith(prefix) and len(last) > len(prefix)]
+        if matches:
+            owners.setdefault(prefixes[max(matches, key=len)], []).append(index)
+    return owners
+
+
+def explained_by_slots(found: Sequence[Difference], entries: Sequence, rtol: float) -> List[Difference]:
+    """The weight differences an adaptive optimizer's normalisation of rounding noise explains.
+
+    Adam, RMSprop, Adagrad and their kin divide a step by the gradient's own running scale, so a gradient that is
+    exactly 0 on paper (a bias that feeds BatchNormalization, an attention key's bias, which softmax ignores) moves
+    its weight by about the learning rate along the sign of float noise: 1e-9 one way distributed, 1e-9 the other
+    on one device, weights 2e-3 apart. The slots themselves are linear (or quadratic) in the gradient and stay
+    equal to rounding. A weight's difference is explained where the weight has slots and each slot agrees within
+    ``rtol`` times the largest value any slot of its name (``momentum``, ``velocity``) holds in the model: the
+    gradients agreed up to float noise, which is what the check compares. A weight without slots (SGD, non-
+    trainable state) is compared as it is; a slot that differs is reported itself.
+    """
+    import numpy as np
+
+    owners = _slot_owners(entries)
+    reported = {d.name for d in found}
+    scale: Dict[str, float] = {}
+    for weight, indices in owners.items():
+        for index in indices:
+            suffix = entries[index][0].rsplit("/", 1)[-1][len(weight.replace("/", "_")) + 1:]
+            want = np.abs(np.asarray(entries[index][3], dtype="float64"))
+            scale[suffix] = max(scale.get(suffix, 0.0), float(want.max()) if want.size else 0.0)
+    explained = []
+    for difference in found:
+        indices = owners.get(difference.name)
+        if difference.kind != "weight" or not indices:
+            continue
+        agree = True
+        for index in indices:
+            name, _, got, want = entries[index][:4]
+            suffix = name.rsplit("/", 1)[-1][len(difference.name.replace("/", "_")) + 1:]
+            gap = np.abs(np.asarray(got, dtype="float64") - np.asarray(want, dtype="float64"))
+            if name in reported or (gap.size and float(gap.max()) > rtol * scale.get(suffix, 0.0)):
+                agree = False
+                break
+        if agree:
+            explained.append(difference)
+    return explained
+
+
 def message(found: Sequence[Difference], backend: str, replicas: int, rtol: float, atol: float) -> str:
     """What the check tells the user: what differs, by how much, and where to read why."""
     lines = [
@@ -146,6 +204,7 @@ class Check:
         self.due = True
         self.checked = 0  # steps compared so far
         self.found = []  # the last verdict's differences
+        self.explained = []  # weight differences the optimizer's slots explain (see explained_by_slots)
         self.skipped = None  # why the check can't run here, once said
 
     def skip(self, why: str) -> None:
@@ -159,7 +218,9 @@ class Check:
         """Compare, then raise or warn by the mode. Every rank judges the same values, so every rank raises."""
         self.due = False
         self.checked += 1
-        self.found = differences(named, self.rtol, self.atol)
+        found = differences(named, self.rtol, self.atol)
+        self.explained = explained_by_slots(found, named, self.rtol)
+        self.found = [d for d in found if d not in self.explained]
         if self.found:
             text = message(self.found, self.backend, self.replicas, self.rtol, self.atol)
             if self.mode == "raise":

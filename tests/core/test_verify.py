@@ -58,3 +58,42 @@ def test_check_raises_or_warns_once_with_the_names(caplog):
 def test_a_log_only_one_side_returned_is_a_difference():
     found = verify.differences(verify.log_pairs({"loss": 1.0, "extra": 2.0}, {"loss": 1.0}), 1e-4, 1e-5)
     assert [d.name for d in found] == ["extra"]
+
+
+def _adam_entries(bias_slots_gap):
+    """A kernel and a bias with Adam's slots, as the check names them: the bias 2e-3 apart after one step."""
+    return [
+        ("dense/kernel", "weight", [1.0, 2.0], [1.0, 2.0]),
+        ("dense/bias", "weight", [0.001], [-0.001]),
+        ("adam/dense_kernel_momentum", "optimizer", [0.1, 0.2], [0.1, 0.2]),
+        ("adam/dense_kernel_velocity", "optimizer", [0.01, 0.04], [0.01, 0.04]),
+        ("adam/dense_bias_momentum", "optimizer", [1e-10], [-1e-10 + bias_slots_gap]),
+        ("adam/dense_bias_velocity", "optimizer", [1e-21], [1e-21]),
+        ("adam/iterations", "optimizer", 1, 1),
+    ]
+
+
+def test_a_weight_difference_its_agreeing_slots_explain_is_not_reported():
+    entries = _adam_entries(0.0)
+    found = verify.differences(entries, verify.RTOL, verify.ATOL)
+    assert [d.name for d in found] == ["dense/bias"]
+    assert verify.explained_by_slots(found, entries, verify.RTOL) == found
+    check = verify.Check("raise", "tensorflow", 2)
+    assert check.judge(entries) == [] and [d.name for d in check.explained] == ["dense/bias"]
+
+
+def test_a_weight_whose_slot_differs_or_that_has_no_slots_is_reported():
+    entries = _adam_entries(0.005)  # the gradient itself differs: 5e-3 in a momentum whose largest value is 0.2
+    found = verify.differences(entries, verify.RTOL, verify.ATOL)
+    assert verify.explained_by_slots(found, entries, verify.RTOL) == []
+    with pytest.raises(VerifyError, match="dense/bias"):
+        verify.Check("raise", "tensorflow", 2).judge(entries)
+    plain = [e for e in _adam_entries(0.0) if e[1] == "weight"]  # SGD: no slots
+    with pytest.raises(VerifyError, match="dense/bias"):
+        verify.Check("raise", "tensorflow", 2).judge(plain)
+
+
+def test_slots_belong_to_the_longest_weight_path_they_start_with():
+    entries = [("d/b", "weight", 0, 0), ("d/b_x", "weight", 0, 0), ("opt/d_b_x_momentum", "optimizer", 0, 0),
+               ("opt/d_b_momentum", "optimizer", 0, 0)]
+    assert verify._slot_owners(entries) == {"d/b_x": [2], "d/b": [3]}

@@ -110,6 +110,39 @@ def logs_of(logs, numpy):
     return flat
 
 
+def metric_results(model, variables, values, numpy):
+    """``([(name, "metric", result)], ids)``: each of the model's metrics' ``result()`` as the values ``values`` of
+    ``variables`` give it (``stateless_result``: nothing assigned), and the ids of the variables they read.
+
+    The check compares metrics by result, not by their variables: a custom step's ``tracker.update_state(loss)``
+    adds each replica's mean and a count of 1 per replica (total 2, count 2 against one device's 1 and 1), the same
+    mean; what the user reads is the result.
+    """
+    by_id = {id(variable): value for variable, value in zip(variables, values)}
+    results, read = [], set()
+    for metric in getattr(model, "metrics", []):
+        mine = [by_id.get(id(variable)) for variable in metric.variables]
+        if not mine or any(value is None for value in mine):
+            continue
+        try:
+            result = metric.stateless_result(mine)
+        except Exception:  # noqa: BLE001 - a metric that can't be read statelessly: its variables are compared
+            continue
+        read.update(id(variable) for variable in metric.variables)
+        results.extend((name, "metric", value) for name, value in sorted(logs_of({metric.name: result}, numpy).items()))
+    return results, read
+
+
+def compared(model, variables, got, want, numpy):
+    """``(name, kind, distributed, one_device)`` entries of two named states of ``variables``: metric variables
+    by their metrics' results (:func:`metric_results`), everything else as it is."""
+    got_results, read = metric_results(model, variables, [value for _, _, value in got], numpy)
+    want_results, _ = metric_results(model, variables, [value for _, _, value in want], numpy)
+    keep = [i for i, variable in enumerate(variables) if id(variable) not in read]
+    return (verify.pairs([got[i] for i in keep], [want[i] for i in keep])
+            + verify.pairs(got_results, want_results))
+
+
 def checked_in_place(model, check, numpy, distributed_step, one_device_step, random_state=None, reduce=None):
     """The check for backends that train variables in place: ``distributed_step()`` (returns its logs) from the
     current state, then ``one_device_step()`` from the same state, compared; the distributed result stays.
@@ -137,7 +170,8 @@ def checked_in_place(model, check, numpy, distributed_step, one_device_step, ran
         state.write(after)
         if random_state:
             random_state[1](drawn_after)
-    check.judge(verify.pairs(got, reference) + verify.log_pairs(got_logs, want_logs))
+    variables = [variable for _, _, variable in state.named]
+    check.judge(compared(model, variables, got, reference, numpy) + verify.log_pairs(got_logs, want_logs))
     return logs
 
 

@@ -13,12 +13,13 @@ from ... import verify
 from .. import verifying
 
 
-def _kinds(model):
+def _variables(model):
+    """The variables of Keras' JAX state, in its order, each with its kind."""
     groups = (
-        [(v.path, "weight") for v in model.trainable_variables],
-        [(v.path, "weight") for v in model.non_trainable_variables],
-        [(v.path, "optimizer") for v in (model.optimizer.variables if model.optimizer is not None else [])],
-        [(v.path, "metric") for v in model.metrics_variables],
+        [(v, "weight") for v in model.trainable_variables],
+        [(v, "weight") for v in model.non_trainable_variables],
+        [(v, "optimizer") for v in (model.optimizer.variables if model.optimizer is not None else [])],
+        [(v, "metric") for v in model.metrics_variables],
     )
     return [entry for group in groups for entry in group]
 
@@ -57,13 +58,16 @@ def wrap(model, check):
             finally:
                 distribution_lib.set_distribution(distribution)
             want = [value for group in want_state for value in group]
-            kinds = _kinds(model)
+            variables = _variables(model)
+            kinds = [(variable.path, kind) for variable, kind in variables]
             if len(kinds) != len(got) or len(got) != len(want):
+                variables = [(None, "weight")] * len(got)
                 kinds = [("state[{}]".format(i), "weight") for i in range(len(got))]
             numpy = keras.ops.convert_to_numpy
             check.judge(
-                verify.pairs(verify.named_state(kinds, [numpy(v) for v in got]),
-                             verify.named_state(kinds, [numpy(v) for v in want]))
+                verifying.compared(model, [variable for variable, _ in variables],
+                                   verify.named_state(kinds, [numpy(v) for v in got]),
+                                   verify.named_state(kinds, [numpy(v) for v in want]), numpy)
                 + verify.log_pairs(verifying.logs_of(logs, numpy), verifying.logs_of(want_logs, numpy)))
             return logs, new_state
 
