@@ -53,6 +53,12 @@ class LoopError(DistKerasError, RuntimeError):
     """A hand-written training loop on a distributed model misses one of the calls of :mod:`distkeras.loops`
     (an optimizer not attached, a step not run per replica) or gave one of them what it can't take."""
 
+    @classmethod
+    def not_distributed(cls, model, backend):
+        """The error for a model no ``distribute()`` on ``backend`` (its name, as users write it) has seen."""
+        return cls("Expected a model distributed with distkeras.distribute() on {}. Received: {!r} of type {}, which "
+                   "is not.".format(backend, model, type(model).__name__))
+
 
 class NetworkError(DistKerasError, ConnectionError):
     """No interface reaches the coordinator, a named interface doesn't exist, or a host of the job is lost."""

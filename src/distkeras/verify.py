@@ -206,6 +206,7 @@ class Check:
         self.found = []  # the last verdict's differences
         self.explained = []  # weight differences the optimizer's slots explain (see explained_by_slots)
         self.skipped = None  # why the check can't run here, once said
+        self.deferred = 0  # steps in a row the check passed on to the next one
 
     def skip(self, why: str) -> None:
         """Say once (rank 0) why the check can't run, and don't try again."""
@@ -214,9 +215,16 @@ class Check:
             logger.warning("distkeras' one-device check is off for this model: %s", why)
         self.skipped = why
 
+    def defer(self, why: str, most: int = 3) -> None:
+        """Check the next step instead of this one (``why``); after ``most`` steps deferred, :meth:`skip`."""
+        self.deferred += 1
+        if self.deferred >= most:
+            self.skip("{} steps in a row could not be replayed: {}".format(self.deferred, why))
+
     def judge(self, named: Sequence) -> List[Difference]:
         """Compare, then raise or warn by the mode. Every rank judges the same values, so every rank raises."""
         self.due = False
+        self.deferred = 0
         self.checked += 1
         found = differences(named, self.rtol, self.atol)
         self.explained = explained_by_slots(found, named, self.rtol)

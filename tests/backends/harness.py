@@ -33,6 +33,20 @@ import keras  # noqa: E402
 
 assert keras.backend.backend() == BACKEND, (keras.backend.backend(), BACKEND)
 
+class BatchLogs(keras.callbacks.Callback):
+    """The logs of every train and test batch, as a ``LossHistory`` callback of the keras-io guide keeps them."""
+
+    def __init__(self):
+        super().__init__()
+        self.train, self.test = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.train.append(dict(logs))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.test.append(dict(logs))
+
+
 #: Backends whose replicas are processes: their multi-device tests run in worker processes.
 PROCESS_BACKENDS = ("torch",)
 _jobs = {}

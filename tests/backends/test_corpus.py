@@ -85,3 +85,13 @@ def test_registry_is_complete():
         for backend in program.backends:
             expected = program.expected(backend)
             assert expected == "pass" or expected.startswith("not-one-device: "), (name, expected)
+
+
+def test_the_docs_table_is_the_registrys():
+    """docs/corpus.md ends with the table of every program's expectations, as the registry holds them."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "corpus.md")
+    with open(path) as f:
+        text = f.read()
+    assert text.endswith(corpus.table()), "regenerate the table: python -c 'from tests.backends import corpus; print(corpus.table())'"

@@ -94,20 +94,24 @@ def compiled(kind):
     return model
 
 
+def guide_setup(devices, kind):
+    """What the three guides set up before their loop: data, the model (distributed on several devices), the
+    optimizer, the loss and the two accuracy metrics."""
+    x, y = data()
+    model = compiled(kind)
+    if devices > 1:
+        model = distkeras.distribute(model, devices=devices)
+    return (x, y, model, make_optimizer(kind, model), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            keras.metrics.SparseCategoricalAccuracy(), keras.metrics.SparseCategoricalAccuracy())
+
+
 # ---- TensorFlow: the guide's tf.function loop
 
 
 def tf_guide(devices, kind, lines=True):
     import tensorflow as tf
 
-    x, y = data()
-    model = compiled(kind)
-    if devices > 1:
-        model = distkeras.distribute(model, devices=devices)
-    optimizer = make_optimizer(kind, model)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    train_acc_metric = keras.metrics.SparseCategoricalAccuracy()
-    val_acc_metric = keras.metrics.SparseCategoricalAccuracy()
+    x, y, model, optimizer, loss_fn, train_acc_metric, val_acc_metric = guide_setup(devices, kind)
     train_dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     val_dataset = tf.data.Dataset.from_tensor_slices((x[:20], y[:20])).batch(BATCH)
 
@@ -184,14 +188,7 @@ def test_tensorflow_attached_optimizer_outside_a_replica_step_is_an_error():
 def jax_guide(devices, kind, lines=True):
     import jax
 
-    x, y = data()
-    model = compiled(kind)
-    if devices > 1:
-        model = distkeras.distribute(model, devices=devices)
-    optimizer = make_optimizer(kind, model)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    train_acc_metric = keras.metrics.SparseCategoricalAccuracy()
-    val_acc_metric = keras.metrics.SparseCategoricalAccuracy()
+    x, y, model, optimizer, loss_fn, train_acc_metric, val_acc_metric = guide_setup(devices, kind)
     train_dataset = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, 40, BATCH)]  # 40: every batch splits
     val_dataset = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, 16, BATCH)]
 
@@ -283,14 +280,7 @@ def test_jax_loop_without_the_lines_warns_once():
 def torch_guide(devices, kind, lines=True):
     import torch
 
-    x, y = data()
-    model = compiled(kind)
-    if devices > 1:
-        model = distkeras.distribute(model, devices=devices)
-    optimizer = make_optimizer(kind, model)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    train_acc_metric = keras.metrics.SparseCategoricalAccuracy()
-    val_acc_metric = keras.metrics.SparseCategoricalAccuracy()
+    x, y, model, optimizer, loss_fn, train_acc_metric, val_acc_metric = guide_setup(devices, kind)
     train_dataloader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=BATCH, shuffle=False)
     val_dataloader = torch.utils.data.DataLoader(

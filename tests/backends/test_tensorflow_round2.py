@@ -15,7 +15,7 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.backends.harness import BACKEND, keras
+from tests.backends.harness import BACKEND, BatchLogs, keras
 
 import distkeras
 
@@ -275,18 +275,6 @@ def test_tf_random_in_a_custom_train_step_draws_one_devices_rows(draws):
 
 # 4. Per-batch logs of Keras' own steps are one device's ------------------------------------------------------------
 
-class _BatchLogs(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.train, self.test = [], []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.train.append(dict(logs))
-
-    def on_test_batch_end(self, batch, logs=None):
-        self.test.append(dict(logs))
-
-
 def _classifier_batch_logs(devices):
     """A classifier with ratio and count metrics, a batch of 10 (3 replicas: 4 + 3 + 3 rows): every batch's logs."""
     keras.utils.set_random_seed(3)
@@ -298,7 +286,7 @@ def _classifier_batch_logs(devices):
                   metrics=["accuracy", keras.metrics.AUC(name="auc"), keras.metrics.Precision(name="precision"),
                            keras.metrics.TruePositives(name="tp")])
     model = _distributed(model, devices)
-    logs = _BatchLogs()
+    logs = BatchLogs()
     model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0, callbacks=[logs])
     model.evaluate(x, y, batch_size=10, verbose=0, callbacks=[logs])
     return logs

@@ -8,7 +8,7 @@ Real torch.distributed (gloo on 127.0.0.1), bodies run on every rank of a 2-proc
 import numpy as np
 import pytest
 
-from tests.backends.harness import BACKEND, job, keras
+from tests.backends.harness import BatchLogs as Recorder, BACKEND, job, keras
 from tests.backends import scenarios
 
 import distkeras
@@ -19,20 +19,6 @@ pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="PyTorch adapter test
 TIMEOUT = 240
 #: How far a distributed per-batch value may be from one device's (float32 sums in another order).
 TOLERANCE = 1e-6
-
-
-class Recorder(keras.callbacks.Callback):
-    """The logs of every train and test batch, as a ``LossHistory`` callback of the keras-io guide keeps them."""
-
-    def __init__(self):
-        super().__init__()
-        self.train, self.test = [], []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.train.append(dict(logs))
-
-    def on_test_batch_end(self, batch, logs=None):
-        self.test.append(dict(logs))
 
 
 def classifier(seed=0):

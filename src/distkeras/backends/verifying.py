@@ -143,18 +143,26 @@ def compared(model, variables, got, want, numpy):
             + verify.pairs(got_results, want_results))
 
 
-def checked_in_place(model, check, numpy, distributed_step, one_device_step, random_state=None, reduce=None):
+def checked_in_place(model, check, numpy, distributed_step, one_device_step, random_state=None, reduce=None,
+                     storage=contextlib.nullcontext):
     """The check for backends that train variables in place: ``distributed_step()`` (returns its logs) from the
     current state, then ``one_device_step()`` from the same state, compared; the distributed result stays.
 
     ``random_state``: ``(get, set)`` of random state outside Keras' variables (torch's global generator, which
     unseeded Dropout draws from), put back for the one-device step too. ``reduce``: what the distributed state
     is over the job, from this rank's (metric states that each rank keeps for its own rows, summed).
+    ``storage``: a context manager under which the variables are held as one device holds them, for the
+    one-device step and the read of its result (TensorFlow's plain ``tf.Variable`` in place of mirrored ones).
     """
     state = State(model, numpy)
     before = state.read()
     drawn = random_state[0]() if random_state else None
     logs = distributed_step()
+    if len(State(model, numpy).named) != len(state.named):
+        # The step made variables (an optimizer Keras builds at its first apply: a GAN's d_optimizer): their
+        # values before it are gone, so this step can't be replayed from its start. The next one is checked.
+        check.defer("the first step built variables (an optimizer's slots)")
+        return logs
     after = state.read()
     got = reduce(after) if reduce else after
     got_logs = logs_of(logs, numpy)
@@ -163,9 +171,10 @@ def checked_in_place(model, check, numpy, distributed_step, one_device_step, ran
     try:
         if random_state:
             random_state[1](drawn)
-        with one_device():
-            want_logs = logs_of(one_device_step(), numpy)
-        reference = state.read()
+        with storage():
+            with one_device():
+                want_logs = logs_of(one_device_step(), numpy)
+            reference = state.read()
     finally:
         state.write(after)
         if random_state:

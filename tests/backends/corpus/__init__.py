@@ -53,3 +53,37 @@ def run(name, devices, verify="raise"):
             os.environ.pop("DISTKERAS_VERIFY", None)
         else:
             os.environ["DISTKERAS_VERIFY"] = previous
+
+
+#: The docs' names of the backends, in the table's order.
+BACKEND_NAMES = (("tensorflow", "TensorFlow"), ("jax", "JAX"), ("torch", "PyTorch"))
+#: Where the keras-io sources are.
+KERAS_IO = "https://github.com/keras-team/keras-io/blob/master/"
+_FALSE_ALARM = "not-one-device: a false alarm of the one-device check: "
+
+
+def _cell(program, backend):
+    if backend not in program.backends:
+        names = dict(BACKEND_NAMES)
+        return "not run: the example fails on one device here, or is written for {} only".format(
+            " and ".join(names[b] for b in program.backends))
+    expected = program.expected(backend)
+    if expected == "pass":
+        return "pass"
+    if expected.startswith(_FALSE_ALARM):
+        return "**check false alarm**: " + expected[len(_FALSE_ALARM):]
+    return "**differs**: " + expected[len("not-one-device: "):]
+
+
+def table():
+    """The docs' table of every program (docs/corpus.md, "The programs"), from the registry."""
+    rows = ["| program | area | keras-io source | speed | {} |".format(" | ".join(n for _, n in BACKEND_NAMES)),
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for area in AREAS:
+        for name, program in sorted(PROGRAMS.items()):
+            if program.area != area:
+                continue
+            rows.append("| `{}` | {} | [{}]({}) | {} | {} |".format(
+                name, area, program.source.rsplit("/", 1)[-1], KERAS_IO + program.source, program.speed,
+                " | ".join(_cell(program, backend) for backend, _ in BACKEND_NAMES)))
+    return "\n".join(rows) + "\n"

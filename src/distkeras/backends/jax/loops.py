@@ -43,8 +43,7 @@ def install(model, distribution):
 def _distribution(model):
     distribution = _distributions.get(model)
     if distribution is None:
-        raise LoopError("Expected a model distributed with distkeras.distribute() on JAX. Received: {!r} of type "
-                        "{}, which is not.".format(model, type(model).__name__))
+        raise LoopError.not_distributed(model, "JAX")
     return distribution
 
 

@@ -485,12 +485,18 @@ def _mirror_variables(tf, strategy, variables):
             # storage was created with, as on one device (where freezing a built layer changes Keras' flag
             # only; Keras' steps take the gradients of ``trainable_variables``, which follow that flag).
             flag = variable.trainable
-            variable.trainable = bool(getattr(storage, "trainable", flag))
+            variable.trainable = _storage_trainable(storage, flag)
             try:
                 with strategy.scope():
                     variable._initialize(value)
             finally:
                 variable.trainable = flag
+
+
+def _storage_trainable(storage, flag):
+    """The ``trainable`` of a variable's new mirrored storage: its old ``tf.Variable``'s own, not Keras' ``flag``
+    at this moment (see :func:`_mirror_variables`)."""
+    return bool(getattr(storage, "trainable", flag))
 
 
 def _adopt_optimizer(optimizer, strategy):

@@ -9,6 +9,7 @@ parts). The one-device step is the model class' own ``train_step``, called eager
 with every distkeras hook off: Keras' TensorFlow optimizer then updates each mirrored variable as one variable.
 """
 
+import contextlib
 import itertools
 
 from .. import verifying
@@ -29,6 +30,52 @@ def global_batch(strategy, element):
     return tf.nest.map_structure(whole, element)
 
 
+def plain_variables(model):
+    """A context manager: for the block, every variable of the model's training state holds its value in a new
+    plain ``tf.Variable``, made as Keras makes one on one device (the ``trainable`` flag Keras has now, no strategy);
+    then its distributed storage again, unchanged. So the one-device step shares nothing distkeras made with the
+    distributed one: a flaw of the mirrored storage itself (a ``trainable`` flag baked in at ``distribute()``, which
+    the tape then follows) shows as a difference instead of happening on both sides.
+
+    Private Keras and TensorFlow API: a TensorFlow Keras variable's storage is its ``_value``, and
+    ``_initialize(value)`` makes a ``tf.Variable`` of a value (or takes a ``tf.Variable`` as it is), as the adapter
+    mirrors variables; Keras' optimizers key slots by the storage's ``_unique_id``, which the copy takes over, and
+    update through their ``_distribution_strategy``, the default one for the block.
+    Pinned by ``tests/backends/test_verify_catches.py`` (defect 1 reverted is caught).
+    """
+    import tensorflow as tf
+
+    from .. import keras_model
+
+    @contextlib.contextmanager
+    def plain():
+        saved, strategies = [], []
+        try:
+            # Keras' TensorFlow optimizer updates through the strategy it was made (or adopted) under, which
+            # takes only distributed variables: one device's is the default strategy.
+            for optimizer in keras_model.all_optimizers(model):
+                if hasattr(optimizer, "_distribution_strategy"):
+                    strategies.append((optimizer, optimizer._distribution_strategy))
+                    optimizer._distribution_strategy = tf.distribute.get_strategy()
+            for _, _, variable in verifying.named_variables(model):
+                storage = getattr(variable, "_value", None)
+                if not isinstance(storage, tf.Variable) or not hasattr(variable, "_initialize"):
+                    continue
+                saved.append((variable, storage))
+                variable._initialize(tf.identity(storage.read_value()))
+                # Keras' TensorFlow optimizers find a variable's slots by its storage's ``_unique_id``
+                # (``_var_key``): the copy answers to the distributed storage's.
+                variable._value._unique_id = storage._unique_id
+            yield
+        finally:
+            for variable, storage in saved:
+                variable._initialize(storage)
+            for optimizer, strategy in strategies:
+                optimizer._distribution_strategy = strategy
+
+    return plain
+
+
 def wrap(model, check):
     """``wrap(train_function)`` for :func:`verifying.install`."""
 
@@ -45,7 +92,8 @@ def wrap(model, check):
                 check.skip("steps_per_execution > 1 runs several steps at once; the check compares one step")
                 return function(itertools.chain([element], iterator))
             return verifying.checked_in_place(
-                model, check, verifying.numpy, lambda: function([element]), lambda: type(model).train_step(model, batch))
+                model, check, verifying.numpy, lambda: function([element]), lambda: type(model).train_step(model, batch),
+                storage=plain_variables(model))
 
         return train_function
 

@@ -59,8 +59,7 @@ def install(model, replica):
 def _loop(model):
     loop = _loops.get(model)
     if loop is None:
-        raise LoopError("Expected a model distributed with distkeras.distribute() on PyTorch. Received: {!r} of type "
-                        "{}, which is not.".format(model, type(model).__name__))
+        raise LoopError.not_distributed(model, "PyTorch")
     return loop
 
 
