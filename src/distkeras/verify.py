@@ -19,7 +19,7 @@ The neutral part is here: the switch, the snapshot-and-compare, the message. Eac
 batch is put together from the replicas' parts, and how plain Keras' step runs on one device.
 
 Where it can't run, it says so once and trains on: a sharded model (``shard=``), whose state is not whole on any
-one device, and a job of several processes on a backend whose primitives don't gather the batch across them.
+one device, and a job of several TensorFlow workers, whose primitives don't gather the batch across them yet.
 """
 
 import logging

@@ -12,6 +12,7 @@ MODE:
   ``load_model`` of each epoch's best (a callback after it); each rank prints "loaded N" with the number of files it read back.
 - "alone": rank 0 alone saves the model, then calls predict() and then evaluate() (the Horovod habit) and prints
   what each raised and how long it took; rank 1 stays alive outside any collective until rank 0 is through.
+- "verify": every rank trains with the one-device check on and prints what it checked and found.
 """
 
 import os
@@ -101,6 +102,15 @@ def alone(out_dir, rank):
     open(done, "w").close()
 
 
+def verified(out_dir, rank):
+    model = distkeras.distribute(scenarios.build(keras), verify=True)
+    x, y = scenarios.data(48)
+    model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    check = model.__dict__["_distkeras_check"]
+    print("checked {} found {} skipped {}".format(check.checked, len(check.found), check.skipped))
+
+
 if __name__ == "__main__":
     out, mode = sys.argv[1], sys.argv[2]
-    {"unseeded": unseeded, "save": saves, "alone": alone}[mode](out, distkeras.cluster.from_env().rank)
+    {"unseeded": unseeded, "save": saves, "alone": alone, "verify": verified}[mode](
+        out, distkeras.cluster.from_env().rank)

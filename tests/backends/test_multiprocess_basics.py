@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tests.backends import basics_job, scenarios
 from tests.backends.harness import BACKEND, keras
@@ -89,3 +90,14 @@ def test_predict_and_evaluate_on_one_rank_only_end_within_seconds_saying_what_to
             call, JOIN_TIMEOUT) in message
         assert "Call {}() on every rank".format(call) in message
     print("rank 0 alone: predict and evaluate raised; job ended {:.1f} s after start".format(elapsed))
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's processes gather the global batch for the check (PyTorch's "
+                                              "are tested in test_verify.py; TensorFlow's multi-worker check is off)")
+def test_the_one_device_check_runs_across_jax_processes(tmp_path):
+    """Every process gathers the global batch (its rows are on the other process too) and replays the step on a
+    device of its own: the check ran on both ranks and found nothing, where it used to switch itself off."""
+    done, _ = launch(tmp_path, "verify")
+    assert done.returncode == 0, shown(done)
+    for rank in (0, 1):
+        assert "[rank {}] checked 1 found 0 skipped None".format(rank) in done.stdout, shown(done)

@@ -19,11 +19,6 @@ TF_ONLY = ("tensorflow",)
 #: rounding noise on it (1e-9 against 1e-9) into steps of up to its learning rate, so such weights differ from one
 #: device's by a few 1e-5 on any other summation order: a looser tolerance, not a defect.
 BN_ADAM = 1e-4
-#: The one-device check compares its first step at rtol=1e-4, atol=1e-5, and such a bias's Adam step of rounding noise
-#: can differ by more: a false alarm of the check on a program whose training matches one device to BN_ADAM.
-VERIFY_BN = ("not-one-device: a false alarm of the one-device check: training matches one device to 1e-4, but the "
-             "check's first step compares the biases that feed BatchNormalization (an exact gradient of 0, rounding "
-             "noise that Adam normalises) at rtol=1e-4, atol=1e-5")
 
 
 def keras():

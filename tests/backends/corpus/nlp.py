@@ -3,7 +3,7 @@
 import numpy as np
 
 import distkeras
-from tests.backends.corpus.common import ALL, evaluate, fit, keras, labels, predict, result, rng, tokens
+from tests.backends.corpus.common import ALL, BN_ADAM, evaluate, fit, keras, labels, predict, result, rng, tokens
 from tests.backends.realcode import _transformer_layers  # the TransformerBlock both suites' examples share
 
 K = "examples/nlp/"
@@ -13,9 +13,6 @@ IGNORE_CLASS = ("not-one-device: SparseCategoricalCrossentropy(ignore_class=0) d
                 "tokens in the batch, so each replica divides by its own count: a ratio over the batch")
 RATIO = ("not-one-device: CustomNonPaddingTokenLoss returns ops.sum(loss) / ops.sum(mask), a ratio of sums over the "
          "batch, so each replica divides by its own count of non-padding tokens")
-VERIFY_KEY_BIAS = ("not-one-device: a false alarm of the one-device check: the attention's key bias has an exact "
-                   "gradient of 0 (softmax ignores a shift shared by a row's logits); the check's first step compares "
-                   "its Adam update of rounding noise at rtol=1e-4, atol=1e-5 (2.8e-05 apart)")
 HAND_SUM = ("not-one-device: compute_loss returns keras.ops.sum(loss) of per-token losses: a sum written by hand "
             "over each replica's rows, where one device sums over the global batch")
 
@@ -389,7 +386,9 @@ PROGRAMS = {
     "lstm_seq2seq": (K + "lstm_seq2seq.py", 1e-5, ALL, "slow", "pass"),
     "addition_rnn": (K + "addition_rnn.py", 1e-5, ALL, "slow", "pass"),
     "ner_transformers": (K + "ner_transformers.py", 1e-5, ALL, "fast", {"tensorflow": RATIO, "torch": RATIO}),
-    "masked_language_modeling": (K + "masked_language_modeling.py", 1e-5, ALL, "fast",
-                                 {"tensorflow": HAND_SUM, "torch": HAND_SUM, "jax": VERIFY_KEY_BIAS}),
+    # BN_ADAM: the attention's key bias has a gradient of 0 on paper (softmax ignores a shift shared by a row's
+    # logits), and Adam makes steps of its rounding noise (JAX: 2.9e-5 apart at the end).
+    "masked_language_modeling": (K + "masked_language_modeling.py", BN_ADAM, ALL, "fast",
+                                 {"tensorflow": HAND_SUM, "torch": HAND_SUM}),
     "multi_label_classification": (K + "multi_label_classification.py", 1e-5, ALL, "fast", "pass"),
 }

@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 import distkeras
-from tests.backends.corpus.common import ALL, BN_ADAM, VERIFY_BN, shared_folder, BATCH, evaluate, fit, keras, labels, normal, predict, result
+from tests.backends.corpus.common import ALL, BN_ADAM, shared_folder, BATCH, evaluate, fit, keras, labels, normal, predict, result
 
 K = "examples/timeseries/"
 ANOMALY = ("not-one-device: on PyTorch the first epoch's loss already differs (0.52873 against one device's 0.53525) "
@@ -144,8 +144,7 @@ def timeseries_anomaly_detection(devices):
 
 
 PROGRAMS = {
-    "timeseries_classification_from_scratch": (K + "timeseries_classification_from_scratch.py", BN_ADAM, ALL, "slow",
-                                               VERIFY_BN),
+    "timeseries_classification_from_scratch": (K + "timeseries_classification_from_scratch.py", BN_ADAM, ALL, "slow", "pass"),
     "timeseries_classification_transformer": (K + "timeseries_classification_transformer.py", 1e-5, ALL, "slow",
                                               "pass"),
     "timeseries_weather_forecasting": (K + "timeseries_weather_forecasting.py", 1e-5, ALL, "slow", "pass"),

@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 import distkeras
-from tests.backends.corpus.common import ALL, BN_ADAM, VERIFY_BN, shared_folder, evaluate, fit, images, keras, labels, normal, predict, result
+from tests.backends.corpus.common import ALL, BN_ADAM, shared_folder, evaluate, fit, images, keras, labels, normal, predict, result
 
 K = "examples/vision/"
 
@@ -517,22 +517,25 @@ def cct(devices):
 
 
 CONTIGUOUS = ("not-one-device: the distributed run fails in backward with torch's \"RuntimeError: grad_input must "
-              "be contiguous\" (one device trains): not diagnosed; the model's UpSampling2D/Conv2DTranspose/MaxPooling "
-              "stack on a replica's rows is the suspect")
+              "be contiguous\" (one device trains). A Keras and torch bug reached by another memory layout: Keras' "
+              "torch sparse_categorical_crossentropy moves the class axis of a (batch, h, w, classes) probability map "
+              "to axis 1 and torch's nll_loss backward then rejects the strided gradient; a plain two-Conv2D softmax "
+              "map with (batch, h, w, 1) labels fails the same way on one device. Which layout reaches the loss "
+              "depends on the ops before it")
 ORTHOGONAL = ("not-one-device: OrthogonalRegularizer's ops.tensordot(x, x, axes=(2, 2)) pairs every row of the batch "
               "with every other and ops.sum adds them up, so each replica's penalty covers only its own pairs of rows")
 
 #: name -> (keras-io source, tolerance, backends, speed, expected: "pass", "not-one-device: why", or per backend)
 PROGRAMS = {
-    "image_classification_from_scratch": (K + "image_classification_from_scratch.py", BN_ADAM, ALL, "slow", VERIFY_BN),
+    "image_classification_from_scratch": (K + "image_classification_from_scratch.py", BN_ADAM, ALL, "slow", "pass"),
     "vision_transformer": (K + "image_classification_with_vision_transformer.py", BN_ADAM, ALL, "slow", "pass"),
     "mlp_mixer": (K + "mlp_image_classification.py", 1e-5, ALL, "slow", "pass"),
     "convmixer": (K + "convmixer.py", 1e-5, ALL, "slow", "pass"),
     "denoising_autoencoder": (K + "autoencoder.py", 1e-5, ALL, "slow", "pass"),
-    "oxford_pets_segmentation": (K + "oxford_pets_image_segmentation.py", BN_ADAM, ALL, "slow",
-                                 {"torch": CONTIGUOUS, "tensorflow": VERIFY_BN, "jax": VERIFY_BN}),
+    # 2e-4: its weights agree to BN_ADAM; its softmax map after BatchNormalization doubles that (TensorFlow: 1.5e-4).
+    "oxford_pets_segmentation": (K + "oxford_pets_image_segmentation.py", 2e-4, ALL, "slow", {"torch": CONTIGUOUS}),
     "pointnet": (K + "pointnet.py", 5e-4, ALL, "fast", {"tensorflow": ORTHOGONAL, "torch": ORTHOGONAL}),
-    "image_classification_3d": (K + "3D_image_classification.py", BN_ADAM, ALL, "slow", {"torch": VERIFY_BN}),
+    "image_classification_3d": (K + "3D_image_classification.py", BN_ADAM, ALL, "slow", "pass"),
     "conv_lstm": (K + "conv_lstm.py", 1e-5, ALL, "slow", "pass"),
     "cct": (K + "cct.py", BN_ADAM, ALL, "slow", "pass"),
 }

@@ -179,7 +179,7 @@ class JaxAdapter(Adapter):
         return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
     def verify(self, model, check):
-        """The one-device check (:mod:`.verify`), in one process; not with ``shard=``."""
+        """The one-device check (:mod:`.verify`), in one process or across processes; not with ``shard=``."""
         if self.shard_mode(model) is not None:
             check.skip("a sharded model (shard=...) is whole on no one device")
             return
