@@ -275,7 +275,7 @@ def test_tf_random_in_a_custom_train_step_draws_one_devices_rows(draws):
 
 # 4. Per-batch logs of Keras' own steps are one device's ------------------------------------------------------------
 
-def _classifier_batch_logs(devices):
+def _classifier_batch_logs(devices, **options):
     """A classifier with ratio and count metrics, a batch of 10 (3 replicas: 4 + 3 + 3 rows): every batch's logs."""
     keras.utils.set_random_seed(3)
     x, _ = _data(samples=40)
@@ -285,7 +285,8 @@ def _classifier_batch_logs(devices):
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy",
                   metrics=["accuracy", keras.metrics.AUC(name="auc"), keras.metrics.Precision(name="precision"),
                            keras.metrics.TruePositives(name="tp")])
-    model = _distributed(model, devices)
+    if devices > 1:
+        model = distkeras.distribute(model, devices=devices, **options)
     logs = BatchLogs()
     model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0, callbacks=[logs])
     model.evaluate(x, y, batch_size=10, verbose=0, callbacks=[logs])
@@ -304,3 +305,14 @@ def test_per_batch_logs_of_keras_own_steps_are_one_devices(devices):
             assert sorted(w) == sorted(g)
             for key in w:
                 np.testing.assert_allclose(g[key], w[key], rtol=1e-5, atol=1e-6, err_msg="{} {}".format(step, key))
+
+
+def test_batch_logs_local_keeps_keras_own_average_and_the_check_compares_metrics_by_result():
+    """``batch_logs="local"``: Keras' own per-batch logs (each replica's result, averaged: the true positives come
+    out halved), no all-reduce for them; the one-device check, on, doesn't hold that against the step (it compares
+    the metrics by result) and raises nothing. A value that is neither is refused."""
+    single = _classifier_batch_logs(1)
+    local = _classifier_batch_logs(2, batch_logs="local", verify=True)
+    assert any(abs(g["tp"] - w["tp"]) > 0.1 for w, g in zip(single.train, local.train))
+    with pytest.raises(distkeras.OptionError, match="batch_logs"):
+        distkeras.distribute(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), devices=2, batch_logs="all")

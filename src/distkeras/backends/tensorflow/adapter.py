@@ -86,6 +86,8 @@ _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 _WIRE = {"bf16": "bfloat16", "fp16": "float16"}
 #: Strategy -> its traced any_process collective.
 _agreements = weakref.WeakKeyDictionary()
+#: distribute()'s ``batch_logs`` values.
+_BATCH_LOGS = ("global", "local")
 _strategy_serial = itertools.count(1)  # 0 stays the base of strategies made without distkeras
 #: Strategy -> its traced sum over the workers (each worker's vector once).
 _worker_sums = weakref.WeakKeyDictionary()
@@ -114,6 +116,9 @@ class TensorFlowAdapter(Adapter):
                               "global batch (default True); False: Keras' own rule (losses divided by the replicas)",
         "sync_batchnorm": batchnorm.OPTION_HELP,
         "compression": COMPRESSION_HELP,
+        "batch_logs": "'global' (default): each batch's logs are one device's (every metric result read in a step "
+                      "is the global batch's, one all-reduce of the metrics' variables a step); 'local': Keras' own "
+                      "average of each replica's results (not one device's for AUC, Precision or counts)",
     }
 
     @classmethod
@@ -212,10 +217,12 @@ class TensorFlowAdapter(Adapter):
         verifying.install(model, check, tensorflow_verify.wrap(model, check))
 
     def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True, sync_batchnorm=True,
-                   compression=None):
+                   compression=None, batch_logs="global"):
         import tensorflow as tf
 
         compression = check_compression(compression)
+        if batch_logs not in _BATCH_LOGS:
+            raise OptionError("Expected batch_logs in {}. Received: batch_logs={!r}".format(_BATCH_LOGS, batch_logs))
         if not isinstance(exact_loss_scaling, bool):
             raise OptionError("Expected True or False for exact_loss_scaling. Received: exact_loss_scaling={!r}".format(
                 exact_loss_scaling))
@@ -261,7 +268,8 @@ class TensorFlowAdapter(Adapter):
             tensorflow_steps.draw_tf_like_one_device(tf)
             keras_model.weigh_scalar_means(model, tensorflow_steps.scalar_share(tf, strategy.num_replicas_in_sync))
             tensorflow_steps.convolve_empty_batches(tf)
-            tensorflow_steps.one_device_step_logs(tf, model, keras_model.keras_module(model).Model)
+            tensorflow_steps.one_device_step_logs(tf, model, keras_model.keras_module(model).Model,
+                                                  keras_steps=batch_logs == "global")
         _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(model, tf)

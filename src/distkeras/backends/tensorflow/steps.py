@@ -494,7 +494,7 @@ def _global_result(tf, metric):
     metric.__dict__["result"] = result
 
 
-def one_device_step_logs(tf, model, keras_model_class):
+def one_device_step_logs(tf, model, keras_model_class, keras_steps=True):
     """Make what a ``train_step`` / ``test_step`` returns (its per-batch logs) one device's.
 
     Keras averages a step's returned values over the replicas, and reads a custom step's epoch and
@@ -508,7 +508,8 @@ def one_device_step_logs(tf, model, keras_model_class):
     results: the average of each replica's own result is not one device's for a ratio or a count (AUC,
     Precision, TruePositives: a callback's ``on_train_batch_end`` logs, the progress bar), nor for a mean
     over replicas' unequal parts of a batch. It costs an all-reduce of the metrics' variables a step, in
-    the step's graph.
+    the step's graph (``benchmarks/tf_step_logs.py``); ``keras_steps=False`` (``batch_logs="local"``) leaves
+    Keras' own steps as Keras has them.
     """
     from distkeras.backends import keras_model
 
@@ -517,6 +518,8 @@ def one_device_step_logs(tf, model, keras_model_class):
             keras_model.unhook(model, name)
         step = getattr(model, name)
         custom = getattr(type(model), name, None) is not getattr(keras_model_class, name, None)
+        if not custom and not keras_steps:
+            continue
 
         def one_device_step(data, _step=step, _custom=custom):
             for metric in _every_metric(model):
