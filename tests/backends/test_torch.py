@@ -978,6 +978,11 @@ def _draws(rank=None, count=None):
                                                            seed=seed(9))
         torch.manual_seed(10)
         got["dropout_unseeded"] = keras.layers.Dropout(0.5)(keras.ops.ones((rows, 6)), training=True)
+        # A permuted view, as a strided Conv1D's output is: torch fills an unseeded mask in memory order.
+        torch.manual_seed(11)
+        permuted = keras.ops.transpose(keras.ops.ones((rows, 4, 6)), (0, 2, 1))
+        assert not permuted.is_contiguous()
+        got["dropout_unseeded_permuted"] = keras.layers.Dropout(0.5)(permuted, training=True)
         table = keras.ops.tile(keras.ops.reshape(keras.ops.arange(5), (1, 5)), (rows, 1))
         got["shuffle_axis1"] = keras.random.shuffle(table, axis=1, seed=seed(11))
         got["per_feature"] = keras.random.normal((7, 3), seed=seed(12))  # not per row: the same on every rank

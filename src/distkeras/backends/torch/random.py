@@ -145,13 +145,22 @@ def _parametrized(module, original, rows, names):
     return draw
 
 
+def _ones_like_layout(inputs, shape):
+    """Ones of ``shape`` whose dimensions lie in memory in the order ``inputs``' do (outermost first, by stride)."""
+    order = sorted(range(inputs.dim()), key=lambda d: (-inputs.stride(d), d))
+    ones = torch.ones([shape[d] for d in order], dtype=inputs.dtype, device=inputs.device)
+    return ones.permute([order.index(d) for d in range(inputs.dim())])
+
+
 def _dropout(module, original, rows):
     def dropout(inputs, rate, noise_shape=None, seed=None):
         if _symbolic(module) or not rows.per_row(inputs.shape) or rate in (0.0, 1.0):
             return original(inputs, rate, noise_shape=noise_shape, seed=seed)
         # The mask one device draws for the global batch (ones through Keras' own dropout: the seeded path
-        # or torch's, whichever Keras takes), then this rank's rows of it.
-        ones = torch.ones(rows.global_shape(inputs.shape), dtype=inputs.dtype, device=inputs.device)
+        # or torch's, whichever Keras takes), then this rank's rows of it. The ones are laid out in memory as
+        # ``inputs`` is: torch's unseeded dropout fills its mask in memory order (``empty_like``), and a
+        # strided Conv1D's output is a permuted view, whose mask one device draws in that order.
+        ones = _ones_like_layout(inputs, rows.global_shape(inputs.shape))
         mask = original(ones, rate, noise_shape=noise_shape, seed=seed)
         return inputs * _rows_of(mask, rows, inputs.shape)
 
