@@ -117,8 +117,9 @@ class TensorFlowAdapter(Adapter):
         "sync_batchnorm": batchnorm.OPTION_HELP,
         "compression": COMPRESSION_HELP,
         "batch_logs": "'global' (default): each batch's logs are one device's (every metric result read in a step "
-                      "is the global batch's, one all-reduce of the metrics' variables a step); 'local': Keras' own "
-                      "average of each replica's results (not one device's for AUC, Precision or counts)",
+                      "is the global batch's, one all-reduce of the metrics' variables a step; on one host); "
+                      "'local': Keras' own average of each replica's results (not one device's for AUC, Precision "
+                      "or counts)",
     }
 
     @classmethod
@@ -268,8 +269,10 @@ class TensorFlowAdapter(Adapter):
             tensorflow_steps.draw_tf_like_one_device(tf)
             keras_model.weigh_scalar_means(model, tensorflow_steps.scalar_share(tf, strategy.num_replicas_in_sync))
             tensorflow_steps.convolve_empty_batches(tf)
+            # Across workers, Keras' own steps keep Keras' average: an all-reduce of the metrics' variables inside
+            # a MultiWorkerMirroredStrategy step fails ("destinations can not be empty").
             tensorflow_steps.one_device_step_logs(tf, model, keras_model.keras_module(model).Model,
-                                                  keras_steps=batch_logs == "global")
+                                                  keras_steps=batch_logs == "global" and not cluster.is_multi_worker)
         _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(model, tf)
