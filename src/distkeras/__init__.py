@@ -14,7 +14,9 @@ from .devices import Device
 from .errors import (
     BackendError,
     BackendUnavailableError,
+    CheckpointError,
     ClusterError,
+    CollectiveError,
     DeviceSpecError,
     DistKerasError,
     LaunchError,
@@ -34,8 +36,10 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError",
     "BackendUnavailableError",
+    "CheckpointError",
     "Cluster",
     "ClusterError",
+    "CollectiveError",
     "Device",
     "DeviceSpecError",
     "DistKerasError",

@@ -25,25 +25,28 @@ the very step the job stopped at. What Keras' own ``BackupAndRestore`` leaves op
   global generators, restored at the epoch's start. TensorFlow's array shuffle (``tf.random.shuffle``) is
   not reproduced: the resumed epoch sees its remaining batches in a new order.
 
+- The folder is data, never code (:mod:`distkeras.checkpoints`): no pickle, a manifest validated field by field
+  with every path kept inside the folder, each weights file's SHA-256 checked before it is loaded, and only
+  distkeras' own files deleted at the end.
+
 Keras 3 only (a callback on ``keras.callbacks.Callback``).
 """
 
 import json
 import os
-import pickle
-import shutil
 import signal
 import sys
 import threading
 
 import keras
 
-from . import backends
+from . import backends, checkpoints
 from . import cluster as cluster_lib
 from .backends import agreement, policies
+from .errors import CheckpointError
 from .launch import EXIT_PREEMPTED
 
-MANIFEST = "checkpoint.json"
+MANIFEST = checkpoints.MANIFEST
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -51,7 +54,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     Args:
         backup_dir: folder for the checkpoints; made if missing. Use one folder per training run.
-        delete_checkpoint: remove the folder when training ends normally (default True).
+        delete_checkpoint: when training ends normally, remove the checkpoint files distkeras wrote, and the
+            folder where nothing else is left in it (default True).
         save_before_preemption: on SIGTERM, finish the current step, agree on it with every worker, save
             a checkpoint of it and exit with status 75 (default True; the name is ``tf.keras``' for this).
             ``False`` leaves SIGTERM alone: it ends the process, and the run resumes from its last epoch.
@@ -87,11 +91,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         return cluster_lib.from_env().rank == 0
 
     def _manifest(self):
-        path = os.path.join(self.backup_dir, MANIFEST)
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            return json.load(f)
+        """The folder's manifest, validated field by field (:func:`distkeras.checkpoints.read_manifest`)."""
+        return checkpoints.read_manifest(self.backup_dir)
 
     def on_train_begin(self, logs=None):
         self._signalled = False
@@ -100,10 +101,22 @@ class BackupAndRestore(keras.callbacks.Callback):
         manifest = self._manifest()
         if manifest is None:
             return
+        epochs = (self.params or {}).get("epochs")
+        if epochs is not None and manifest["epoch"] > epochs:
+            raise CheckpointError(
+                "Expected a checkpoint of at most epoch {} in {}, since fit() runs {} epochs. Received: epoch {}. "
+                "It is another run's: point BackupAndRestore at a folder of its own.".format(
+                    epochs, os.path.join(self.backup_dir, MANIFEST), epochs, manifest["epoch"]))
+        weights = checkpoints.check_weights(self.backup_dir, manifest)  # before anything is loaded
+        random_states = None
+        if manifest.get("step") and manifest.get("random"):
+            path = os.path.join(self.backup_dir, manifest["random"])
+            with open(path) as f:
+                random_states = checkpoints.decode_random_states(f.read(), path)
         model = self.model
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # its slots are in the checkpoint too
-        model.load_weights(os.path.join(self.backup_dir, manifest["weights"]))
+        model.load_weights(weights)
         self.restored_epoch = manifest["epoch"]
         self.restored_step = manifest.get("step", 0)
         # How Keras' own BackupAndRestore tells fit() where to start; fit() reads it once.
@@ -111,9 +124,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.restored_step:
             executions = _check_steps_per_execution(model, manifest)
             _pass_over(model, self.restored_step // executions, self._adapter())
-            if manifest.get("random"):
-                with open(os.path.join(self.backup_dir, manifest["random"]), "rb") as f:
-                    self._resume_random = pickle.load(f)
+            self._resume_random = random_states
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -175,15 +186,19 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.model.save_weights(os.path.join(self.backup_dir, ".tmp-" + name))
             return
         os.makedirs(self.backup_dir, exist_ok=True)
-        previous = self._manifest()
+        try:
+            previous = self._manifest()
+        except CheckpointError:
+            previous = None  # replaced below; what it names is not deleted
         policies.write_atomically(os.path.join(self.backup_dir, name), self._save_weights)
-        content = {"epoch": epoch, "weights": name}
+        content = {"epoch": epoch, "weights": name, "sha256": checkpoints.digest(os.path.join(self.backup_dir, name))}
         if step:
             content.update(step=step, steps_per_execution=_steps_per_execution(self.model))
             if random_states is not None:
-                content["random"] = name.replace(".weights.h5", ".random.pkl")
+                content["random"] = name.replace(".weights.h5", ".random.json")
+                text = checkpoints.encode_random_states(random_states)
                 policies.write_atomically(os.path.join(self.backup_dir, content["random"]),
-                              lambda p: _write_bytes(p, pickle.dumps(random_states)))
+                                          lambda p: _write_text(p, text))
         manifest = json.dumps(content)
         policies.write_atomically(os.path.join(self.backup_dir, MANIFEST), lambda p: _write_text(p, manifest))
         for key in ("weights", "random"):
@@ -198,7 +213,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._ignore()
         if self.delete_checkpoint and self._writer and os.path.isdir(self.backup_dir):
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
+            checkpoints.remove_own_files(self.backup_dir)  # the folder too, unless something else is in it
 
     def _listen(self):
         """Note a SIGTERM (Python runs the handler between bytecodes: the step under way finishes).
@@ -303,6 +318,3 @@ def _write_text(path, text):
         f.write(text)
 
 
-def _write_bytes(path, data):
-    with open(path, "wb") as f:
-        f.write(data)

@@ -60,6 +60,11 @@ class LoopError(DistKerasError, RuntimeError):
                    "is not.".format(backend, model, type(model).__name__))
 
 
+class CheckpointError(DistKerasError, ValueError):
+    """A checkpoint folder holds what distkeras didn't write or can't trust: a malformed manifest, a path outside
+    the folder, a weights file whose checksum isn't the one written, an epoch beyond the run's."""
+
+
 class NetworkError(DistKerasError, ConnectionError):
     """No interface reaches the coordinator, a named interface doesn't exist, or a host of the job is lost."""
 

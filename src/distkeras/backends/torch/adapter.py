@@ -131,8 +131,8 @@ class TorchAdapter(Adapter):
     def set_random_states(self, states):
         import torch
 
-        if "torch" in states:
-            torch.set_rng_state(states["torch"])
+        if "torch" in states:  # a ByteTensor, or the NumPy bytes a checkpoint's JSON gives back
+            torch.set_rng_state(torch.as_tensor(states["torch"], dtype=torch.uint8))
 
     def any_process(self, model, flag):
         """One integer all-reduced (max) on the job's own process group: gloo on CPU, NCCL on GPU."""

@@ -1,0 +1,187 @@
+"""A checkpoint folder is data, never code: what :class:`~distkeras.callbacks.BackupAndRestore` writes and trusts.
+
+Anyone who can write to the folder (a shared file system, a restored backup, a hand edit) must not be able to run
+code or touch a file outside it through it. So:
+
+- **No pickle.** The random states a mid-epoch checkpoint keeps (Python's, NumPy's, a framework's generators)
+  are JSON numbers, decoded into exactly the types each generator takes.
+- **A validated manifest.** ``checkpoint.json`` is read field by field: ``epoch`` and ``step`` non-negative
+  integers, ``steps_per_execution`` a positive one, ``weights`` and ``random`` file names of the forms distkeras
+  writes (no folder, no ``..``: every path stays inside the folder), ``sha256`` the weights file's digest. Anything
+  else is a :class:`~distkeras.errors.CheckpointError` naming the file and the field.
+- **A checksum.** The weights file's SHA-256, taken when it was written, is checked before it is loaded: a
+  corrupt or replaced file stops the resume with an error instead of training on from it.
+- **Only its own files deleted.** At the end of a run (``delete_checkpoint=True``) the files distkeras names are
+  removed, and the folder only where nothing else is left in it.
+
+No framework import here: a framework's generator state comes back as a NumPy byte array, which its adapter's
+``set_random_states`` takes.
+"""
+
+import hashlib
+import json
+import os
+import re
+
+from .errors import CheckpointError
+
+MANIFEST = "checkpoint.json"
+#: The names of the files distkeras writes into a checkpoint folder.
+WEIGHTS = re.compile(r"^epoch-\d{5}(-step-\d{6})?\.weights\.h5$")
+RANDOM = re.compile(r"^epoch-\d{5}-step-\d{6}\.random\.json$")
+TEMPORARY = re.compile(r"^\.tmp-.*epoch-\d{5}(-step-\d{6})?\.(weights\.h5|random\.json)$|^\.tmp-checkpoint\.json")
+FIELDS = ("epoch", "weights", "sha256", "step", "steps_per_execution", "random")
+
+
+def digest(path):
+    """The SHA-256 of the file at ``path``, in hex."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _bad(path, field, expected, value):
+    return CheckpointError(
+        "Expected {} in {} to be {}. Received: {!r}. The folder holds a checkpoint distkeras didn't write, or one "
+        "that was changed; remove the folder (or point BackupAndRestore at another) to start over.".format(
+            field, path, expected, value))
+
+
+def _count(manifest, path, field, least, required=True):
+    value = manifest.get(field)
+    if value is None and not required:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise _bad(path, field, "an integer of at least {}".format(least), value)
+
+
+def read_manifest(folder):
+    """The folder's manifest, validated (None where there is none).
+
+    Raises:
+        CheckpointError: the file isn't JSON, a field is missing, of the wrong type, or names a file outside the
+            folder or of another form than distkeras writes, or a field is unknown.
+    """
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError("Expected JSON in {}, the checkpoint's manifest. Received a file that isn't: {}. "
+                              "Remove the folder to start over.".format(path, exc)) from None
+    if not isinstance(manifest, dict):
+        raise _bad(path, "the manifest", "a JSON object", manifest)
+    unknown = sorted(set(manifest) - set(FIELDS))
+    if unknown:
+        raise _bad(path, "the fields", "some of " + ", ".join(FIELDS), unknown)
+    _count(manifest, path, "epoch", 0)
+    _count(manifest, path, "step", 0, required=False)
+    _count(manifest, path, "steps_per_execution", 1, required=False)
+    for field, pattern, required in (("weights", WEIGHTS, True), ("random", RANDOM, False)):
+        value = manifest.get(field)
+        if value is None and not required:
+            continue
+        if not isinstance(value, str) or not pattern.match(value):
+            raise _bad(path, field, "a file name of the form {}, in the folder".format(pattern.pattern), value)
+    sha = manifest.get("sha256")
+    if not isinstance(sha, str) or not re.match(r"^[0-9a-f]{64}$", sha):
+        raise _bad(path, "sha256", "the weights file's SHA-256 (64 hex digits)", sha)
+    return manifest
+
+
+def check_weights(folder, manifest):
+    """The path of the manifest's weights file, once its SHA-256 is the one the manifest holds.
+
+    Raises:
+        CheckpointError: the file is missing, or its content isn't what was written.
+    """
+    path = os.path.join(folder, manifest["weights"])
+    if not os.path.isfile(path):
+        raise CheckpointError("Expected the weights file {} that {} names. Received: no such file. Remove the folder "
+                              "to start over.".format(path, os.path.join(folder, MANIFEST)))
+    if digest(path) != manifest["sha256"]:
+        raise CheckpointError(
+            "Expected {} to hold the weights written with the checkpoint (SHA-256 {}). Received a file with "
+            "another content: corrupt or replaced since. Nothing was loaded; remove the folder to start over, or "
+            "restore the file.".format(path, manifest["sha256"]))
+    return path
+
+
+# ---- random states as JSON
+
+
+def encode_random_states(states):
+    """``states`` (``{"python": random.getstate(), "numpy": np.random.get_state()}`` and a framework's byte state,
+    such as torch's ``get_rng_state()``) as JSON text."""
+    out = {}
+    for key, value in states.items():
+        if key == "python":
+            version, internal, gauss = value
+            out[key] = [version, list(internal), gauss]
+        elif key == "numpy":
+            kind, keys, pos, has_gauss, cached = value
+            out[key] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+        else:  # a framework's generator state, a byte tensor (torch.get_rng_state())
+            import numpy as np
+
+            data = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+            if data.dtype != np.uint8 or data.ndim != 1:
+                raise ValueError("Random state {!r}: expected bytes, received {} {}".format(key, data.dtype, data.shape))
+            out[key] = [int(b) for b in data.tolist()]
+    return json.dumps(out)
+
+
+def decode_random_states(text, path):
+    """What :func:`encode_random_states` encoded, as the generators take it back.
+
+    Raises:
+        CheckpointError: not JSON, an unknown key, or a value of another shape.
+    """
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict) or not all(isinstance(k, str) and re.match(r"^[a-z]{1,16}$", k) for k in raw):
+            raise ValueError("keys {}".format(sorted(raw) if isinstance(raw, dict) else raw))
+        states = {}
+        if "python" in raw:
+            version, internal, gauss = raw["python"]
+            if not all(isinstance(i, int) for i in internal) or not (gauss is None or isinstance(gauss, float)):
+                raise ValueError("python")
+            states["python"] = (int(version), tuple(internal), gauss)
+        if "numpy" in raw:
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached = raw["numpy"]
+            if kind != "MT19937" or len(keys) != 624:
+                raise ValueError("numpy")
+            states["numpy"] = (kind, np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached))
+        for key in set(raw) - {"python", "numpy"}:  # a framework's byte state; its adapter takes the array back
+            import numpy as np
+
+            if not isinstance(raw[key], list) or not all(isinstance(b, int) and 0 <= b < 256 for b in raw[key]):
+                raise ValueError(key)
+            states[key] = np.array(raw[key], dtype=np.uint8)
+        return states
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError("Expected the random states distkeras writes in {}. Received something else ({}). "
+                              "Remove the folder to start over.".format(path, exc)) from None
+
+
+def remove_own_files(folder):
+    """Remove the files distkeras writes in ``folder`` (manifest, weights, random states, temporaries), then the
+    folder where nothing else is left in it. Anything else stays, and so does the folder then."""
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        if name == MANIFEST or WEIGHTS.match(name) or RANDOM.match(name) or TEMPORARY.match(name):
+            try:
+                os.remove(os.path.join(folder, name))
+            except OSError:
+                pass
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass  # not empty: the user's files are there
