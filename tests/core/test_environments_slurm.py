@@ -2,6 +2,8 @@
 port, and the batch script that isn't a task. The environments below are trimmed copies of what Slurm 22.05's
 srun really set (``srun ... env | grep SLURM`` on tests/clusters' two-node cluster)."""
 
+import time
+
 import pytest
 
 from distkeras import ClusterError
@@ -81,12 +83,42 @@ def test_hostlists_expand_as_scontrol_show_hostnames(text, hosts):
 @pytest.mark.parametrize("text,why", [
     ("n[1-3", "without its ']'"), ("n[1-2]]", "without its '['"), ("n[3-1]", "runs backwards"),
     ("n[]", "empty bracket group"), ("n[a-b]", "no number"), ("n[[1]]", "don't nest"),
-    ("n[0-99999999]", "too long"),
+    ("n[0-99999999]", "100000000 hosts, more than the 100000"),
 ])
 def test_malformed_hostlists_are_clear_errors(text, why):
     with pytest.raises(ClusterError, match="Expected a Slurm hostlist") as info:
         expand_hostlist(text)
     assert why in str(info.value) and repr(text) in str(info.value)
+
+
+@pytest.mark.parametrize("text,count", [
+    ("n[0-9999999]", 10000000), ("a[0-999],b[0-9999]", 11000), ("a[0-999]b[0-9999]", 10000000),
+    ("n[0-999999,1000000-1999999,2000000-2999999,3000000-3999999]", 4000000),
+    ("a[0-99999]b[0-99999]c[0-99999]", 10 ** 15),
+])
+def test_a_huge_hostlist_is_counted_before_it_is_expanded(text, count):
+    # 'a[0-999]b[0-9999]' took 0.8 s and 'n[0-999999,...,3000000-3999999]' (4 M hosts) took 3.6 s and 384 MB before
+    # their error: the count comes from the bounds now, and beyond MAX_HOSTS nothing is expanded.
+    assert slurm.count_hostlist(text) == count
+    if count <= slurm.MAX_HOSTS:
+        assert len(expand_hostlist(text)) == count
+        return
+    started = time.perf_counter()
+    with pytest.raises(ClusterError, match="Expected a Slurm hostlist") as info:
+        expand_hostlist(text)
+    assert time.perf_counter() - started < 0.1
+    assert "{} hosts, more than the {}".format(count, slurm.MAX_HOSTS) in str(info.value)
+    env = dict(SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="0", SLURM_LOCALID="0",
+               SLURM_NODEID="0", SLURM_STEP_NODELIST=text, SLURM_STEP_TASKS_PER_NODE="1(x2)")
+    started = time.perf_counter()
+    with pytest.raises(ClusterError, match="more than the"):
+        Slurm().read(env)
+    assert time.perf_counter() - started < 0.1
+
+
+def test_hostlist_counts_agree_with_expansion():
+    for text in ("gpu-a[01-04,07],gpu-b3", "a[1-2]-[5-6],z[1,3]", "n[0-3],n[2-5]", "", "n0 n1", "[1-2]", "x[9-10],y"):
+        assert slurm.count_hostlist(text) == len(expand_hostlist(text)), text
 
 
 def test_tasks_per_node():

@@ -36,7 +36,9 @@ SLOT_SIZE = 16
 SLOTS = 625  # 20000 .. 29999: below Linux's ephemeral ports (32768 ..), away from the well-known ones
 
 _STEP_VARIABLES = ("SLURM_STEP_ID", "SLURM_STEPID")
-_HOSTS_PER_LIST = 1 << 20  # a hostlist that expands to more is a mistake, not a cluster
+#: A hostlist naming more hosts is a mistake, not a cluster (the largest machines have tens of thousands of nodes);
+#: :func:`count_hostlist` tells before anything is expanded.
+MAX_HOSTS = 100000
 
 
 def _hostlist_error(text, why):
@@ -77,9 +79,52 @@ def _expand_range(text: str, part: str) -> List[str]:
     first, last = int(low), int(high)
     if last < first:
         raise _hostlist_error(text, "the range {!r} runs backwards".format(part))
-    if last - first >= _HOSTS_PER_LIST:
-        raise _hostlist_error(text, "the range {!r} is too long".format(part))
     return [str(n).zfill(len(low)) for n in range(first, last + 1)]
+
+
+def _range_length(text: str, part: str) -> int:
+    """How many numbers ``"01-04"`` names (4), checked as :func:`_expand_range` checks it, without expanding."""
+    low, sep, high = part.partition("-")
+    if not low.isdigit() or (sep and not high.isdigit()):
+        raise _hostlist_error(text, "{!r} is no number or range of numbers".format(part))
+    if not sep:
+        return 1
+    if int(high) < int(low):
+        raise _hostlist_error(text, "the range {!r} runs backwards".format(part))
+    return int(high) - int(low) + 1
+
+
+def _groups(item: str) -> List[str]:
+    """An item's literal pieces and bracket groups, in order."""
+    return re.split(r"(\[[^\[\]]*\])", item)
+
+
+def _group_parts(text: str, piece: str) -> List[str]:
+    parts = [part.strip() for part in piece[1:-1].split(",") if part.strip()]
+    if not parts:
+        raise _hostlist_error(text, "an empty bracket group")
+    return parts
+
+
+def count_hostlist(text: str) -> int:
+    """How many hosts :func:`expand_hostlist` would list, computed from the ranges' bounds (no expansion: a
+    mistyped ``n[0-9999999]`` costs microseconds, not seconds and hundreds of MB).
+
+    Example:
+        >>> count_hostlist("gpu-a[01-04,07],gpu-b3")
+        6
+
+    Raises:
+        ClusterError: a malformed hostlist, as :func:`expand_hostlist` says.
+    """
+    total = 0
+    for item in _split_top(text.strip()):
+        count = 1
+        for piece in _groups(item):
+            if piece.startswith("["):
+                count *= sum(_range_length(text, part) for part in _group_parts(text, piece))
+        total += count
+    return total
 
 
 def expand_hostlist(text: str) -> List[str]:
@@ -95,22 +140,22 @@ def expand_hostlist(text: str) -> List[str]:
         ['gpu-a01', 'gpu-a02', 'gpu-a03', 'gpu-a04', 'gpu-a07', 'gpu-b3']
 
     Raises:
-        ClusterError: unbalanced or nested brackets, an empty group, a bound that is no number, a backwards range.
+        ClusterError: unbalanced or nested brackets, an empty group, a bound that is no number, a backwards range,
+            more than :data:`MAX_HOSTS` hosts (counted before expanding).
     """
+    count = count_hostlist(text)
+    if count > MAX_HOSTS:
+        raise _hostlist_error(text, "it names {} hosts, more than the {} distkeras accepts: check the brackets' "
+                                    "bounds".format(count, MAX_HOSTS))
     hosts: List[str] = []
     for item in _split_top(text.strip()):
         names = [""]
-        for piece in re.split(r"(\[[^\[\]]*\])", item):
+        for piece in _groups(item):
             if not piece.startswith("["):
                 names = [name + piece for name in names]
                 continue
-            parts = [part.strip() for part in piece[1:-1].split(",") if part.strip()]
-            if not parts:
-                raise _hostlist_error(text, "an empty bracket group")
-            values = [value for part in parts for value in _expand_range(text, part)]
+            values = [value for part in _group_parts(text, piece) for value in _expand_range(text, part)]
             names = [name + value for name in names for value in values]
-            if len(names) > _HOSTS_PER_LIST:
-                raise _hostlist_error(text, "it names more than {} hosts".format(_HOSTS_PER_LIST))
         hosts.extend(names)
     return hosts
 
