@@ -20,6 +20,7 @@ Part of the Python 3.6-compatible core: no framework import, standard library on
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import backends
+from . import backends, processes
 from .backends.base import LaunchJob
 from .errors import LaunchError
 from .network import INTERFACE_ENV, free_port, parse_address  # noqa: F401 (part of this module's API)
@@ -41,8 +42,13 @@ DEFAULT_STOP_TIMEOUT = 20.0
 STOP_TIMEOUT_ENV = "DISTKERAS_STOP_TIMEOUT"
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raise LaunchError if ``host:port`` can't be bound (in use, or not an address of this host)."""
+def check_port_free(host: str, port: int, coordinator_port: Optional[int] = None) -> None:
+    """Raise LaunchError if ``host:port`` can't be bound (in use, or not an address of this host).
+
+    The error says which of the job's ports it is: ``--coordinator``'s PORT (on one host the engine's rendezvous
+    itself, across hosts where the launchers meet) or, across hosts, one of the engine's ports after it (PORT+1:
+    torch.distributed's store and jax.distributed's service; PORT+1 .. PORT+N: TensorFlow's workers). Given
+    ``coordinator_port`` (the PORT of ``--coordinator``), it names the one; without it, it lists both."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         # As the engines bind theirs: connections of an earlier job still in TIME_WAIT don't count, a listener does.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -50,9 +56,24 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
             sock.listen(1)
         except OSError as exc:
+            engines = ("PORT+1 for the engine's rendezvous (torch.distributed's store, jax.distributed's service; "
+                       "TensorFlow's workers take PORT+1 .. PORT+N)")
+            if coordinator_port is None:
+                which = ("Port {} on this host ({}) can't be used ({}). distkeras launch binds --coordinator's PORT on "
+                         "node rank 0's host (on one host the engine's rendezvous itself; across hosts where the "
+                         "launchers meet) and, across hosts, the ports after it: {}.".format(
+                             port, host, exc.strerror, engines))
+            elif port == coordinator_port:
+                which = ("Port {} on this host ({}), --coordinator's PORT (where the launchers meet; on one host the "
+                         "engine's rendezvous), can't be used ({}).".format(port, host, exc.strerror))
+            else:
+                which = ("Port {} on this host ({}), PORT+{} after --coordinator's PORT {} (the launchers' own), "
+                         "can't be used ({}): across hosts the engines use the ports after the launchers' PORT, "
+                         "{}.".format(port, host, port - coordinator_port, coordinator_port, exc.strerror, engines))
             raise LaunchError(
-                "The coordinator address {}:{} can't be used on this host ({}). Pick another port, or leave "
-                "--coordinator out on a single host and distkeras picks a free one.".format(host, port, exc.strerror)
+                "{} Free it (`ss -ltnp 'sport = :{}'` shows who holds it), or pass --coordinator HOST:PORT with a "
+                "PORT whose next ports are free too; on a single host, leave --coordinator out and distkeras picks "
+                "a free one.".format(which, port)
             )
 
 
@@ -101,13 +122,13 @@ def _pump(stream, sink, prefix, lock):
     stream.close()
 
 
+#: The cgroup's out-of-memory kills when this module was imported (before any worker starts): a worker's SIGKILL
+#: is named the OOM killer's where the count grew since (:func:`distkeras.processes.memory_hint`).
+_OOM_KILLS_AT_START = processes.oom_kills()
+
+
 def _describe_exit(code):
-    if code < 0:
-        try:
-            return "killed by {}".format(signal.Signals(-code).name)
-        except ValueError:
-            return "killed by signal {}".format(-code)
-    return "exit code {}".format(code)
+    return processes.describe_exit(code)
 
 
 class Launcher(object):
@@ -240,6 +261,10 @@ class Launcher(object):
             self.supervisor.failed(worker.label, how)
         started = time.time()
         self._say("{} {}; stopping the other workers".format(worker.label, how))
+        hint = processes.memory_hint(code, _OOM_KILLS_AT_START,
+                                     processes.oom_kills() if code == -signal.SIGKILL else None)
+        if hint:
+            self._say("{} died {}".format(worker.label, hint))
         self.stop_all()
         self._say("all workers stopped {:.1f} s after {} {}".format(time.time() - started, worker.label, how.split(" (")[0]))
 
@@ -354,6 +379,22 @@ def check_counts(script_args: List[str], nproc_per_node: int, nnodes: int, node_
         raise LaunchError("Expected a script to run: distkeras launch --nproc-per-node N script.py [args...]")
     if script_args[0] == "-m" and len(script_args) < 2:
         raise LaunchError("Expected a module name after -m: distkeras launch --nproc-per-node N -m package.module")
+    command = script_args[0]
+    if command != "-m" and not command.endswith(".py") and shutil.which(command) is None:
+        # Checked before any worker starts: else every worker dies of a bare FileNotFoundError.
+        if os.path.isfile(command) and os.access(command, os.X_OK):  # "prog" in this folder: exec searches PATH
+            raise LaunchError(
+                "Expected a command distkeras launch can run. Received: {!r}, which is not on PATH; a program of that "
+                "name is in this folder: run it as ./{}.".format(command, command))
+        if os.path.isfile(command):
+            raise LaunchError(
+                "Expected a command distkeras launch can run. Received: {!r}, a file that is not executable. Make it "
+                "executable (chmod +x {}), or name its interpreter first (distkeras launch ... python {}).".format(
+                    command, command, command))
+        raise LaunchError(
+            "Expected a command distkeras launch can run: a script ending in .py, -m package.module, or a program. "
+            "Received: {!r}, which is neither a program on PATH nor a file (in {}). Check its spelling, give its "
+            "full path, or add its folder to PATH.".format(command, os.getcwd()))
 
 
 def engine_port(port: int) -> int:

@@ -1,6 +1,7 @@
 """`distkeras launch` with plain-Python workers (no framework): env, output, failures, signals, bad input.
 Everything binds to 127.0.0.1, runs under a hard timeout, and leaves no process behind."""
 
+import io
 import json
 import os
 import signal
@@ -12,15 +13,15 @@ import time
 
 import pytest
 
-from distkeras import LaunchError, launch
+from distkeras import LaunchError, launch, processes
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
 
 
-def distkeras_launch(tmp_path, worker_body, *launch_args, timeout=60, **popen):
+def distkeras_launch(tmp_path, worker_body, *launch_args, timeout=60, env_extra=None, **popen):
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(worker_body))
-    env = dict(os.environ, PYTHONPATH=SRC, KERAS_HOME=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=SRC, KERAS_HOME=str(tmp_path), **(env_extra or {}))
     env.pop("KERAS_BACKEND", None)
     command = [sys.executable, "-m", "distkeras", "launch", *launch_args, str(script)]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, **popen)
@@ -82,9 +83,78 @@ def test_a_dying_worker_stops_the_others_and_names_itself(tmp_path):
     elapsed = time.time() - started
     assert code == 128 + 9
     assert "rank 1 died (killed by SIGKILL); stopping the other workers" in err
+    # A SIGKILL nobody announced is named as what it often is (here no OOM kill was counted: the hint alone).
+    assert "rank 1 died (SIGKILL: often the kernel's out-of-memory killer; check `dmesg`" in err
     assert elapsed < 20
     pids = [int(line.split("] ")[1]) for line in out.splitlines()]
     assert len(pids) == 3 and not any(alive(pid) for pid in pids)
+
+
+def test_a_sigkill_is_named_the_out_of_memory_killers_where_the_cgroup_counted_one(tmp_path):
+    assert processes.memory_hint(-signal.SIGKILL, 3, 4) == (
+        "(SIGKILL: likely the kernel's out-of-memory killer: this job's cgroup counted 1 OOM kill since the launch, "
+        "oom_kill 3 -> 4; give the job more memory, or make the model or the per-device batch smaller)")
+    hint = "(SIGKILL: often the kernel's out-of-memory killer; check `dmesg` / the job's memory limit)"
+    assert processes.memory_hint(-signal.SIGKILL, 4, 4) == processes.memory_hint(-signal.SIGKILL) == hint
+    assert processes.memory_hint(-signal.SIGKILL, None, 2) == hint
+    assert processes.memory_hint(-signal.SIGTERM, 0, 5) is None and processes.memory_hint(1, 0, 5) is None
+    assert processes.describe_exit(-signal.SIGKILL) == "killed by SIGKILL" and processes.describe_exit(3) == "exit code 3"
+    # The counters: cgroup v2's memory.events (also under a hybrid mount's unified/), else v1's memory.oom_control.
+    (tmp_path / "job.slice").mkdir()
+    (tmp_path / "job.slice" / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 2\noom_kill 2\n")
+    (tmp_path / "v2").write_text("0::/job.slice\n")
+    assert processes.oom_counter_file(str(tmp_path / "v2"), str(tmp_path)) == str(tmp_path / "job.slice" / "memory.events")
+    assert processes.oom_kills(str(tmp_path / "job.slice" / "memory.events")) == 2
+    (tmp_path / "memory" / "docker" / "c1").mkdir(parents=True)
+    (tmp_path / "memory" / "docker" / "c1" / "memory.oom_control").write_text(
+        "oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+    (tmp_path / "memory" / "docker" / "c1" / "worker1").mkdir()  # v1 counts a group's own kills: its subgroups add up
+    (tmp_path / "memory" / "docker" / "c1" / "worker1" / "memory.oom_control").write_text("oom_kill 1\n")
+    (tmp_path / "v1").write_text("4:memory:/docker/c1\n1:cpu:/docker/c1\n0::/\n")
+    found = processes.oom_counter_file(str(tmp_path / "v1"), str(tmp_path))
+    assert found == str(tmp_path / "memory" / "docker" / "c1" / "memory.oom_control") and processes.oom_kills(found) == 6
+    (tmp_path / "none").write_text("1:cpu:/\n")
+    assert processes.oom_counter_file(str(tmp_path / "none"), str(tmp_path)) is None
+    assert processes.oom_counter_file(str(tmp_path / "absent"), str(tmp_path)) is None
+
+
+def test_a_launcher_names_a_worker_the_oom_killer_ended(monkeypatch):
+    kills = iter([0, 1])
+    monkeypatch.setattr(launch, "_OOM_KILLS_AT_START", next(kills))
+    monkeypatch.setattr(processes, "oom_kills", lambda events=None: next(kills))
+    out, err = io.StringIO(), io.StringIO()
+    die = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    code = launch.Launcher([die], [dict(os.environ)], [0], stop_timeout=5, stdout=out, stderr=err).run()
+    assert code == 128 + 9
+    assert "rank 0 died (killed by SIGKILL); stopping" in err.getvalue()
+    assert "rank 0 died (SIGKILL: likely the kernel's out-of-memory killer: this job's cgroup counted 1 OOM kill" \
+           in err.getvalue(), err.getvalue()
+
+
+def test_a_worker_over_its_memory_cap_is_named_the_oom_killers(tmp_path):
+    """The real thing: rank 1 joins a cgroup capped at 64 MiB under the launcher's own and allocates 512 MiB."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import cgroups
+
+    reason = cgroups.unavailable()
+    if reason:
+        print("skipped: " + reason)
+        pytest.skip(reason)
+    with cgroups.MemoryCaps(1, 64 * 2 ** 20) as caps:
+        process = distkeras_launch(tmp_path, """
+            import os, sys, time
+            sys.path.insert(0, {!r})
+            import cgroups
+            if os.environ["RANK"] == "1":
+                cgroups.join_from_env(0)
+                block = bytearray(512 * 2 ** 20)
+            time.sleep(600)
+        """.format(os.path.dirname(os.path.abspath(cgroups.__file__))), "--nproc-per-node", "2", "--stop-timeout", "5",
+            env_extra=caps.environment())
+        code, _, err = finish(process)
+        assert caps.stats(0)["oom_kills"] >= 1
+    assert code == 128 + 9, err
+    assert "rank 1 died (SIGKILL: likely the kernel's out-of-memory killer" in err, err
 
 
 def test_exit_code_of_the_first_failing_worker(tmp_path):
@@ -167,7 +237,53 @@ def test_coordinator_port_in_use(tmp_path):
                                    "127.0.0.1:{}".format(port))
         code, out, err = finish(process)
     assert code == 2 and "never" not in out
-    assert "127.0.0.1:{} can't be used on this host".format(port) in err and "Pick another port" in err
+    assert "Port {} on this host (127.0.0.1) can't be used".format(port) in err and "--coordinator's PORT" in err
+    assert "PORT+1 for the engine's rendezvous" in err and "ss -ltnp 'sport = :{}'".format(port) in err
+
+
+def test_a_busy_engine_port_is_named_as_the_port_after_the_launchers():
+    """Across hosts the launchers meet at --coordinator's PORT and the engines at PORT+1 ...: a busy PORT+1 was
+    called "the coordinator address"."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(LaunchError) as info:
+            launch.check_port_free("127.0.0.1", port, coordinator_port=port - 1)
+        assert "Port {} on this host (127.0.0.1), PORT+1 after --coordinator's PORT {} (the launchers' own)".format(
+            port, port - 1) in str(info.value)
+        assert "coordinator address" not in str(info.value) and "PORT+1 for the engine's rendezvous" in str(info.value)
+        with pytest.raises(LaunchError, match="--coordinator's PORT .where the launchers meet"):
+            launch.check_port_free("127.0.0.1", port, coordinator_port=port)
+        with pytest.raises(LaunchError, match=r"binds --coordinator's PORT .* the ports after it: PORT\+1"):
+            launch.check_port_free("127.0.0.1", port)
+
+
+def test_a_command_that_is_nowhere_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LaunchError) as info:
+        launch.plan(["nosuchcommand", "--x"], 2)
+    message = str(info.value)
+    assert "Received: 'nosuchcommand', which is neither a program on PATH nor a file (in {})".format(tmp_path) in message
+    assert "give its full path, or add its folder to PATH" in message
+    with pytest.raises(LaunchError, match="neither a program on PATH nor a file"):
+        launch.check_counts([str(tmp_path / "absent" / "prog")], 1, 1, 0)
+    (tmp_path / "notes").write_text("hello\n")
+    with pytest.raises(LaunchError, match=r"'notes', a file that is not executable. Make it executable \(chmod \+x"):
+        launch.check_counts(["notes"], 1, 1, 0)
+    (tmp_path / "prog").write_text("#!/bin/sh\necho hi\n")
+    (tmp_path / "prog").chmod(0o755)
+    with pytest.raises(LaunchError, match="run it as ./prog"):
+        launch.check_counts(["prog"], 1, 1, 0)
+    launch.check_counts(["./prog"], 1, 1, 0)
+    launch.check_counts(["true"], 1, 1, 0)
+    launch.check_counts(["absent.py"], 1, 1, 0)  # Python says which file it can't open, in the worker's own words
+    # From the command line: a clear error, exit status 2, and no worker started.
+    env = dict(os.environ, PYTHONPATH=SRC, KERAS_HOME=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "2", "nosuchcommand"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and "FileNotFoundError" not in done.stderr and "[rank" not in done.stderr
+    assert "'nosuchcommand', which is neither a program on PATH nor a file" in done.stderr, done.stderr
 
 
 def test_plan_is_pure_and_checks_its_arguments():

@@ -33,7 +33,7 @@ import threading
 import time
 
 from ...errors import LaunchError
-from ...processes import EXIT_PREEMPTED, orphan_proof
+from ...processes import EXIT_PREEMPTED, describe_exit, memory_hint, oom_kills, orphan_proof
 
 #: Set in every child to its parent's pid.
 PARENT_ENV = "DISTKERAS_LAUNCHED_BY"
@@ -129,9 +129,10 @@ def _stop(children):
             child.wait()
 
 
-def _describe_exit(rank, child, code):
-    how = "was killed by signal {}".format(-code) if code < 0 else "exited with code {}".format(code)
-    return "worker rank {} (pid {}) {}".format(rank, child.pid, how)
+def _describe_exit(rank, child, code, oom_kills_before=None):
+    how = "was {}".format(describe_exit(code)) if code < 0 else "exited with code {}".format(code)
+    hint = memory_hint(code, oom_kills_before, oom_kills() if code < 0 else None)
+    return "worker rank {} (pid {}) {}{}".format(rank, child.pid, how, " " + hint if hint else "")
 
 
 class Watcher(threading.Thread):
@@ -144,6 +145,7 @@ class Watcher(threading.Thread):
         self._failure = None
         self._failed = threading.Event()
         self._finishing = False
+        self._oom_kills = oom_kills()  # before the children's deaths: a SIGKILL is named the OOM killer's if it grew
 
     def run(self):
         while not self._finishing:
@@ -158,7 +160,7 @@ class Watcher(threading.Thread):
             time.sleep(_POLL)
 
     def _fail(self, rank, code):
-        self._failure = "{}; the job is stopped.".format(_describe_exit(rank, self.children[rank], code))
+        self._failure = "{}; the job is stopped.".format(_describe_exit(rank, self.children[rank], code, self._oom_kills))
         self._failed.set()
         sys.stderr.write("distkeras: error: {}\n".format(self._failure))
         sys.stderr.flush()
@@ -187,7 +189,7 @@ class Watcher(threading.Thread):
                     rank, child.pid, self.timeout))
                 continue
             if code not in (0, EXIT_PREEMPTED):
-                problems.append(_describe_exit(rank, child, code))
+                problems.append(_describe_exit(rank, child, code, self._oom_kills))
         _stop(self.children)
         if problems and not self._failure:  # a failure the watcher saw is reported already
             sys.stderr.write("distkeras: error: {}\n".format("; ".join(problems)))
