@@ -37,7 +37,7 @@ def _launch(args):
         script, args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank, coordinator=args.coordinator,
         backend=backend, hosts=[h.strip() for h in args.hosts.split(",")] if args.hosts else None,
         interface=args.interface, stop_timeout=args.stop_timeout, join_timeout=args.join_timeout,
-        peer_timeout=args.peer_timeout)
+        peer_timeout=args.peer_timeout, token_file=args.token_file)
 
 
 def environment_report(environ: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
@@ -124,6 +124,11 @@ def build_parser():
     launch.add_argument("--peer-timeout", type=float, default=None,
                         help="several hosts: seconds of silence after which a host counts as lost and the job ends "
                              "(default 15; also DISTKERAS_PEER_TIMEOUT)")
+    launch.add_argument("--token-file", default=None,
+                        help="several hosts: a file holding the job's secret, the same on every host; the launchers "
+                             "prove to each other that they know it and refuse anyone who doesn't (also "
+                             "DISTKERAS_TOKEN_FILE, or the secret itself in DISTKERAS_TOKEN). Make one with: python -c "
+                             "\"import secrets; print(secrets.token_hex(32))\" > job.token")
     # A flag, with the module as SCRIPT: `-m pkg.mod --flag` then hands --flag to the module, as python -m does.
     launch.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module, run as python -m SCRIPT")
     launch.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...], or with -m: module [args...]")

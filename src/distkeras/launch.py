@@ -427,13 +427,17 @@ def from_scheduler(nnodes: Optional[int] = None,
 
 
 def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, coordinator: Optional[str] = None, backend: str = "tensorflow",
-            hosts: Optional[List[str]] = None, interface: Optional[str] = None, stop_timeout: Optional[float] = None, join_timeout: Optional[float] = None, peer_timeout: Optional[float] = None, environ: Optional[Dict[str, str]] = None) -> int:
+            hosts: Optional[List[str]] = None, interface: Optional[str] = None, stop_timeout: Optional[float] = None, join_timeout: Optional[float] = None, peer_timeout: Optional[float] = None, environ: Optional[Dict[str, str]] = None,
+            token_file: Optional[str] = None) -> int:
     """``distkeras launch``: on one host, start and watch the workers; across hosts, meet the other hosts'
     launchers first (:mod:`distkeras.rendezvous`), then start this host's workers and watch the whole job.
 
     Everything that can be checked before a worker starts is: the counts, the coordinator (an address of
     node 0's host with free ports; reachable from the others), the interface, ``--hosts`` (one address of
     this host at this node's rank, the same list everywhere), and that every host agrees.
+
+    Across hosts the launchers authenticate each other with the job's secret (``token_file``, else
+    DISTKERAS_TOKEN_FILE / DISTKERAS_TOKEN: :func:`distkeras.rendezvous.secret`); the workers don't get it.
 
     Returns:
         The exit code: 0, a failed worker's code, or 1 when another host failed or was lost.
@@ -452,6 +456,9 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
         engine = "{}:{}".format(envs[0]["MASTER_ADDR"], envs[0]["MASTER_PORT"])
         roles = adapter.launch_roles(LaunchJob(nproc_per_node, 1, 0, engine, None), env)
         return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, roles=roles).run()
+    key = rendezvous.secret(token_file, env)
+    for variable in (rendezvous.TOKEN_ENV, rendezvous.TOKEN_FILE_ENV):  # the launchers' secret, not the workers'
+        env.pop(variable, None)
     join_timeout = _seconds(join_timeout, rendezvous.JOIN_TIMEOUT_ENV, rendezvous.DEFAULT_JOIN_TIMEOUT, "--join-timeout", env)
     peer_timeout = _seconds(peer_timeout, rendezvous.PEER_TIMEOUT_ENV, rendezvous.DEFAULT_PEER_TIMEOUT, "--peer-timeout", env)
     if coordinator is None:
@@ -470,6 +477,8 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
                 hosts[node_rank], node_rank, network.listing(known)))
     address = hosts[node_rank] if hosts is not None else route.address
     me = rendezvous.hello(node_rank, nnodes, nproc_per_node, backend, hosts, address)
+    if key is None:
+        rendezvous.warn_unauthenticated(coordinator, host, _say_stderr)
     if node_rank == 0:
         if not _is_local(host, known):
             raise LaunchError(
@@ -481,11 +490,11 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
             engine_ports = [engine_port(port) + i for i in range(adapter.engine_ports(nproc_per_node))]
             for engine in engine_ports:
                 check_port_free(_local_host(host), engine)
-            supervisor = rendezvous.gather(listener, me, join_timeout, peer_timeout)
+            supervisor = rendezvous.gather(listener, me, join_timeout, peer_timeout, key=key)
         finally:
             listener.close()
     else:
-        supervisor = rendezvous.join(coordinator, me, join_timeout, peer_timeout)
+        supervisor = rendezvous.join(coordinator, me, join_timeout, peer_timeout, key=key)
     env[rendezvous.PEER_TIMEOUT_ENV] = "{:g}".format(peer_timeout)  # the engines' own failure detectors too
     _say_stderr("node rank {} of {}: {} on {} ({}); hosts {}".format(
         node_rank, nnodes, "ranks {}-{}".format(node_rank * nproc_per_node, (node_rank + 1) * nproc_per_node - 1)

@@ -16,13 +16,40 @@ before its workers finished, the other hosts learn it within that bound. Either 
 its workers and exits naming the lost rank, whatever the engines would have waited for: this is
 torchrun's agent idea (a rendezvous plus keep-alives), not a communication engine.
 
+**Trust.** The coordinator port is reachable by whoever reaches the host, so nothing that arrives there is
+trusted (docs/guide/security.md has the threat model):
+
+- *Authentication.* With a per-job secret (``--token-file``, :data:`TOKEN_FILE_ENV` or :data:`TOKEN_ENV`;
+  :func:`secret`), every connection starts with a challenge: node 0 sends a fresh random nonce, the host
+  answers with its hello, a nonce of its own and an HMAC-SHA256 over both nonces and the hello; from then
+  on every message in either direction carries a sequence number and an HMAC over the session's two nonces,
+  its direction, its number and its content. A peer that doesn't know the secret can't join (its hello
+  fails), can't read the plan (it is only sent after a good hello), can't end the job (a forged
+  ``failed``/``abort`` fails its HMAC) and can't take a real host's slot; a message replayed from another
+  session or out of order fails too (new nonces, the next number only), so no clock is involved. Each side
+  proves itself to the other: a host believes a plan only with node 0's HMAC. It is Horovod's idea
+  (``horovodrun`` signs its driver/task messages with a per-run key), with challenge nonces instead of
+  timestamps. It protects integrity and membership, not secrecy: the plan (the hosts' addresses) travels
+  in the clear.
+- *Without a secret* anyone who reaches the port can join in a free slot as in PyTorch's TCPStore; a job
+  whose coordinator isn't a loopback address says so once (:func:`warn_unauthenticated`).
+- *Shape and size.* Every line is bounded (:data:`MAX_LINE`), parsed once, and checked field by field
+  against the one shape each message may have; anything else closes that connection with a log line and
+  nothing more. Node 0 keeps at most :data:`MAX_PENDING` connections that haven't said a good hello, each
+  for :data:`HELLO_TIMEOUT` seconds at most, drops the oldest beyond that, survives running out of file
+  descriptors, and waits with :mod:`selectors` (no ``select()`` limit of 1024 descriptors).
+
 Messages are JSON lines over TCP. Standard library only; part of the Python 3.6-compatible core.
 """
 
+import binascii
+import hashlib
+import hmac
 import json
 import os
-import select
+import selectors
 import socket
+import sys
 import time
 from typing import Dict, List, Optional
 
@@ -34,8 +61,21 @@ DEFAULT_PEER_TIMEOUT = 15.0
 DEFAULT_JOIN_TIMEOUT = 120.0
 PEER_TIMEOUT_ENV = "DISTKERAS_PEER_TIMEOUT"
 JOIN_TIMEOUT_ENV = "DISTKERAS_JOIN_TIMEOUT"
+#: A file holding the job's secret (what ``--token-file`` names), the same file content on every host.
+TOKEN_FILE_ENV = "DISTKERAS_TOKEN_FILE"
+#: The job's secret itself (a file is better: other users of a host can't read a file of mode 600).
+TOKEN_ENV = "DISTKERAS_TOKEN"
+#: The longest line either side reads, in bytes: a hello with --hosts of a few thousand hosts fits.
+MAX_LINE = 256 * 1024
+#: Node 0's bound on connections that haven't said a good hello yet (beyond it, the oldest is dropped).
+MAX_PENDING = 32
+#: Seconds a new connection has to say a good hello.
+HELLO_TIMEOUT = 10.0
+#: The longest text of a ``failed`` / ``abort`` / ``error`` message.
+MAX_TEXT = 4096
 _BEAT = 1.0
-_PROTOCOL = 1
+_PROTOCOL = 2
+_NONCE_BYTES = 16
 
 
 def peer_timeout(environ: Optional[Dict[str, str]] = None) -> float:
@@ -49,47 +89,228 @@ def peer_timeout(environ: Optional[Dict[str, str]] = None) -> float:
     return value if value > 0 else DEFAULT_PEER_TIMEOUT
 
 
+def secret(token_file: Optional[str] = None, environ: Optional[Dict[str, str]] = None) -> Optional[bytes]:
+    """The job's secret: the content of ``token_file`` (``--token-file``), else of the file
+    :data:`TOKEN_FILE_ENV` names, else :data:`TOKEN_ENV`'s value; surrounding whitespace is dropped. None when
+    none is given.
+
+    Raises:
+        LaunchError: the file can't be read, or the secret is empty or shorter than 16 bytes.
+    """
+    env = os.environ if environ is None else environ
+    where = None
+    if token_file is None and env.get(TOKEN_FILE_ENV):
+        token_file, where = env[TOKEN_FILE_ENV], TOKEN_FILE_ENV
+    if token_file is not None:
+        where = where or "--token-file"
+        try:
+            with open(token_file, "rb") as f:
+                value = f.read(65536).strip()
+        except OSError as exc:
+            raise LaunchError("Can't read the job's secret from {} {} ({}). Give every host the same file, e.g. made "
+                              "once with `python -c \"import secrets; print(secrets.token_hex(32))\" > {}`.".format(
+                                  where, token_file, exc.strerror or exc, token_file))
+        source = "{} {}".format(where, token_file)
+    elif env.get(TOKEN_ENV):
+        value, source = env[TOKEN_ENV].strip().encode(), TOKEN_ENV
+    else:
+        return None
+    if len(value) < 16:
+        raise LaunchError("Expected the job's secret in {} to be at least 16 bytes (e.g. 64 hex digits from "
+                          "`python -c \"import secrets; print(secrets.token_hex(32))\"`). Received: {} byte(s)".format(
+                              source, len(value)))
+    return value
+
+
+_warned = []
+
+
+def warn_unauthenticated(coordinator: str, host: str, say) -> None:
+    """Say once that a job whose launchers meet on a non-loopback address has no secret, and what that
+    means. ``say`` prints a line."""
+    if _is_loopback(host) or _warned:
+        return
+    _warned.append(coordinator)
+    say("warning: the launchers meet at {} without a secret, so anyone who can reach that port can join this "
+        "job as a host and get its plan. Give every host the same --token-file (or {}) to authenticate them; "
+        "docs: guide/security.".format(coordinator, TOKEN_FILE_ENV))
+
+
+def _is_loopback(host):
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        return all(info[4][0].startswith("127.") or info[4][0] == "::1" for info in socket.getaddrinfo(host, None))
+    except (socket.gaierror, UnicodeError):
+        return False
+
+
+def _log(message):
+    sys.stderr.write("distkeras launch: {}\n".format(message))
+    sys.stderr.flush()
+
+
+class _Refusals(object):
+    """Log lines about refused connections, bounded: the first ten, then every hundredth."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, peer, why):
+        self.count += 1
+        if self.count <= 10 or self.count % 100 == 0:
+            _log("closed the connection from {}: {}{}".format(
+                peer, why, "" if self.count <= 10 else " ({} connections refused so far)".format(self.count)))
+
+
+def _canonical(message):
+    return json.dumps(message, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _mac(key, *parts):
+    return hmac.new(key, b"\0".join(parts), hashlib.sha256).hexdigest()
+
+
+def _nonce():
+    return binascii.hexlify(os.urandom(_NONCE_BYTES)).decode()
+
+
+def _is_int(value, low, high):
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_text(value, longest=255):
+    return isinstance(value, str) and 0 < len(value) <= longest
+
+
+def _is_nonce(value):
+    if not isinstance(value, str) or len(value) != 2 * _NONCE_BYTES:
+        return False
+    try:
+        binascii.unhexlify(value)
+    except (binascii.Error, ValueError):
+        return False
+    return True
+
+
+def check_hello(me: object) -> Optional[str]:
+    """Why ``me`` isn't a launcher's hello (:func:`hello`'s shape), or None."""
+    if not isinstance(me, dict):
+        return "its hello is not an object"
+    expected = {"node_rank", "nnodes", "nproc_per_node", "backend", "hosts", "address", "protocol"}
+    if set(me) != expected:
+        return "its hello has the fields {}, not {}".format(sorted(me)[:10], sorted(expected))
+    if not _is_int(me["nnodes"], 1, 1000000) or not _is_int(me["node_rank"], 0, 1000000):
+        return "its hello's nnodes / node_rank are not counts"
+    if not _is_int(me["nproc_per_node"], 1, 100000) or not _is_int(me["protocol"], 0, 1000000):
+        return "its hello's nproc_per_node / protocol are not counts"
+    if not _is_text(me["backend"], 64) or not _is_text(me["address"]):
+        return "its hello's backend / address are not short texts"
+    hosts = me["hosts"]
+    if hosts is not None and (not isinstance(hosts, list) or len(hosts) > me["nnodes"]
+                              or not all(_is_text(h) for h in hosts)):
+        return "its hello's hosts are not a list of addresses"
+    return None
+
+
+def check_plan(plan: object, nnodes: int) -> Optional[str]:
+    """Why ``plan`` isn't a job's plan for ``nnodes`` hosts, or None."""
+    if not isinstance(plan, dict) or set(plan) != {"addresses"}:
+        return "its plan is not an object with exactly the field 'addresses'"
+    addresses = plan["addresses"]
+    if not isinstance(addresses, list) or len(addresses) != nnodes or not all(_is_text(a) for a in addresses):
+        return "its plan's addresses are not a list of {} addresses".format(nnodes)
+    return None
+
+
+#: The messages of a running job: each a one-field object, the field's value of this shape.
+_NEWS = {"beat": lambda v: v == 1, "done": lambda v: v == 1, "end": lambda v: v == 1,
+         "failed": lambda v: _is_text(v, MAX_TEXT), "abort": lambda v: _is_text(v, MAX_TEXT),
+         "error": lambda v: _is_text(v, MAX_TEXT)}
+
+
+def check_news(message: object) -> Optional[str]:
+    """Why ``message`` isn't one of a running job's messages (or node 0's answer to a hello), or None."""
+    if not isinstance(message, dict) or len(message) != 1:
+        return "a message is not a one-field object"
+    (kind, value), = message.items()
+    if kind == "plan":
+        return None  # checked by the receiver, who knows nnodes
+    check = _NEWS.get(kind)
+    if check is None or not check(value):
+        return "a message of an unknown kind or shape ({!r})".format(str(kind)[:20])
+    return None
+
+
 class Link(object):
-    """One launcher-to-launcher connection: JSON lines, non-blocking reads, time of the last word."""
+    """One launcher-to-launcher connection: bounded JSON lines, non-blocking reads, time of the last word.
+
+    After the handshake (:meth:`start_session`) every line is ``{"m": message, "s": number, "mac": hex}``:
+    numbered from 0 in each direction, the HMAC (with a key) over the session, the direction, the number and
+    the message. A line that breaks any rule closes the link (``why`` says what)."""
 
     def __init__(self, sock, name):
         self.sock = sock
         self.name = name
         self.buffer = b""
         self.closed = False
-        self.last_heard = time.monotonic()
+        self.why: Optional[str] = None
+        self.opened = time.monotonic()
+        self.last_heard = self.opened
         self.last_sent = 0.0
         self.node: Optional[int] = None
         self.done = False
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.key: Optional[bytes] = None
+        self.challenge: Optional[str] = None
+        self.session: Optional[bytes] = None
+        self.sent = self.heard = 0
+        self.outgoing = self.incoming = b""
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
 
-    def send(self, message: Dict[str, object]) -> bool:
+    def start_session(self, key, challenge, nonce, node0):
+        """From now on, number (and with ``key``, sign) every message; ``node0``: this end is node 0's."""
+        self.key = key
+        self.session = "{}:{}".format(challenge, nonce).encode()
+        self.outgoing, self.incoming = (b"0>n", b"n>0") if node0 else (b"n>0", b"0>n")
+
+    def send_raw(self, line: Dict[str, object]) -> bool:
         if self.closed:
             return False
         try:
             self.sock.settimeout(5.0)
-            self.sock.sendall((json.dumps(message) + "\n").encode())
+            self.sock.sendall(json.dumps(line).encode() + b"\n")
             self.last_sent = time.monotonic()
             return True
         except OSError:
             self.close()
             return False
 
-    def receive(self, wait: float = 0.0) -> List[Dict[str, object]]:
-        """The messages that arrived, waiting up to ``wait`` seconds for the first."""
-        messages: List[Dict[str, object]] = []
+    def send(self, message: Dict[str, object]) -> bool:
+        line = {"m": message, "s": self.sent}  # type: Dict[str, object]
+        if self.key is not None:
+            line["mac"] = _mac(self.key, self.session, self.outgoing, str(self.sent).encode(), _canonical(message))
+        self.sent += 1
+        return self.send_raw(line)
+
+    def fail(self, why):
+        if not self.closed:
+            self.why = why
+            self.close()
+
+    def receive_raw(self, wait: float = 0.0) -> List[object]:
+        """The parsed lines that arrived, waiting up to ``wait`` seconds for the first."""
+        lines: List[object] = []
         deadline = time.monotonic() + wait
-        while not self.closed:
-            left = max(0.0, deadline - time.monotonic())
+        while not self.closed and not lines:
+            left = deadline - time.monotonic()
             try:
-                readable, _, _ = select.select([self.sock], [], [], left if not messages else 0.0)
-            except (OSError, ValueError):
-                self.close()
-                break
-            if not readable:
-                break
-            try:
+                self.sock.settimeout(left if left > 0 else 0.0)
                 chunk = self.sock.recv(65536)
+            except (socket.timeout, BlockingIOError, InterruptedError):
+                break
             except OSError:
                 chunk = b""
             if not chunk:
@@ -97,15 +318,51 @@ class Link(object):
                 break
             self.last_heard = time.monotonic()
             self.buffer += chunk
-            while b"\n" in self.buffer:
-                line, self.buffer = self.buffer.split(b"\n", 1)
+            if b"\n" not in chunk:
+                if len(self.buffer) > MAX_LINE:
+                    self.fail("a line longer than {} bytes".format(MAX_LINE))
+                continue
+            *complete, self.buffer = self.buffer.split(b"\n")
+            for raw in complete:
+                if len(raw) > MAX_LINE:
+                    self.fail("a line longer than {} bytes".format(MAX_LINE))
+                    return lines
                 try:
-                    messages.append(json.loads(line.decode()))
-                except ValueError:
-                    pass
-            if messages:
+                    lines.append(json.loads(raw.decode("utf-8")))
+                except (ValueError, RecursionError, UnicodeDecodeError):
+                    self.fail("a line that is not JSON")
+                    return lines
+            if len(self.buffer) > MAX_LINE:
+                self.fail("a line longer than {} bytes".format(MAX_LINE))
+        return lines
+
+    def receive(self, wait: float = 0.0) -> List[Dict[str, object]]:
+        """The session's messages that arrived, each checked, waiting up to ``wait`` seconds for the first."""
+        messages: List[Dict[str, object]] = []
+        for line in self.receive_raw(wait):
+            problem = self._check(line)
+            if problem is not None:
+                self.fail(problem)
                 break
+            messages.append(line["m"])  # type: ignore
         return messages
+
+    def _check(self, line):
+        if not isinstance(line, dict) or not set(line) <= {"m", "s", "mac"} or "m" not in line or "s" not in line:
+            return "a line that is not a numbered message"
+        if line["s"] != self.heard or isinstance(line["s"], bool):
+            return "message number {!r} where {} was next (replayed, lost or forged)".format(
+                str(line["s"])[:20], self.heard)
+        problem = check_news(line["m"])
+        if problem is not None:
+            return problem
+        if self.key is not None:
+            mac = line.get("mac")
+            expected = _mac(self.key, self.session, self.incoming, str(self.heard).encode(), _canonical(line["m"]))
+            if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
+                return "a message without the job's signature (forged, or sent without the secret)"
+        self.heard += 1
+        return None
 
     def close(self):
         if not self.closed:
@@ -114,8 +371,6 @@ class Link(object):
                 self.sock.close()
             except OSError:
                 pass
-
-
 def _ranks(node, nproc):
     first = node * nproc
     return "rank {}".format(first) if nproc == 1 else "ranks {}-{}".format(first, first + nproc - 1)
@@ -197,7 +452,7 @@ class Supervisor(object):
         now = time.monotonic()
         for link in self.links:
             for message in link.receive():
-                if "failed" in message:
+                if "failed" in message and self.node_rank == 0:
                     reason = str(message["failed"])
                     if self.node_rank == 0:
                         self._broadcast({"abort": reason}, but=link)
@@ -213,7 +468,10 @@ class Supervisor(object):
             if link.done or self.ended:
                 continue
             node = 0 if link.node is None else link.node
-            if link.closed:
+            if link.closed and link.why:
+                self._lose("{} broke the launchers' protocol ({}); the job can't go on without it".format(
+                    self._who(node), link.why))
+            elif link.closed:
                 self._lose("{} closed its connection before its workers finished (its launcher died or was "
                            "stopped)".format(self._who(node)))
             elif now - link.last_heard > self.peer_timeout:
@@ -267,111 +525,257 @@ def _deadline_message(coordinator, timeout, problem):
             "blocks it (--join-timeout / {} to wait longer).".format(coordinator, timeout, problem, JOIN_TIMEOUT_ENV))
 
 
+def _not_node0(coordinator, why):
+    return LaunchError(
+        "The program answering at {} is not this job's node rank 0: {}. Check --coordinator, that node rank 0 runs "
+        "the same distkeras version, and that every host has the same --token-file.".format(coordinator, why))
+
+
+def _challenge(link, coordinator, key, deadline):
+    """Node 0's first line, checked: its nonce."""
+    lines: List[object] = []
+    while not lines and not link.closed and time.monotonic() < deadline:
+        lines = link.receive_raw(wait=min(1.0, max(0.0, deadline - time.monotonic())))
+    if link.closed and link.why:
+        raise _not_node0(coordinator, "it sent {}".format(link.why))
+    if not lines:
+        return None
+    first = lines[0]
+    if (not isinstance(first, dict) or set(first) != {"challenge", "auth", "protocol"}
+            or not _is_nonce(first["challenge"]) or not isinstance(first["auth"], bool)):
+        raise _not_node0(coordinator, "its first line is not a distkeras launcher's challenge")
+    if first["protocol"] != _PROTOCOL:
+        raise LaunchError("Node rank 0 at {} speaks launcher protocol {!r}, this host {}: install the same distkeras "
+                          "version on every host.".format(coordinator, str(first["protocol"])[:20], _PROTOCOL))
+    if first["auth"] and key is None:
+        raise LaunchError("Node rank 0 at {} requires the job's secret, and this host was given none: give every host "
+                          "the same --token-file (or {}).".format(coordinator, TOKEN_FILE_ENV))
+    if not first["auth"] and key is not None:
+        raise LaunchError("This host was given a secret (--token-file / {}), and node rank 0 at {} runs without one: "
+                          "give every host the same --token-file, or none.".format(TOKEN_FILE_ENV, coordinator))
+    return first["challenge"]
+
+
 def join(coordinator: str,
          me: Dict[str, object],
          join_timeout: float = DEFAULT_JOIN_TIMEOUT,
          peer_timeout: float = DEFAULT_PEER_TIMEOUT,
-         source_address: Optional[str] = None) -> Supervisor:
+         source_address: Optional[str] = None,
+         key: Optional[bytes] = None) -> Supervisor:
     """Node rank > 0: reach node 0 at ``coordinator``, introduce this host, get the plan.
 
+    With ``key`` (the job's :func:`secret`), this host proves it knows it and believes only a plan signed with
+    it. A connection node 0 drops before its answer (it drops the oldest of too many new connections) is
+    made again until ``join_timeout``.
+
     Raises:
-        LaunchError: nobody answered within ``join_timeout``, or node 0 refused this host (it says why).
+        LaunchError: nobody answered within ``join_timeout``, node 0 refused this host (it says why), or what
+            answered is not this job's node 0 (another program, another version, another secret).
     """
     from .network import parse_address
 
     host, port = parse_address(coordinator)
     deadline = time.monotonic() + join_timeout
     problem = "nothing answered"
-    sock = None
+    answered = False
     while time.monotonic() < deadline:
         try:
             sock = socket.create_connection((host, port), timeout=max(0.5, min(5.0, deadline - time.monotonic())),
                                             source_address=(source_address, 0) if source_address else None)
-            break
         except OSError as exc:
             problem = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
             time.sleep(0.5)
-    if sock is None:
-        raise LaunchError(_deadline_message(coordinator, join_timeout, problem))
-    link = Link(sock, coordinator)
-    link.node = 0
-    link.send({"hello": me})
-    while time.monotonic() < deadline and not link.closed:
-        for message in link.receive(wait=min(1.0, max(0.0, deadline - time.monotonic()))):
-            if "error" in message:
+            continue
+        link = Link(sock, coordinator)
+        link.node = 0
+        try:
+            challenge = _challenge(link, coordinator, key, min(deadline, time.monotonic() + HELLO_TIMEOUT))
+            if challenge is None:
+                problem = "it accepted the connection but sent no challenge"
                 link.close()
-                raise LaunchError(str(message["error"]))
-            if "plan" in message:
-                return Supervisor(me, [link], dict(message["plan"]), peer_timeout, coordinator)
-    link.close()
+                continue
+            answered = True
+            nonce = _nonce()
+            line = {"hello": me, "nonce": nonce}  # type: Dict[str, object]
+            if key is not None:
+                line["mac"] = _mac(key, b"hello", challenge.encode(), nonce.encode(), _canonical(me))
+            link.start_session(key, challenge, nonce, node0=False)
+            link.send_raw(line)
+            while time.monotonic() < deadline and not link.closed:
+                for message in link.receive(wait=min(1.0, max(0.0, deadline - time.monotonic()))):
+                    if "error" in message:
+                        raise LaunchError(str(message["error"]))
+                    if "plan" in message:
+                        why = check_plan(message["plan"], int(me["nnodes"]))  # type: ignore
+                        if why is not None:
+                            raise _not_node0(coordinator, why)
+                        return Supervisor(me, [link], dict(message["plan"]), peer_timeout, coordinator)  # type: ignore
+            if link.why:
+                raise _not_node0(coordinator, "it sent {}".format(link.why))
+        except BaseException:
+            link.close()
+            raise
+        link.close()
+        if time.monotonic() < deadline:
+            _log("node rank 0 at {} closed this host's connection before the job started; joining again".format(
+                coordinator))
+            time.sleep(0.5)
+    if not answered:
+        raise LaunchError(_deadline_message(coordinator, join_timeout, problem))
     raise LaunchError(
         "Node rank 0 at {} took this host in but did not start the job within {:.0f} s: not every host of the "
         "job joined. Start every host's `distkeras launch` (node ranks 0..{}) with the same options.".format(
-            coordinator, join_timeout, int(me["nnodes"]) - 1))
+            coordinator, join_timeout, int(me["nnodes"]) - 1))  # type: ignore
+
+
+def _hello_problem(line, key, challenge):
+    """Why a pending connection's first line is not a good hello (None: it is)."""
+    if not isinstance(line, dict) or not {"hello", "nonce"} <= set(line) or not set(line) <= {"hello", "nonce", "mac"}:
+        return "its first line is not a hello"
+    if not _is_nonce(line["nonce"]):
+        return "its hello has no nonce"
+    problem = check_hello(line["hello"])
+    if problem is not None:
+        return problem
+    if key is not None:
+        mac = line.get("mac")
+        expected = _mac(key, b"hello", challenge.encode(), line["nonce"].encode(), _canonical(line["hello"]))
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
+            return "secret"
+    return None
 
 
 def gather(listener: socket.socket,
            me: Dict[str, object],
            join_timeout: float = DEFAULT_JOIN_TIMEOUT,
-           peer_timeout: float = DEFAULT_PEER_TIMEOUT) -> Supervisor:
+           peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+           key: Optional[bytes] = None) -> Supervisor:
     """Node rank 0: wait on ``listener`` for every other host, check that they agree, send the plan.
+
+    With ``key`` (the job's :func:`secret`) only hosts that prove they know it count. A connection that
+    breaks the protocol is closed with a log line and changes nothing else.
 
     Raises:
         LaunchError: a host disagrees (every host is told why), or not all came within ``join_timeout``.
     """
-    nnodes = int(me["nnodes"])
+    nnodes = int(me["nnodes"])  # type: ignore
     coordinator = "{}:{}".format(*listener.getsockname()[:2])
     deadline = time.monotonic() + join_timeout
     pending: List[Link] = []
     joined: Dict[int, Link] = {}
     addresses = {0: str(me["address"])}
+    refused = _Refusals()
+    selector = selectors.DefaultSelector()
+    listener.setblocking(False)
+    selector.register(listener, selectors.EVENT_READ, None)
 
-    def refuse(message):
-        for link in pending + list(joined.values()):
+    def drop(link, why=None):
+        if link in pending:
+            pending.remove(link)
+        try:
+            selector.unregister(link.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        if why is not None:
+            link.fail(why)
+        link.close()
+        if link.why:
+            refused(link.name, link.why)
+
+    def refuse(message, also=()):
+        for link in list(joined.values()) + list(also):
             link.send({"error": message})
             link.close()
+        for link in list(pending):
+            drop(link)
+        selector.close()
         listener.close()
         raise LaunchError(message)
 
-    while len(joined) < nnodes - 1:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            missing = [n for n in range(1, nnodes) if n not in joined]
-            refuse("{} of the {} hosts joined node rank 0 at {} within {:.0f} s; missing node rank(s) {}. Start "
-                   "`distkeras launch --node-rank N` on every host with --coordinator {} (--join-timeout / {} to wait "
-                   "longer), or give every host the real --nnodes.".format(
-                       len(joined) + 1, nnodes, coordinator, join_timeout, ", ".join(map(str, missing)), coordinator,
-                       JOIN_TIMEOUT_ENV))
-        readable, _, _ = select.select([listener] + [link.sock for link in pending], [], [], min(0.5, left))
-        if listener in readable:
-            sock, peer = listener.accept()
-            pending.append(Link(sock, "{}:{}".format(*peer[:2])))
-        for link in list(pending):
-            if link.sock not in readable:
+    def accept():
+        for _ in range(16):  # a few at a time: the pending hellos are read in between
+            try:
+                sock, peer = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE/ENFILE (out of descriptors), ECONNABORTED, ENOBUFS...
+                refused("the coordinator port", "accept() failed ({}); dropping the oldest new connection".format(
+                    exc.strerror or exc))
+                if pending:
+                    drop(pending[0], "too many connections at once")
+                time.sleep(0.05)
+                return
+            link = Link(sock, "{}:{}".format(*peer[:2]))
+            link.challenge = _nonce()
+            if not link.send_raw({"challenge": link.challenge, "auth": key is not None, "protocol": _PROTOCOL}):
                 continue
-            for message in link.receive():
-                if "hello" not in message:
-                    continue
-                theirs = dict(message["hello"])
-                pending.remove(link)
-                node = theirs.get("node_rank")
-                problem = _disagreement(me, theirs)
-                if problem is None and (not isinstance(node, int) or not 0 < node < nnodes):
-                    problem = "a host ({}) says it is node rank {}, outside 1..{} (--nnodes {}).".format(
-                        theirs.get("address"), node, nnodes - 1, nnodes)
-                if problem is None and node in joined:
-                    problem = "two hosts say they are node rank {}: {} and {}. Give each host its own --node-rank.".format(
-                        node, addresses[node], theirs.get("address"))
-                if problem is not None:
-                    pending.append(link)
-                    refuse(problem)
-                link.node = node
-                joined[node] = link
-                addresses[node] = str(theirs.get("address"))
-                break
-            if link.closed and link in pending:
-                pending.remove(link)
-    listener.close()
+            try:
+                selector.register(sock, selectors.EVENT_READ, link)
+            except (ValueError, OSError):
+                link.close()
+                continue
+            pending.append(link)
+            if len(pending) > MAX_PENDING + nnodes:
+                drop(pending[0], "too many connections at once")
+
+    def greet(link):
+        lines = link.receive_raw()
+        if link.closed or not lines:
+            if link.closed:
+                drop(link)
+            return
+        problem = _hello_problem(lines[0], key, link.challenge)
+        if problem == "secret":
+            link.start_session(key, link.challenge, lines[0]["nonce"], node0=True)
+            link.send({"error": "Node rank 0 at {} refused this host: its hello did not carry the job's secret. Give "
+                                "every host the same --token-file.".format(coordinator)})
+            drop(link, "it did not prove it knows the job's secret (a host with another --token-file, or a stranger)")
+            return
+        if problem is not None:
+            drop(link, problem)
+            return
+        theirs = lines[0]["hello"]
+        link.start_session(key, link.challenge, lines[0]["nonce"], node0=True)
+        pending.remove(link)
+        selector.unregister(link.sock)
+        node = theirs["node_rank"]
+        problem = _disagreement(me, theirs)
+        if problem is None and not 0 < node < nnodes:
+            problem = "a host ({}) says it is node rank {}, outside 1..{} (--nnodes {}).".format(
+                theirs["address"], node, nnodes - 1, nnodes)
+        if problem is None and node in joined:
+            problem = "two hosts say they are node rank {}: {} and {}. Give each host its own --node-rank.".format(
+                node, addresses[node], theirs["address"])
+        if problem is not None:
+            refuse(problem, also=[link])
+        link.node = node
+        joined[node] = link
+        addresses[node] = theirs["address"]
+
+    try:
+        while len(joined) < nnodes - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [n for n in range(1, nnodes) if n not in joined]
+                refuse("{} of the {} hosts joined node rank 0 at {} within {:.0f} s; missing node rank(s) {}. Start "
+                       "`distkeras launch --node-rank N` on every host with --coordinator {} (--join-timeout / {} to "
+                       "wait longer), the same --token-file on every host, or give every host the real "
+                       "--nnodes.".format(len(joined) + 1, nnodes, coordinator, join_timeout,
+                                          ", ".join(map(str, missing)), coordinator, JOIN_TIMEOUT_ENV))
+            events = selector.select(timeout=min(0.5, left))
+            for ready, _ in events:  # the hellos first, then new connections
+                if ready.data is not None and ready.data in pending:
+                    greet(ready.data)
+            if any(ready.data is None for ready, _ in events):
+                accept()
+            now = time.monotonic()
+            for link in [link for link in pending if now - link.opened > HELLO_TIMEOUT]:
+                drop(link, "no hello within {:.0f} s".format(HELLO_TIMEOUT))
+    finally:
+        for link in list(pending):
+            drop(link)
+        selector.close()
+        listener.close()
     plan = {"addresses": [addresses[n] for n in range(nnodes)]}
     links = [joined[n] for n in sorted(joined)]
     for link in links:
