@@ -27,9 +27,9 @@ from .errors import CheckpointError
 
 MANIFEST = "checkpoint.json"
 #: The names of the files distkeras writes into a checkpoint folder.
-WEIGHTS = re.compile(r"^epoch-\d{5}(-step-\d{6})?\.weights\.h5$")
-RANDOM = re.compile(r"^epoch-\d{5}-step-\d{6}\.random\.json$")
-TEMPORARY = re.compile(r"^\.tmp-.*epoch-\d{5}(-step-\d{6})?\.(weights\.h5|random\.json)$|^\.tmp-checkpoint\.json")
+WEIGHTS = re.compile(r"epoch-\d{5}(-step-\d{6})?\.weights\.h5")  # whole names only: fullmatch (a $ lets "\n" in)
+RANDOM = re.compile(r"epoch-\d{5}-step-\d{6}\.random\.json")
+TEMPORARY = re.compile(r"\.tmp-.*epoch-\d{5}(-step-\d{6})?\.(weights\.h5|random\.json)|\.tmp-checkpoint\.json")
 FIELDS = ("epoch", "weights", "sha256", "step", "steps_per_execution", "random")
 
 
@@ -85,10 +85,10 @@ def read_manifest(folder):
         value = manifest.get(field)
         if value is None and not required:
             continue
-        if not isinstance(value, str) or not pattern.match(value):
+        if not isinstance(value, str) or not pattern.fullmatch(value):
             raise _bad(path, field, "a file name of the form {}, in the folder".format(pattern.pattern), value)
     sha = manifest.get("sha256")
-    if not isinstance(sha, str) or not re.match(r"^[0-9a-f]{64}$", sha):
+    if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
         raise _bad(path, "sha256", "the weights file's SHA-256 (64 hex digits)", sha)
     return manifest
 
@@ -143,7 +143,7 @@ def decode_random_states(text, path):
     """
     try:
         raw = json.loads(text)
-        if not isinstance(raw, dict) or not all(isinstance(k, str) and re.match(r"^[a-z]{1,16}$", k) for k in raw):
+        if not isinstance(raw, dict) or not all(isinstance(k, str) and re.fullmatch(r"[a-z]{1,16}", k) for k in raw):
             raise ValueError("keys {}".format(sorted(raw) if isinstance(raw, dict) else raw))
         states = {}
         if "python" in raw:
@@ -176,7 +176,7 @@ def remove_own_files(folder):
     if not os.path.isdir(folder):
         return
     for name in os.listdir(folder):
-        if name == MANIFEST or WEIGHTS.match(name) or RANDOM.match(name) or TEMPORARY.match(name):
+        if name == MANIFEST or WEIGHTS.fullmatch(name) or RANDOM.fullmatch(name) or TEMPORARY.fullmatch(name):
             try:
                 os.remove(os.path.join(folder, name))
             except OSError:

@@ -31,6 +31,7 @@ def test_manifest_fields_are_checked_one_by_one(tmp_path):
     (tmp_path / checkpoints.MANIFEST).write_text(json.dumps(good))
     assert checkpoints.read_manifest(str(tmp_path)) == good
     for field, value in (("weights", "sub/epoch-00002.weights.h5"), ("weights", "epoch-00002.weights.h5/.."),
+                         ("weights", "epoch-00002.weights.h5\n"), ("sha256", "0" * 64 + "\n"),
                          ("random", "epoch-00002-step-000001.random.pkl"), ("step", True), ("step", -1),
                          ("steps_per_execution", 0), ("sha256", "ab")):
         (tmp_path / checkpoints.MANIFEST).write_text(json.dumps(dict(good, **{field: value})))
