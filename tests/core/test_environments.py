@@ -526,3 +526,58 @@ def test_local_gpus_of_every_task_on_a_node_are_disjoint():
     env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"}
     picked = [environments.local_gpus(env, _task(r, 3)).split(",") for r in range(3)]
     assert picked == [["0", "1"], ["2", "3"], ["4", "5"]]
+
+
+# --- partial variables: never a silent job of one ----------------------------------------------------------
+
+@pytest.mark.parametrize("env,named", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE='2' without RANK (torchrun's)"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, "WORLD_SIZE='2' without RANK"),
+    ({"RANK": "1"}, "RANK='1' without WORLD_SIZE (torchrun's)"),
+    ({"RANK": "0", "MASTER_ADDR": "h"}, "RANK='0' without WORLD_SIZE"),
+    ({"LOCAL_RANK": "1"}, "LOCAL_RANK='1' without RANK and WORLD_SIZE"),
+    ({"JAX_NUM_PROCESSES": "4", "JAX_COORDINATOR_ADDRESS": "h:1"}, "JAX_NUM_PROCESSES='4' without JAX_PROCESS_ID (jax's)"),
+    ({"JAX_PROCESS_ID": "2"}, "JAX_PROCESS_ID='2' without JAX_NUM_PROCESSES"),
+    ({"KERAS_DISTRIBUTION_NUM_PROCESSES": "2"}, "KERAS_DISTRIBUTION_NUM_PROCESSES='2' without KERAS_DISTRIBUTION_PROCESS_ID"),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_SIZE='4' without OMPI_COMM_WORLD_RANK (mpi's)"),
+    ({"MV2_COMM_WORLD_RANK": "3"}, "MV2_COMM_WORLD_RANK='3' without MV2_COMM_WORLD_SIZE"),
+    ({"PMI_SIZE": "8"}, "PMI_SIZE='8' without PMI_RANK"),
+    ({"DISTKERAS_WORLD_SIZE": "3"}, "DISTKERAS_WORLD_SIZE='3' without JOB_COMPLETION_INDEX (is the Job's completionMode"),
+    ({"WORLD_SIZE": "4", "DISTKERAS_LAUNCHER_PID": "7"}, "WORLD_SIZE='4' without RANK"),
+    # Under a scheduler that says one task (an allocation's shell), the same.
+    ({"WORLD_SIZE": "2", "SLURM_JOB_ID": "5", "SLURM_NTASKS": "1"}, "WORLD_SIZE='2' without RANK"),
+])
+def test_partial_launcher_variables_are_an_error_not_a_job_of_one(env, named):
+    # WORLD_SIZE=2 without RANK was a job of one, silently: every process of the job trained as rank 0.
+    with pytest.raises(ClusterError, match="The launch variables are partly set") as info:
+        from_env(env)
+    message = str(info.value)
+    assert named in message, message
+    assert "every process of the job as rank 0" in message and "DISTKERAS_ENVIRONMENT=single" in message
+    # Training alone on purpose stays possible.
+    assert from_env(dict(env, DISTKERAS_ENVIRONMENT="single")).world_size == 1
+
+
+@pytest.mark.parametrize("env", [
+    {"WORLD_SIZE": "1"}, {"LOCAL_RANK": "0"}, {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
+    {"JAX_COORDINATOR_ADDRESS": "h:1234"}, {"JAX_NUM_PROCESSES": "1"}, {"DISTKERAS_LAUNCHER_PID": "7"},
+    {"DISTKERAS_WORLD_SIZE": "1"}, {"OMPI_COMM_WORLD_SIZE": "1"}, {"TF_CONFIG": "  "},
+])
+def test_variables_that_place_no_other_process_are_no_error(env):
+    assert from_env(env) == SINGLE
+
+
+def test_partial_variables_beside_a_complete_launcher_are_its_business():
+    # A job of several, described by a launcher that names itself: a stray JAX_NUM_PROCESSES is not read at all.
+    c = from_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "JAX_NUM_PROCESSES": "2"})
+    assert (c.source, c.rank, c.world_size) == ("mpi", 1, 2)
+    # Slurm's many variables are read by Slurm alone: a task of a step of two is no partial anything.
+    slurm_task = {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0",
+                  "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+    assert from_env(slurm_task).source == "slurm"
+
+
+def test_a_malformed_tf_config_is_an_error_not_a_job_of_one():
+    for text in ("{}", "not json", '{"cluster": {"worker": []}, "task": {"type": "worker", "index": 0}}'):
+        with pytest.raises(ClusterError, match="TF_CONFIG"):
+            from_env({"TF_CONFIG": text})

@@ -35,6 +35,12 @@ The rules:
   whose ranks need not follow the scheduler's tasks. Nothing is taken from them, and one that can't be
   read is no error (:attr:`Found.context` says what was seen, and ``distkeras info`` shows it). (srun's own
   PMI variables, ``srun --mpi=pmi2``, are Slurm's tasks, not an MPI launcher: see :mod:`.mpi`.)
+- Variables of an environment set only in part, so that they place this process in a job of several without
+  saying its rank (``WORLD_SIZE=2`` without ``RANK``, ``RANK`` without ``WORLD_SIZE``, ``JAX_NUM_PROCESSES=2``
+  without ``JAX_PROCESS_ID``: :meth:`~.base.Environment.partial`), are a ClusterError naming them where this
+  process would otherwise be a job of one -- never a silent rank 0. What places it in no job of several is no
+  error: ``WORLD_SIZE=1``, ``LOCAL_RANK=0``, ``MASTER_ADDR`` / ``MASTER_PORT`` or ``JAX_COORDINATOR_ADDRESS``
+  alone.
 - ``DISTKERAS_ENVIRONMENT=<name>`` reads that environment alone (an error if its variables are absent);
   ``DISTKERAS_ENVIRONMENT=single`` makes this process a job of one, whatever else is set.
 
@@ -192,6 +198,31 @@ def find(environ: Optional[Mapping[str, str]] = None) -> Found:
     env = os.environ if environ is None else environ
     if env.get(FORCE_ENV, "").strip():
         return _forced(env[FORCE_ENV].strip(), env)
+    found = _detected(env)
+    if found.cluster.world_size == 1:
+        _refuse_partial(env, found.cluster)
+    return found
+
+
+def _refuse_partial(env: Mapping[str, str], cluster: Cluster) -> None:
+    """A ClusterError where this process would be a job of one but an environment's variables, partly set, place it
+    in a job of several (``WORLD_SIZE=2`` without ``RANK``): each process of that job would be rank 0, alone."""
+    partial = [(cls.name, why) for cls in available() if not cls.detect(env) for why in [cls.partial(env)] if why]
+    if not partial:
+        return
+    raise ClusterError(
+        "The launch variables are partly set: {}. They place this process in a job of several, but without the "
+        "rest distkeras can't tell its rank, and it would run as {} (every process of the job as rank 0). Set them "
+        "all in each process (RANK 0..WORLD_SIZE-1 with WORLD_SIZE, as torchrun and distkeras launch do; "
+        "JAX_PROCESS_ID with JAX_NUM_PROCESSES), or unset the partial ones; to train alone on purpose, set "
+        "{}=single.".format(
+            "; ".join("{} ({}'s)".format(why, name) for name, why in partial),
+            "a job of one" if cluster.source == SINGLE.source else "rank 0 of 1 from {}".format(cluster.source),
+            FORCE_ENV))
+
+
+def _detected(env: Mapping[str, str]) -> Found:
+    """:func:`find`'s rules, without the partial variables' check."""
     launchers: List[Tuple[type, Cluster]] = []
     schedulers: List[type] = []
     for cls in available():

@@ -36,6 +36,13 @@ class Environment(abc.ABC):
         RANK / WORLD_SIZE / MASTER_ADDR): then a launcher that names itself describes the workers instead."""
         return False
 
+    @staticmethod
+    def partial(env: Mapping[str, str]) -> Optional[str]:
+        """Where :meth:`detect` is false: what of this environment's variables is set that places this process in
+        a job of several (``WORLD_SIZE=2`` without ``RANK``), or None. :func:`distkeras.environments.find` refuses
+        to make such a process a job of one: every process of the job would take itself for rank 0."""
+        return None
+
     @abc.abstractmethod
     def read(self, env: Mapping[str, str]) -> Cluster:
         """This process' place in the job. Raises ClusterError, naming the variables, when they are malformed
@@ -54,6 +61,25 @@ def integer(env: Mapping[str, str], name: str, source: str) -> int:
 def optional_integer(env: Mapping[str, str], name: str, source: str, default: int) -> int:
     """``env[name]`` as an int when it is set and not empty, else ``default``."""
     return integer(env, name, source) if env.get(name, "") != "" else default
+
+
+def claims_several(value: str) -> bool:
+    """Whether a size or rank variable's value says there are other processes (not unset, empty, 0 or 1)."""
+    return value.strip() not in ("", "0", "1")
+
+
+def partial_pair(env: Mapping[str, str], rank_var: str, size_var: str, local_var: Optional[str] = None) -> Optional[str]:
+    """What is missing of a rank and size pair that, as set, places this process in a job of several: the rank
+    without the size (it alone says nothing of the job's size), the size > 1 without the rank, or a local rank > 0
+    without either; None where both are set, or what is set is a job of one (``WORLD_SIZE=1``, ``LOCAL_RANK=0``)."""
+    rank, size = env.get(rank_var), env.get(size_var)
+    if rank is not None and size is None:
+        return "{}={!r} without {}".format(rank_var, rank, size_var)
+    if size is not None and rank is None and claims_several(size):
+        return "{}={!r} without {}".format(size_var, size, rank_var)
+    if local_var and rank is None and size is None and env.get(local_var, "").strip() not in ("", "0"):
+        return "{}={!r} without {} and {}".format(local_var, env[local_var], rank_var, size_var)
+    return None
 
 
 def picked(env: Mapping[str, str], names: Iterable[str] = (), prefixes: Iterable[str] = ()) -> Dict[str, str]:

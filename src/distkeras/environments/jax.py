@@ -5,10 +5,10 @@ They say nothing about hosts, so the local rank is taken to be the rank, on one 
 Part of the Python 3.6-compatible core.
 """
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 from ..cluster import Cluster
-from .base import Environment, integer, picked
+from .base import Environment, integer, partial_pair, picked
 
 COORDINATOR, COUNT, INDEX = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 
@@ -31,6 +31,11 @@ class JAX(Environment):
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
         return COUNT in env and INDEX in env
+
+    @staticmethod
+    def partial(env: Mapping[str, str]) -> Optional[str]:
+        # JAX_COORDINATOR_ADDRESS alone is no job: jax.distributed then asks the cluster (Slurm, MPI) for the rest.
+        return partial_pair(env, INDEX, COUNT)
 
     def read(self, env: Mapping[str, str]) -> Cluster:
         return read_counted(env, self.name, COORDINATOR, COUNT, INDEX)

@@ -4,10 +4,10 @@
 Part of the Python 3.6-compatible core.
 """
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 from ..cluster import Cluster
-from .base import Environment
+from .base import Environment, partial_pair
 from .jax import read_counted
 
 ADDRESSES = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
@@ -25,6 +25,10 @@ class KerasDistribution(Environment):
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
         return COUNT in env and INDEX in env
+
+    @staticmethod
+    def partial(env: Mapping[str, str]) -> Optional[str]:
+        return partial_pair(env, INDEX, COUNT)
 
     def read(self, env: Mapping[str, str]) -> Cluster:
         return read_counted(env, self.name, ADDRESSES, COUNT, INDEX)

@@ -37,7 +37,7 @@ from typing import List, Mapping, Optional
 
 from ..cluster import Cluster
 from ..errors import ClusterError
-from .base import Environment, integer, picked
+from .base import Environment, claims_several, integer, picked
 
 INDEX = "JOB_COMPLETION_INDEX"
 WORLD_SIZE = "DISTKERAS_WORLD_SIZE"
@@ -65,6 +65,13 @@ class KubernetesIndexedJob(Environment):
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
         return INDEX in env
+
+    @staticmethod
+    def partial(env: Mapping[str, str]) -> Optional[str]:
+        """The pod spec's DISTKERAS_WORLD_SIZE > 1 without JOB_COMPLETION_INDEX: a Job that is not Indexed."""
+        if WORLD_SIZE in env and claims_several(env[WORLD_SIZE]):
+            return "{}={!r} without {} (is the Job's completionMode Indexed?)".format(WORLD_SIZE, env[WORLD_SIZE], INDEX)
+        return None
 
     def read(self, env: Mapping[str, str]) -> Cluster:
         variables = picked(env, (INDEX, WORLD_SIZE, SERVICE, COORDINATOR, PORT, "HOSTNAME") + JOBSET)

@@ -21,10 +21,10 @@ variables, the job is taken to be on one host (local rank = rank), as before.
 Part of the Python 3.6-compatible core.
 """
 
-from typing import List, Mapping, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 from ..cluster import Cluster
-from .base import Environment, integer, optional_integer, picked
+from .base import Environment, integer, optional_integer, partial_pair, picked
 
 #: (implementation, rank, size, [(local rank, local size), ...]) in the order they are tried.
 FLAVOURS: Sequence[Tuple[str, str, str, Sequence[Tuple[str, str]]]] = (
@@ -62,6 +62,11 @@ class MPI(Environment):
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
         return bool(_flavours(env))
+
+    @staticmethod
+    def partial(env: Mapping[str, str]) -> Optional[str]:
+        found = [partial_pair(env, rank_var, size_var) for _, rank_var, size_var, _ in FLAVOURS]
+        return "; ".join(f for f in found if f) or None
 
     def read(self, env: Mapping[str, str]) -> Cluster:
         _, rank_var, size_var, locals_ = _flavours(env)[0]

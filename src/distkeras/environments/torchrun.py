@@ -10,10 +10,10 @@ then a launcher that names itself (Kubeflow's ``PET_*``, MPI's ranks, Ray Train)
 and these must agree with it. Part of the Python 3.6-compatible core.
 """
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 from ..cluster import Cluster
-from .base import Environment, address, integer, optional_integer, picked
+from .base import Environment, address, integer, optional_integer, partial_pair, picked
 
 #: What torchrun sets besides the rank variables (all recorded in ``Cluster.variables``).
 NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -52,6 +52,11 @@ class TorchElastic(Environment):
     @staticmethod
     def generic(env: Mapping[str, str]) -> bool:
         return "TORCHELASTIC_RUN_ID" not in env
+
+    @staticmethod
+    def partial(env: Mapping[str, str]) -> Optional[str]:
+        # MASTER_ADDR / MASTER_PORT alone place nothing (a shell profile may set them): only the ranks count.
+        return partial_pair(env, "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
     def read(self, env: Mapping[str, str]) -> Cluster:
         return read_env_vars(env, self.name)
