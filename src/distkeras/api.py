@@ -17,7 +17,7 @@ from . import cluster as cluster_lib
 from . import devices as devices_lib
 from . import verify as verify_lib
 from .devices import CPU_DEVICES_ENV
-from .errors import ClusterError, DeviceSpecError, ModelError, TooLateError
+from .errors import ClusterError, DeviceSpecError, ModelError, ModelTypeError, TooLateError
 
 logger = logging.getLogger("distkeras")
 
@@ -188,13 +188,27 @@ def _check_virtual_cpus(available, name):
         )
 
 
+def _check_model(model):
+    """A ModelTypeError unless ``model`` is a keras.Model (Keras 3, tf_keras or Keras 2: a class named Model of
+    the keras package in its MRO; Sequential and functional models are subclasses). Nothing is imported."""
+    package = backends.keras_package(model)
+    if package is not None and any(cls.__name__ == "Model" and cls.__module__.split(".")[0] == package
+                                   for cls in type(model).__mro__):
+        return
+    if package is not None:  # a layer: keras_package() takes layers too
+        raise ModelTypeError(
+            "Expected a Keras model (keras.Model, keras.Sequential, a functional model or a subclass). Received: "
+            "{!r} of type {}, a Keras layer, not a model: it has no loss, optimizer or fit() to distribute. Wrap it "
+            "in a model, e.g. model = keras.Sequential([keras.Input(shape=...), layer]), compile it, and distribute "
+            "the model.".format(model, type(model).__name__))
+    raise ModelTypeError(
+        "Expected a Keras model (keras.Model, keras.Sequential, a functional model or a subclass). Received: {!r} "
+        "of type {}, which is no Keras model. Build a keras.Model and distribute it.".format(
+            model, type(model).__name__))
+
+
 def _adapter_for(model):
-    if backends.keras_package(model) is None:
-        raise ModelError(
-            "Expected a Keras model (keras.Model, keras.Sequential or a subclass). Received: {!r} of type {}".format(
-                model, type(model).__name__
-            )
-        )
+    _check_model(model)
     return backends.get(backends.active_name(model))
 
 
@@ -242,7 +256,8 @@ def distribute(model, devices=None, **options):
         ``model`` itself, data-parallel (unchanged when one device is asked for in a one-process job).
 
     Raises:
-        ModelError: ``model`` is not a Keras model, or a Keras 2 model that is not built.
+        ModelTypeError: ``model`` is no ``keras.Model`` (a layer: wrap it in ``keras.Sequential([...])``).
+        ModelError: a Keras 2 model that is not built.
         DeviceSpecError: ``devices`` is malformed or names a device that isn't there.
         BackendError / BackendUnavailableError: the Keras backend is unsupported or not installed.
         OptionError: an option the backend doesn't know, or ``shard`` on a backend that can't shard.

@@ -29,6 +29,11 @@ class ModelError(DistKerasError, ValueError):
     """The model can't be distributed as given (not built, not clonable, not a Keras model)."""
 
 
+class ModelTypeError(ModelError, TypeError):
+    """:func:`distkeras.distribute` was given something that is no ``keras.Model``: a layer, a function, an
+    array. (Both a :class:`ModelError` and a ``TypeError``.)"""
+
+
 class OptionError(DistKerasError, ValueError):
     """An option passed through ``**options`` is unknown to the active backend, or has a bad value."""
 

@@ -243,6 +243,16 @@ def test_not_a_model():
         distkeras.distribute(object(), devices=2)
 
 
+def test_a_layer_is_refused_at_distribute():
+    # It used to fail later, in fit(), with "AttributeError: 'Dense' object has no attribute 'compute_loss'".
+    import keras
+
+    for devices in (2, 1):
+        with pytest.raises(distkeras.ModelTypeError, match=r"Received: .* of type Dense, a Keras layer, not a model") as info:
+            distkeras.distribute(keras.layers.Dense(2), devices=devices)
+        assert isinstance(info.value, TypeError) and "keras.Sequential([keras.Input(shape=...), layer])" in str(info.value)
+
+
 def test_use_cpu_devices_after_start_is_too_late():
     error = replicated(2, scenarios.cpu_devices_after_start, 2, CPU_DEVICES + 2)
     assert isinstance(error, distkeras.TooLateError)

@@ -94,6 +94,34 @@ def test_non_keras_model_is_refused():
         distkeras.distribute([1, 2, 3])
 
 
+def _keras_class(name, module, *bases):
+    return type(name, bases or (object,), {"__module__": module, "__repr__": lambda self: "<{}>".format(name)})
+
+
+def test_a_layer_is_refused_as_no_model_on_keras_2_and_3_alike():
+    # distribute(keras.layers.Dense(2)) failed later, deep in fit(), with "AttributeError: ... compute_loss". The
+    # check reads class names only (no keras import): Keras 3's classes and Keras 2's (keras-mxnet, CNTK) alike.
+    from distkeras import api
+
+    for layer_module, model_module in (("keras.src.layers.layer", "keras.src.models.model"),
+                                       ("keras.engine.base_layer", "keras.engine.training"),
+                                       ("tf_keras.src.engine.base_layer", "tf_keras.src.engine.training")):
+        layer = _keras_class("Layer", layer_module)
+        dense = _keras_class("Dense", layer_module.rpartition(".")[0] + ".core", layer)
+        model = _keras_class("Model", model_module, layer)
+        sequential = _keras_class("Sequential", model_module.rpartition(".")[0] + ".sequential", model)
+        with pytest.raises(distkeras.ModelTypeError) as info:
+            distkeras.distribute(dense(), devices=2)
+        assert isinstance(info.value, TypeError) and isinstance(info.value, distkeras.ModelError)
+        assert "Expected a Keras model" in str(info.value)
+        assert "Received: <Dense> of type Dense, a Keras layer, not a model" in str(info.value)
+        assert "keras.Sequential([keras.Input(shape=...), layer])" in str(info.value)
+        api._check_model(sequential())  # no error: a model
+        api._check_model(model())
+    with pytest.raises(distkeras.ModelTypeError, match=r"Received: \[1\] of type list, which is no Keras model"):
+        distkeras.distribute([1])
+
+
 def test_when_imported_runs_after_the_module_is_imported(tmp_path):
     (tmp_path / "fakefw.py").write_text("VALUE = 41\n")
     script = textwrap.dedent("""

@@ -9,6 +9,8 @@ from distkeras import errors
     (errors.BackendError, ValueError),
     (errors.BackendUnavailableError, ImportError),
     (errors.ModelError, ValueError),
+    (errors.ModelTypeError, TypeError),
+    (errors.ModelTypeError, errors.ModelError),
     (errors.OptionError, ValueError),
     (errors.ShardError, ValueError),
     (errors.ClusterError, ValueError),

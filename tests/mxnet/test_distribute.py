@@ -456,6 +456,11 @@ def test_not_a_model():
         distkeras.distribute(object(), devices=2)
 
 
+def test_a_layer_is_refused_at_distribute():
+    with pytest.raises(distkeras.ModelTypeError, match=r"of type Dense, a Keras layer, not a model"):
+        distkeras.distribute(keras.layers.Dense(2), devices=2)
+
+
 def test_cpu_contexts_can_be_changed_at_any_time():
     # MXNet takes any cpu(i) whenever asked: unlike TensorFlow, there is no "too late".
     distkeras.use_cpu_devices(5)
