@@ -45,9 +45,13 @@ def readme_commands():
 def commands(hosts, nproc, out_dir, mode, extra=()):
     """The README's commands for these hosts: its address, this test's process count and job."""
     example = readme_commands()[0].split("--coordinator ")[1].split(":")[0]
+    token = os.path.join(str(out_dir), "job.token")  # the README's secret: the launchers authenticate each other
+    with open(token, "w") as f:
+        f.write(os.urandom(32).hex())
     result = []
     for line in readme_commands():
-        line = line.replace(example, hosts.addresses[0])
+        assert "--token-file job.token" in line, line
+        line = line.replace(example, hosts.addresses[0]).replace("job.token", token)
         line = re.sub(r"--nproc-per-node \d+", "--nproc-per-node {}".format(nproc), line)
         words = line.split()
         assert words[-1] == "train.py", line
