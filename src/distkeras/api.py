@@ -212,6 +212,26 @@ def _adapter_for(model):
     return backends.get(backends.active_name(model))
 
 
+def _check_not_moved(model, chosen):
+    """A ModelError where ``model`` is distributed already, on other devices: its variables live there (mirrored,
+    laid out on a mesh, in other processes) and distkeras moves no distributed model (returned unchanged, it
+    trained on the first devices while describe() named the new ones). The same devices again are fine."""
+    try:
+        known = _described.get(model)
+    except TypeError:
+        known = None
+    if known is None or not known["distributed"]:
+        return
+    asked = [str(d) for d in chosen]
+    if asked != known["devices"]:
+        raise ModelError(
+            "This {} is distributed already, on {} ({} backend), and distkeras can't move a distributed model: its "
+            "variables live on those devices. Received: devices={}. Build the model again (or load it from a file "
+            "model.save() wrote: that is the plain single-device model) and distribute the new one, or distribute "
+            "it with the same devices as before.".format(
+                type(model).__name__, ", ".join(known["devices"]), known["backend"], ", ".join(asked)))
+
+
 def _record(model, adapter, devices, cluster, distributed):
     info = {
         "backend": adapter.name,
@@ -257,7 +277,8 @@ def distribute(model, devices=None, **options):
 
     Raises:
         ModelTypeError: ``model`` is no ``keras.Model`` (a layer: wrap it in ``keras.Sequential([...])``).
-        ModelError: a Keras 2 model that is not built.
+        ModelError: a Keras 2 model that is not built, or a model distributed already on other devices (the
+            same devices again are fine; build or load the model again to distribute it elsewhere).
         DeviceSpecError: ``devices`` is malformed or names a device that isn't there.
         BackendError / BackendUnavailableError: the Keras backend is unsupported or not installed.
         OptionError: an option the backend doesn't know, or ``shard`` on a backend that can't shard.
@@ -286,6 +307,7 @@ def distribute(model, devices=None, **options):
     if not cluster.is_multi_worker:
         _check_virtual_cpus(available, adapter.name)
     chosen = devices_lib.parse(devices, available)
+    _check_not_moved(model, chosen)
     if len(chosen) == 1 and not cluster.is_multi_worker:
         if cluster.source != "single":
             logger.warning("this %s job has one worker: it trains alone on %s, as without a launcher", cluster.source, chosen[0])
