@@ -1,6 +1,7 @@
 """The shared policies (distkeras.backends.policies), without any framework: batch shares, atomic rank-0 saving,
 the checks that every worker calls fit()/evaluate()/predict() alike, and random-state sync."""
 
+import errno
 import os
 import pickle
 import random
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from distkeras.backends import policies
-from distkeras.errors import ShardError
+from distkeras.errors import CheckpointError, ShardError
 
 # ---- batch shares
 
@@ -277,3 +278,80 @@ def test_the_policies_import_no_framework():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert done.stdout.strip() == "[]", done.stderr
+
+
+# --- a full disk during a save: a clear CheckpointError, the previous file intact, no temporary left -----------
+
+def _full_disk_write(path):
+    with open(path, "wb") as f:
+        f.write(b"x" * 100)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+@pytest.mark.parametrize("raised", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    OSError(errno.EDQUOT, "Disk quota exceeded"),
+    # h5py's error of a failed HDF5 write: the C errno only in the text
+    OSError("Can't synchronously write data (file write failed: time = ..., filename = '.tmp-w.weights.h5', file "
+            "descriptor = 3, errno = 28, error message = 'No space left on device', buf = 0x7f, total write size = "
+            "1356488, bytes this sub-write = 1356488, offset = 1052672)"),
+], ids=["ENOSPC", "EDQUOT", "h5py"])
+def test_a_full_disk_during_a_checkpoint_write_is_a_clear_checkpoint_error(tmp_path, raised):
+    target = tmp_path / "epoch-00003.weights.h5"
+    target.write_bytes(b"the previous checkpoint")
+
+    def write(path):
+        with open(path, "wb") as f:
+            f.write(b"y" * 2048)
+        raise raised
+
+    with pytest.raises(CheckpointError) as info:
+        policies.write_atomically(str(target), write)
+    message = str(info.value)
+    with pytest.raises(CheckpointError, match="writing epoch-00003.weights.h5 failed"):  # BackupAndRestore's nesting
+        policies.write_atomically(str(tmp_path / ".tmp-epoch-00003.weights.h5"), write)
+    assert "The disk is full: writing epoch-00003.weights.h5 failed in {} (No space left on device; 2.0 KiB " \
+           "written".format(tmp_path) in message, message
+    assert "The previous checkpoint (or file) there is intact" in message and "Free space on that disk" in message
+    assert info.value.errno == errno.ENOSPC and info.value.__cause__ is raised
+    if "total write size" in str(raised):
+        assert "the write that failed needed 1.3 MiB more" in message
+    assert target.read_bytes() == b"the previous checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-00003.weights.h5"]  # no .tmp- file left
+
+
+def test_other_write_errors_stay_what_they_are(tmp_path):
+    def write(path):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    with pytest.raises(PermissionError):
+        policies.write_atomically(str(tmp_path / "w.weights.h5"), write)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_real_full_disk_is_a_clear_checkpoint_error(tmp_path):
+    """A 1 MiB tmpfs, mounted where this test may (root, and mounts permitted), filled by a 2 MiB write."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        reason = "can't mount a small tmpfs here: {}".format((mounted.stderr or mounted.stdout).strip())
+        print("skipped: " + reason)
+        pytest.skip(reason)
+    try:
+        (small / "checkpoint.json").write_text('{"epoch": 1}')
+
+        def write(path):
+            with open(path, "wb") as f:
+                for _ in range(32):
+                    f.write(b"z" * 65536)
+
+        with pytest.raises(CheckpointError, match=r"The disk is full: writing checkpoint.json failed in {}".format(
+                small)) as info:
+            policies.write_atomically(str(small / "checkpoint.json"), write)
+        assert "0 bytes free on that file system" in str(info.value)
+        assert (small / "checkpoint.json").read_text() == '{"epoch": 1}'
+        assert sorted(p.name for p in small.iterdir()) == ["checkpoint.json"]
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

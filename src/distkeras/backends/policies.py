@@ -19,14 +19,17 @@ adapters do.
   worker holds the whole data set and takes its part of every global batch, so every worker must shuffle alike.
 """
 
+import errno
 import functools
 import inspect
 import os
 import pickle
 import random
+import re
+import shutil
 import tempfile
 
-from ..errors import ShardError
+from ..errors import CheckpointError, ShardError
 from . import agreement, keras_model
 
 # ---- batch-share weights
@@ -104,7 +107,12 @@ def write_atomically(path, write):
 
     The temporary file is ``.tmp-<name>`` in ``path``'s folder (a rename within one file system), removed
     when ``write`` fails. Used by every backend's ``save``/``save_weights`` (:func:`rank0_writes`) and by
-    :class:`distkeras.callbacks.BackupAndRestore`. Returns what ``write`` returned."""
+    :class:`distkeras.callbacks.BackupAndRestore`. Returns what ``write`` returned.
+
+    Raises:
+        CheckpointError: the disk (or the user's quota) is full: it names the folder, what was written and what
+            is free, and says the previous file is intact.
+    """
     folder, name = os.path.split(path)
     temporary = os.path.join(folder, ".tmp-" + name)
     try:
@@ -113,9 +121,56 @@ def write_atomically(path, write):
             os.fsync(f.fileno())
         os.replace(temporary, path)
         return result
+    except OSError as exc:
+        if not disk_full(exc):
+            raise
+        written = os.path.getsize(temporary) if os.path.exists(temporary) else 0
+        raise disk_full_error(path, exc, written) from exc
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+#: The errnos of a full disk: no space left, the user's quota exceeded.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc):
+    """Whether ``exc`` (an OSError) says the disk is full: its errno, or h5py's message (h5py's OSError of a failed
+    HDF5 write carries the C errno in its text, "errno = 28", not always in ``errno``)."""
+    if getattr(exc, "errno", None) in DISK_FULL:
+        return True
+    text = str(exc)
+    return any("errno = {}".format(n) in text for n in DISK_FULL) or os.strerror(errno.ENOSPC) in text
+
+
+def disk_full_error(path, exc, written=0):
+    """The CheckpointError of a write of ``path`` that found the disk full (``written`` bytes were written)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = "{} free".format(_size(shutil.disk_usage(folder).free))
+    except OSError:
+        free = "free space unknown"
+    wanted = re.search(r"total write size = (\d+)", str(exc))
+    name = os.path.basename(path)
+    while name.startswith(".tmp-"):  # BackupAndRestore's write of a hooked save_weights: the checkpoint's own name
+        name = name[len(".tmp-"):]
+    error = CheckpointError(
+        "The disk is full: writing {} failed in {} ({}; {} written, {} on that file system{}). The previous "
+        "checkpoint (or file) there is intact, if there was one: distkeras writes to a temporary file and renames it, and the temporary "
+        "file is removed. Free space on that disk (or save to a folder on another one: BackupAndRestore(backup_dir), "
+        "save(path)), then run again.".format(
+            name, folder, os.strerror(errno.ENOSPC), _size(written), free,
+            "; the write that failed needed {} more".format(_size(int(wanted.group(1)))) if wanted else ""))
+    error.errno = errno.ENOSPC
+    return error
+
+
+def _size(count):
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return "{} {}".format(count, unit) if unit == "bytes" else "{:.1f} {}".format(count, unit)
+        count /= 1024.0
 
 
 def rank0_speaks_and_writes(model, rank):
