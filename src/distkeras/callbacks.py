@@ -190,7 +190,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             previous = self._manifest()
         except CheckpointError:
             previous = None  # replaced below; what it names is not deleted
-        policies.write_atomically(os.path.join(self.backup_dir, name), self._save_weights)
+        policies.write_atomically(os.path.join(self.backup_dir, name), self._save_weights,
+                                  policies.bytes_needed(self.model))
         content = {"epoch": epoch, "weights": name, "sha256": checkpoints.digest(os.path.join(self.backup_dir, name))}
         if step:
             content.update(step=step, steps_per_execution=_steps_per_execution(self.model))

@@ -451,7 +451,7 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
     if nnodes == 1:
         if coordinator is not None:
             host, port = parse_address(coordinator)
-            check_port_free(_local_host(host), port)
+            check_port_free(_local_host(host), port, coordinator_port=port)
         commands, envs, ranks = plan(script_args, nproc_per_node, 1, 0, coordinator, backend, environ=env)
         engine = "{}:{}".format(envs[0]["MASTER_ADDR"], envs[0]["MASTER_PORT"])
         roles = adapter.launch_roles(LaunchJob(nproc_per_node, 1, 0, engine, None), env)
@@ -489,7 +489,7 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
         try:
             engine_ports = [engine_port(port) + i for i in range(adapter.engine_ports(nproc_per_node))]
             for engine in engine_ports:
-                check_port_free(_local_host(host), engine)
+                check_port_free(_local_host(host), engine, coordinator_port=port)
             supervisor = rendezvous.gather(listener, me, join_timeout, peer_timeout, key=key)
         finally:
             listener.close()

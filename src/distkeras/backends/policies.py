@@ -101,7 +101,7 @@ def even_share(parts):
 _FILE_SUFFIXES = (".keras", ".h5", ".hdf5")
 
 
-def write_atomically(path, write):
+def write_atomically(path, write, needs=None):
     """Call ``write(temporary_path)``, flush the file to disk, then rename it onto ``path`` (atomic on POSIX):
     a crash at any moment leaves the previous ``path`` intact, never a half-written one.
 
@@ -115,6 +115,9 @@ def write_atomically(path, write):
     """
     folder, name = os.path.split(path)
     temporary = os.path.join(folder, ".tmp-" + name)
+    if needs and _free(folder) is not None and _free(folder) < needs:
+        # Before the writer starts: HDF5, once a write of it failed for space, crashes the interpreter at exit.
+        raise disk_full_error(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), 0, needs)
     try:
         result = write(temporary)
         with open(temporary, "rb+") as f:
@@ -144,7 +147,29 @@ def disk_full(exc):
     return any("errno = {}".format(n) in text for n in DISK_FULL) or os.strerror(errno.ENOSPC) in text
 
 
-def disk_full_error(path, exc, written=0):
+def _free(folder):
+    try:
+        return shutil.disk_usage(folder or ".").free
+    except OSError:
+        return None
+
+
+def bytes_needed(model, name="save_weights"):
+    """At least how many bytes ``model.<name>()`` (``save`` or ``save_weights``) writes: its variables' (and for
+    ``save`` its optimizer's) sizes; None where they can't be read."""
+    try:
+        import numpy as np
+
+        variables = list(model.weights)
+        if name == "save":
+            variables += list(getattr(getattr(model, "optimizer", None), "variables", None) or [])
+        return sum(int(np.prod(tuple(int(d) for d in v.shape))) *
+                   np.dtype(getattr(v.dtype, "name", v.dtype)).itemsize for v in variables)
+    except Exception:  # noqa: BLE001 - an estimate only: a model of another kind writes unchecked
+        return None
+
+
+def disk_full_error(path, exc, written=0, needs=None):
     """The CheckpointError of a write of ``path`` that found the disk full (``written`` bytes were written)."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
@@ -161,7 +186,8 @@ def disk_full_error(path, exc, written=0):
         "file is removed. Free space on that disk (or save to a folder on another one: BackupAndRestore(backup_dir), "
         "save(path)), then run again.".format(
             name, folder, os.strerror(errno.ENOSPC), _size(written), free,
-            "; the write that failed needed {} more".format(_size(int(wanted.group(1)))) if wanted else ""))
+            "; the write that failed needed {} more".format(_size(int(wanted.group(1)))) if wanted else
+            "; it needs at least {}".format(_size(needs)) if needs else ""))
     error.errno = errno.ENOSPC
     return error
 
@@ -273,7 +299,8 @@ def atomic_saves(method):
             bound.arguments["filepath"] = temporary
             return method(*bound.args, **bound.kwargs)
 
-        return agreement.saving(named.get("filepath"), lambda: write_atomically(path, write), 0)
+        needs = bytes_needed(getattr(method, "__self__", None), method.__name__)
+        return agreement.saving(named.get("filepath"), lambda: write_atomically(path, write, needs), 0)
 
     return atomic
 
