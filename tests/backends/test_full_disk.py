@@ -9,10 +9,9 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from tests.backends.harness import BACKEND
 from tests.backends.test_multiworker import ROOT
+from tests.tmpfs import small_tmpfs
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -39,15 +38,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_a_full_disk_ends_the_run_with_a_clear_error_and_the_previous_checkpoint_whole(tmp_path):
-    small = tmp_path / "small"
-    small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        reason = "can't mount a small tmpfs here: {}".format((mounted.stderr or mounted.stdout).strip())
-        print("skipped: " + reason)
-        pytest.skip(reason)
-    try:
+    with small_tmpfs(tmp_path / "small") as small:
         backup, filler = small / "backup", small / "filler"
         script = tmp_path / "train.py"
         script.write_text(SCRIPT)
@@ -63,5 +54,3 @@ def test_a_full_disk_ends_the_run_with_a_clear_error_and_the_previous_checkpoint
         assert sorted(p.name for p in backup.iterdir()) == ["checkpoint.json", manifest["weights"]]
         from distkeras import checkpoints
         checkpoints.check_weights(str(backup), manifest)  # its checksum holds
-    finally:
-        subprocess.run(["umount", str(small)], check=False)

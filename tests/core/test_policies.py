@@ -13,6 +13,7 @@ import pytest
 
 from distkeras.backends import policies
 from distkeras.errors import CheckpointError, ShardError
+from tests.tmpfs import small_tmpfs
 
 # ---- batch shares
 
@@ -331,15 +332,7 @@ def test_other_write_errors_stay_what_they_are(tmp_path):
 
 def test_a_real_full_disk_is_a_clear_checkpoint_error(tmp_path):
     """A 1 MiB tmpfs, mounted where this test may (root, and mounts permitted), filled by a 2 MiB write."""
-    small = tmp_path / "small"
-    small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        reason = "can't mount a small tmpfs here: {}".format((mounted.stderr or mounted.stdout).strip())
-        print("skipped: " + reason)
-        pytest.skip(reason)
-    try:
+    with small_tmpfs(tmp_path / "small") as small:
         (small / "checkpoint.json").write_text('{"epoch": 1}')
 
         def write(path):
@@ -353,5 +346,3 @@ def test_a_real_full_disk_is_a_clear_checkpoint_error(tmp_path):
         assert "0 bytes free on that file system" in str(info.value)
         assert (small / "checkpoint.json").read_text() == '{"epoch": 1}'
         assert sorted(p.name for p in small.iterdir()) == ["checkpoint.json"]
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
