@@ -10,6 +10,10 @@ nothing) and gives every engine the interface that holds that address:
 - JAX: the ``interface`` of jaxlib's Gloo TCP collectives;
 - TensorFlow: the worker's own address in TF_CONFIG (``distkeras launch`` gathers every host's).
 
+The servers of rank 0 (JAX's coordination service, torch's TCPStore) listen on :func:`listen_address`, the
+address the others connect to, rather than on every interface (their default). TensorFlow's gRPC servers can't be
+told an address: they listen on every interface (issue 35).
+
 A user's choice wins: ``--interface`` of ``distkeras launch`` or the :data:`INTERFACE_ENV` variable (an
 interface name, ``eth0``, or one of this host's addresses), and an engine variable the user set
 (``GLOO_SOCKET_IFNAME``...) is left alone. When no interface reaches the coordinator, :func:`choose`
@@ -18,6 +22,7 @@ raises :class:`~distkeras.NetworkError` saying so before anything starts.
 Standard library only (Linux for interface names); part of the Python 3.6-compatible core.
 """
 
+import ipaddress
 import os
 import socket
 import struct
@@ -163,6 +168,45 @@ def choose(coordinator: str,
         return Route(name, named, host, source)
     address = local_address_to(host)
     return Route(interface_of(address, known), address, host, "route")
+
+
+def listen_address(host: str, known: Optional[Mapping[str, List[str]]] = None) -> Optional[str]:
+    """The one address a server of this host listens on for the clients that connect to ``host`` (the
+    coordinator as the job names it), or None where no single address is sure to be theirs: then the engine
+    keeps its default, every interface.
+
+    - an address (``127.0.0.1``, ``10.0.0.1``, ``::1``): itself, when it is loopback or one of this host's;
+    - a name: the one address of this host, not loopback, that it resolves to here. A name that resolves
+      only to loopback addresses gives None: stock Debian/Ubuntu hosts resolve their own name to 127.0.1.1,
+      which the other hosts can't reach (they reach the name at another address), and ``localhost`` is both
+      127.0.0.1 and ::1 (a client may try either).
+
+    Args:
+        host: the coordinator's host, without port (brackets allowed).
+        known: this host's interfaces, as :func:`interfaces` returns them (for tests).
+    """
+    known = interfaces() if known is None else known
+    mine = set()
+    for addresses in known.values():
+        for address in addresses:
+            try:
+                mine.add(ipaddress.ip_address(address))
+            except ValueError:
+                pass
+    host = host.strip("[]")
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        literal = None
+    if literal is not None:
+        return str(literal) if literal.is_loopback or literal in mine else None
+    try:
+        infos = socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM)
+        resolved = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+    except (socket.gaierror, UnicodeError, ValueError):
+        return None
+    local = [a for a in resolved if a in mine and not a.is_loopback]
+    return str(local[0]) if len(local) == 1 else None
 
 
 def engine_variables(route: Route, environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:

@@ -131,6 +131,7 @@ class JaxAdapter(Adapter):
                 # 100 s); under distkeras launch the launchers, which name the lost host, mostly speak first
                 # (JAX's last heartbeat may predate the loss by part of its timeout).
                 extra["heartbeat_timeout_seconds"] = int(math.ceil(2 * rendezvous.peer_timeout())) + 10
+            extra.update(_coordinator_bind(cluster, parameters))
             jax.distributed.initialize(
                 coordinator_address=cluster.coordinator, num_processes=cluster.world_size, process_id=cluster.rank,
                 **extra
@@ -714,6 +715,23 @@ def _warn_uneven(warned, size, parts, why_not=None):
         why_not or "a batch placed outside fit, evaluate and predict",
         parts,
     )
+
+
+def _coordinator_bind(cluster, parameters):
+    """Rank 0's coordination service listens where the others connect (``coordinator_bind_address``), not on
+    JAX's default ``[::]:PORT``, every interface (jax/_src/distributed.py); a JAX_COORDINATOR_BIND_ADDRESS the
+    user set wins, and where no single address is sure (:func:`distkeras.network.listen_address`) JAX keeps
+    its default."""
+    from ... import network
+
+    if (cluster.rank != 0 or "coordinator_bind_address" not in parameters
+            or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").strip()):
+        return {}
+    host, port = network.parse_address(cluster.coordinator)
+    address = network.listen_address(host)
+    if address is None:
+        return {}
+    return {"coordinator_bind_address": "{}:{}".format(network.bracket(address), port)}
 
 
 def _gloo_on(interface):

@@ -130,7 +130,12 @@ class TensorFlowAdapter(Adapter):
     @classmethod
     def workers_env(cls, job, environ):
         """TF_CONFIG for each worker of this host: on one host each worker on a free loopback port; across hosts
-        worker ``i`` of a host on the engine's port + ``i`` at the host's agreed address."""
+        worker ``i`` of a host on the engine's port + ``i`` at the host's agreed address.
+
+        The address is where the others connect, not where the worker listens: TensorFlow's gRPC server binds
+        every interface whatever TF_CONFIG says (GrpcServer::Init, tensorflow/core/distributed_runtime/rpc/
+        grpc_server_lib.cc: ``AddListeningPort(strings::StrCat("0.0.0.0:", requested_port), ...)``), and nothing
+        it reads names another (issue 35; tests/backends/test_engine_binding.py)."""
         if job.nnodes == 1:
             workers = ["127.0.0.1:{}".format(network.free_port()) for _ in range(job.nproc_per_node)]
         else:

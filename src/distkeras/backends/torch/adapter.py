@@ -319,8 +319,8 @@ def _join(cluster, device, engine, timeout, listener=None):
     os.environ.update(network.engine_variables(network.choose(host)))
     wait = datetime.timedelta(seconds=timeout)
     if cluster.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # else torchrun serves it
-        if listener is None and is_loopback(host):
-            listener = socket.create_server((host, port), backlog=128)
+        if listener is None:
+            listener = _listen(host, port)
         store = _serve_store(dist, host, port, cluster.world_size, wait, listener)
     else:
         store = dist.TCPStore(host, port, cluster.world_size, False, wait)
@@ -337,8 +337,21 @@ def _join(cluster, device, engine, timeout, listener=None):
     _store = dist.PrefixStore("distkeras", store)
 
 
+def _listen(host, port):
+    """A socket for rank 0's store, bound where the other ranks connect: the loopback address, or this host's
+    one address that ``host`` names (:func:`distkeras.network.listen_address`). TCPStore left to bind the port
+    itself listens on every interface (``::`` and 0.0.0.0); None where no single address is sure, and so it does."""
+    if is_loopback(host):
+        return socket.create_server((host, port), backlog=128)
+    address = network.listen_address(host)
+    if address is None:
+        return None
+    return socket.create_server((address, port), family=socket.AF_INET6 if ":" in address else socket.AF_INET,
+                                backlog=128)
+
+
 def _serve_store(dist, host, port, world_size, wait, listener):
-    """Rank 0's store; on ``listener`` (bound to the loopback address, or by the self-launch) when given."""
+    """Rank 0's store; on ``listener`` (bound by :func:`_listen`, or by the self-launch) when given."""
     global _listener
     if listener is not None:
         try:
