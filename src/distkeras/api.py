@@ -212,10 +212,11 @@ def _adapter_for(model):
     return backends.get(backends.active_name(model))
 
 
-def _check_not_moved(model, chosen):
+def _check_not_moved(model, chosen, adapter, cluster):
     """A ModelError where ``model`` is distributed already, on other devices: its variables live there (mirrored,
-    laid out on a mesh, in other processes) and distkeras moves no distributed model (returned unchanged, it
-    trained on the first devices while describe() named the new ones). The same devices again are fine."""
+    in other processes) and the adapter can't move them (returned unchanged, it trained on the first devices
+    while describe() named the new ones). The same devices again are fine; an adapter that
+    ``moves_distributed_models`` (JAX, in one process) lays it onto several other devices itself."""
     try:
         known = _described.get(model)
     except TypeError:
@@ -223,13 +224,17 @@ def _check_not_moved(model, chosen):
     if known is None or not known["distributed"]:
         return
     asked = [str(d) for d in chosen]
+    if adapter.moves_distributed_models and len(chosen) > 1 and not cluster.is_multi_worker:
+        return
     if asked != known["devices"]:
         raise ModelError(
             "This {} is distributed already, on {} ({} backend), and distkeras can't move a distributed model: its "
-            "variables live on those devices. Received: devices={}. Build the model again (or load it from a file "
+            "variables live on those devices{}. Received: devices={}. Build the model again (or load it from a file "
             "model.save() wrote: that is the plain single-device model) and distribute the new one, or distribute "
             "it with the same devices as before.".format(
-                type(model).__name__, ", ".join(known["devices"]), known["backend"], ", ".join(asked)))
+                type(model).__name__, ", ".join(known["devices"]), known["backend"],
+                " (the {} backend moves a model onto several devices of one process only)".format(adapter.name)
+                if adapter.moves_distributed_models else "", ", ".join(asked)))
 
 
 def _record(model, adapter, devices, cluster, distributed):
@@ -307,7 +312,7 @@ def distribute(model, devices=None, **options):
     if not cluster.is_multi_worker:
         _check_virtual_cpus(available, adapter.name)
     chosen = devices_lib.parse(devices, available)
-    _check_not_moved(model, chosen)
+    _check_not_moved(model, chosen, adapter, cluster)
     if len(chosen) == 1 and not cluster.is_multi_worker:
         if cluster.source != "single":
             logger.warning("this %s job has one worker: it trains alone on %s, as without a launcher", cluster.source, chosen[0])

@@ -40,6 +40,10 @@ def test_the_same_devices_again_are_a_no_op():
 
 @pytest.mark.parametrize("second", [1, 3], ids=["fewer", "more"])
 def test_other_devices_are_refused_and_describe_stays_true(second):
+    if BACKEND == "jax" and second > 1:  # JAX lays the model out again (test_jax.py: ...moved_to_other_devices...)
+        before, same, after, epochs = redistribute(2, second)
+        assert same and after["replicas"] == second and after["distributed"] and epochs == 1
+        return
     before, error, after = replicated(2, redistribute, 2, second)
     assert isinstance(error, distkeras.ModelError), error
     message = str(error)

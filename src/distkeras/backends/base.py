@@ -109,6 +109,10 @@ class Adapter(abc.ABC):
     #: Whether :meth:`distribute` takes a model that is not built yet (Keras 3): the variables it creates
     #: later, when its first ``fit()`` builds it, are created distributed. Keras 2 adapters need them now.
     late_variables = False
+    #: Whether :meth:`distribute` lays a model it distributed already onto other devices of this process (JAX:
+    #: its arrays are laid out again on the new mesh, optimizer state included). Elsewhere distributing a
+    #: distributed model on other devices is refused (:func:`distkeras.distribute`).
+    moves_distributed_models = False
 
     @abc.abstractmethod
     def list_devices(self) -> List[Device]:

@@ -80,6 +80,7 @@ class JaxAdapter(Adapter):
     name = "jax"
     framework = "jax"
     late_variables = True
+    moves_distributed_models = True
     install_hint = "jax (or 'jax[cuda12]' for NVIDIA GPUs)"
     shard_unsupported = None
     options = {
