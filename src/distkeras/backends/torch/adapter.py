@@ -72,6 +72,12 @@ class TorchAdapter(Adapter):
         "bucket_mb": "MiB of gradients (as sent) per overlapped all-reduce (default 25, the first bucket 1 at most)",
         "batch_logs": "'global' (default): each batch's logs are one device's wherever a callback or the progress "
                       "bar reads them, at one small all-reduce per step; 'local': this rank's own running values",
+        "strategy": "'data' (a replica in every process, the default) or 'model' (tensor parallelism: Dense, "
+                    "EinsumDense, MultiHeadAttention and Embedding layers split over the processes, Megatron-style)",
+        "layout_map": "strategy='model': {variable path regex: axes}, e.g. {'dense/kernel': (None, 'model'), "
+                      "'dense_1/kernel': ('model', None)} (column, then row), or a keras.distribution.LayoutMap; "
+                      "default: Dense pairs column then row, attention by heads",
+        "model_shards": "strategy='model': processes on the 'model' axis (this version: all of them)",
     }
 
     def prepare(self, cluster):
@@ -118,6 +124,11 @@ class TorchAdapter(Adapter):
         a plain process starts one per device itself."""
         return len(devices) * max(1, cluster.world_size // max(1, cluster.local_world_size))
 
+    def model_shards(self, model):
+        """The processes a model split by ``strategy="model"`` spans (1: not split). Read by describe()."""
+        splits = model.__dict__.get("_distkeras_splits") if hasattr(model, "__dict__") else None
+        return splits[0].world if splits else 1
+
     def shard_mode(self, model):
         # The model's Sharding (shard._SHARDING, read by name here: shard.py imports torch), set by distribute().
         return getattr(model.__dict__.get("_distkeras_sharding"), "mode", None) if hasattr(model, "__dict__") else None
@@ -147,7 +158,8 @@ class TorchAdapter(Adapter):
         return bool(value.item())
 
     def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None, sync_batchnorm=True,
-                   compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB, shard=None, batch_logs="global"):
+                   compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB, shard=None, batch_logs="global",
+                   strategy="data", layout_map=None, model_shards=None):
         import torch
 
         from . import launch as torch_launch
@@ -167,6 +179,7 @@ class TorchAdapter(Adapter):
                 "Expected a positive number of MiB for bucket_mb (default {}). Received: bucket_mb={!r}".format(
                     DEFAULT_BUCKET_MB, bucket_mb)
             )
+        _check_strategy(strategy, layout_map, model_shards, shard, compression, model, cluster, devices)
         if batch_logs not in _BATCH_LOGS:
             raise OptionError("Expected batch_logs in {}. Received: batch_logs={!r}".format(_BATCH_LOGS, batch_logs))
         if len({d.kind for d in devices}) > 1:
@@ -203,6 +216,8 @@ class TorchAdapter(Adapter):
             cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None, compression
         )
         torch_trainer.broadcast_new_variables(model, replica)  # all of them, this first time
+        if strategy == "model":
+            return _tensor_parallel(model, replica, layout_map)
         torch_trainer.install(model, replica, sync_batchnorm, overlap, bucket_mb, shard, batch_logs)
         torch_loops.install(model, replica)  # hand-written loops (distkeras.loops)
         keras_model.hook(model, _REPLICA, replica)  # for verify()
@@ -214,6 +229,55 @@ class TorchAdapter(Adapter):
         from .. import verifying
 
         verifying.install(model, check, torch_verify.wrap(model, check, model.__dict__[_REPLICA]))
+
+
+def _check_strategy(strategy, layout_map, model_shards, shard, compression, model, cluster, devices):
+    """The strategy options, checked before any process starts."""
+    from ... import layouts
+
+    if strategy not in ("data", "model"):
+        raise OptionError("Expected strategy in ('data', 'model'). Received: strategy={!r}".format(strategy))
+    if strategy == "data":
+        if layout_map is not None or model_shards is not None:
+            raise OptionError("layout_map and model_shards apply to strategy='model' only. Received: strategy='data', "
+                              "layout_map={!r}, model_shards={!r}".format(layout_map, model_shards))
+        return
+    for name, value in (("shard", shard), ("compression", compression)):
+        if value is not None:
+            raise OptionError("{} applies to strategy='data' on PyTorch (replicas' state and gradients). Received: "
+                              "strategy='model', {}={!r}".format(name, name, value))
+    processes = cluster.world_size if cluster.is_multi_worker else len(devices)
+    grid = layouts.mesh(processes, model_shards)
+    if grid.replicas > 1:
+        raise OptionError(
+            "strategy='model' on PyTorch splits the model over every process in this version (model_shards = the {} "
+            "processes); data parallelism across groups of model shards (model_shards={}: {} replicas) is not "
+            "there yet. Leave model_shards out, or use strategy='data'.".format(processes, model_shards, grid.replicas))
+    if layout_map is not None:
+        layouts.rules(layout_map)
+    if not model.built or not model.weights:
+        raise OptionError("strategy='model' splits the model's variables, and {} has none yet. Build it first "
+                          "(model.build(input_shape), or call it once on a batch: model(x[:1])), then distribute "
+                          "it.".format(model.name))
+
+
+def _tensor_parallel(model, replica, layout_map):
+    """Split ``model`` over every process (:mod:`.tensor`), rank 0's values already on every rank."""
+    from ... import layouts
+    from . import tensor
+    from . import trainer as torch_trainer
+
+    table = layouts.rules(layout_map) if layout_map is not None else tensor.default_table(model, replica.world)
+    splits = tensor.plan(model, table, replica.rank, replica.world)
+
+    def split():
+        tensor.shard_all(model, splits)
+
+    split()
+    torch_trainer.install_tensor_parallel(model, replica, lambda: tensor.gather_all(model, splits), split)
+    tensor.install(splits)  # after: installing the model's hooks takes off every earlier hook of its layers
+    keras_model.hook(model, tensor.SPLITS, splits)
+    return model
 
 
 def use_local_gpu(local_rank):

@@ -465,6 +465,44 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None, batc
     model.train_function = model.test_function = model.predict_function = None
 
 
+def install_tensor_parallel(model, replica, whole, split):
+    """The hooks of a model split by tensor parallelism over every rank (:mod:`distkeras.backends.torch.tensor`):
+    every rank runs the same global batches (no row split, no gradient all-reduce: what is replicated
+    computes alike), quiet off rank 0, rank 0's random state at ``fit()``'s start and every epoch's, and
+    ``save``/``save_weights``/``get_weights`` of the whole model: ``whole()`` puts every split variable's whole
+    value back for the call (collective), ``split()`` the shards after. Saves follow the saving rule
+    (:func:`~distkeras.backends.policies.rank0_writes`); called on one rank only they raise CollectiveError."""
+    uninstall(model)
+    replica.batch_logs = False
+    hooks = {
+        "fit": _entry(model.fit, replica, sync_random=True),
+        "evaluate": _entry(model.evaluate, replica),
+        "predict": _entry(model.predict, replica),
+    }
+    if callable(getattr(type(model), "_initialize_ddp", None)):  # Keras > 3.15's own DDP: off (see install())
+        hooks["_initialize_ddp"] = lambda *args, **kwargs: None
+    for name, hook in hooks.items():
+        keras_model.hook(model, name, hook)
+    policies.rank0_writes(model, replica.rank)
+    for name in ("save", "save_weights", "get_weights", "load_weights", "set_weights"):
+        keras_model.hook(model, name, agreement.agreed(_whole_while(getattr(model, name), whole, split), name))
+    agreement.use(agreement.store_board(replica.store, replica.rank, replica.world) if replica.store is not None else None)
+    policies.every_rank_calls(model)
+    model.train_function = model.test_function = model.predict_function = None
+
+
+def _whole_while(method, whole, split):
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        whole()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            split()
+
+    return call
+
+
 def _global_moments(layer, replica):
     keras_moments = getattr(type(layer), batchnorm.MOMENTS).__get__(layer)
 
