@@ -238,10 +238,14 @@ def _check_not_moved(model, chosen, adapter, cluster):
 
 
 def _record(model, adapter, devices, cluster, distributed):
+    # Model parallelism: the devices (processes) training form a mesh of replicas x model shards.
+    model_shards = getattr(adapter, "model_shards", None)
+    shards = model_shards(model) if distributed and model_shards is not None else 1
     info = {
         "backend": adapter.name,
         "devices": [str(d) for d in devices],
-        "replicas": adapter.replicas(devices, cluster),
+        "replicas": adapter.replicas(devices, cluster) // shards,
+        "model_shards": shards,
         "rank": cluster.rank,
         "workers": cluster.world_size,
         "distributed": distributed,
@@ -326,9 +330,10 @@ def distribute(model, devices=None, **options):
     if verify_mode is not None:
         adapter.verify(result, verify_lib.Check(verify_mode, adapter.name, info["replicas"], info["rank"], rtol, atol))
     logger.info(
-        "%s backend, %d replica(s) on %s%s; fit()'s batch_size is the global batch, split evenly",
+        "%s backend, %d replica(s)%s on %s%s; fit()'s batch_size is the global batch, split evenly",
         adapter.name,
         info["replicas"],
+        " x {} model shard(s)".format(info["model_shards"]) if info["model_shards"] > 1 else "",
         ", ".join(info["devices"]),
         " in {} worker processes".format(info["workers"]) if info["workers"] > 1 else "",
     )
@@ -355,14 +360,16 @@ def describe(model: object) -> Dict[str, object]:
 
     Returns:
         A dict with ``backend``; ``devices`` (strings: the devices given to this process, on PyTorch this
-        host's, one process each); ``replicas``: the devices training, over all processes; ``rank``;
+        host's, one process each); ``replicas``: the model's copies training, over all processes (the devices
+        training, divided by ``model_shards``: with ``strategy="model"`` the size of the mesh's "batch" axis);
+        ``model_shards``: the devices each copy is split over (1 unless ``strategy="model"``); ``rank``;
         ``workers``: the number of worker processes in the job, on every backend; ``distributed``
         (False for a model distkeras left unchanged or never saw); and ``shard``: the sharded training state
         it trains with (``"optimizer"``, ``"gradients"``, ``"all"``; None: unsharded).
 
     Examples:
         >>> distkeras.describe(model)   # PyTorch, `python train.py` asking for devices=2
-        {'backend': 'torch', 'devices': ['cpu:0', 'cpu:1'], 'replicas': 2, 'rank': 0, 'workers': 2, 'distributed': True, 'shard': None}
+        {'backend': 'torch', 'devices': ['cpu:0', 'cpu:1'], 'replicas': 2, 'model_shards': 1, 'rank': 0, 'workers': 2, 'distributed': True, 'shard': None}
     """
     adapter = _adapter_for(model)
     try:

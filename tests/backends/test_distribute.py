@@ -120,6 +120,7 @@ def test_describe():
         "backend": BACKEND,
         "devices": ["cpu:0", "cpu:2"],
         "replicas": 2,
+        "model_shards": 1,
         "rank": 0,
         "workers": 2 if BACKEND in PROCESS_BACKENDS else 1,  # the job's processes: on torch one per device
         "distributed": True,

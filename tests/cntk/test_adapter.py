@@ -227,7 +227,7 @@ def test_every_worker_starts_from_rank_0s_weights_and_distributing_twice_changes
     for result in job.results.values():
         assert result["once"] == first["mine"] and result["twice"] == first["mine"] and result["same"]
     assert [r["described"]["rank"] for r in job.results.values()] == [0, 1, 2]
-    assert first["described"] == {"backend": "cntk", "devices": ["cpu:0"], "replicas": 3, "rank": 0, "workers": 3, "distributed": True, "shard": None}
+    assert first["described"] == {"backend": "cntk", "devices": ["cpu:0"], "replicas": 3, "model_shards": 1, "rank": 0, "workers": 3, "distributed": True, "shard": None}
 
 
 def test_only_rank_0_prints_and_saves(tmp_path):

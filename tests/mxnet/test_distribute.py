@@ -240,6 +240,7 @@ def test_describe():
         "backend": "mxnet",
         "devices": ["cpu:0", "cpu:2"],
         "replicas": 2,
+        "model_shards": 1,
         "rank": 0,
         "workers": 1,
         "distributed": True,

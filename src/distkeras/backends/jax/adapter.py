@@ -23,7 +23,10 @@ whose store carries rank 0's coordinator address: :mod:`distkeras.exchange`), ``
 spans every process' devices, and every process is given the same data, as with TensorFlow: each
 global batch is placed with ``jax.make_array_from_callback``, so a process materialises only the
 slices its own devices hold, and every process takes the same steps whatever the data size.
-``strategy="data"`` runs across processes; ``strategy="model"`` runs in one process.
+Both strategies run across processes: ``strategy="model"``'s ("batch", "model") mesh is laid over every
+process' devices in order (each process' devices consecutive), so with ``model_shards`` a multiple of the
+devices per process the "model" axis spans processes, and with fewer it stays inside each process and
+"batch" spans them; every process still holds the whole global batch and places its slices.
 
 JAX splits an array axis only evenly. A batch the "batch" axis doesn't divide (10 samples on 3
 devices, an epoch's smaller last batch, a batch smaller than the device count) is padded to a multiple
@@ -47,12 +50,11 @@ import inspect
 import logging
 import math
 import os
-import re
 import sys
 import weakref
-from collections.abc import Mapping
 from typing import List
 
+from ... import layouts
 from ...devices import Device
 from ...errors import ClusterError, DistKerasError, NetworkError, OptionError, TooLateError
 from .. import agreement, keras_model, policies, when_imported
@@ -74,6 +76,8 @@ _ours = weakref.WeakKeyDictionary()
 
 #: The model's instance attribute that holds its ``shard`` value (for :meth:`JaxAdapter.shard_mode`).
 _SHARD_MODE = "_distkeras_shard_mode"
+#: The model's instance attribute that holds its "model" mesh axis size (for :meth:`JaxAdapter.model_shards`).
+_MODEL_SHARDS = "_distkeras_model_shards"
 
 
 class JaxAdapter(Adapter):
@@ -145,6 +149,10 @@ class JaxAdapter(Adapter):
     def shard_mode(self, model):
         return model.__dict__.get(_SHARD_MODE) if hasattr(model, "__dict__") else None
 
+    def model_shards(self, model):
+        """The size of the mesh's "model" axis ``model`` trains on (1: not split, every device a replica)."""
+        return model.__dict__.get(_MODEL_SHARDS, 1) if hasattr(model, "__dict__") else 1
+
     def check_alone(self):
         """jax.distributed joined by someone else (Ray's JaxTrainer on GPUs and TPUs) to several processes."""
         jax = sys.modules.get("jax")
@@ -199,7 +207,7 @@ class JaxAdapter(Adapter):
             devices: the resolved devices, all of one kind.
             cluster: this process' place in the job. A job of several processes (``jax.distributed``, started at
                 ``import distkeras``; see the module docstring) lays the model out on a mesh of every process'
-                devices, ``strategy="data"`` only.
+                devices.
             strategy: ``"data"`` (``DataParallel``: a replica on every device) or ``"model"``
                 (``ModelParallel`` over a ("batch", "model") mesh).
             layout_map: ``strategy="model"``: ``{variable path regex: axes}``, axes naming "model",
@@ -221,7 +229,7 @@ class JaxAdapter(Adapter):
 
         Raises:
             OptionError: a bad ``strategy``, ``layout_map``, ``model_shards``, ``compression`` or ``shard`` (or a
-                combination of them that doesn't apply), or ``strategy="model"`` across processes.
+                combination of them that doesn't apply).
             TooLateError: this process is one worker of several and ``jax.distributed`` is not running (JAX ran
                 its first computation before ``import distkeras``).
             ClusterError, NetworkError: the job's coordinator could not be found or reached.
@@ -241,12 +249,15 @@ class JaxAdapter(Adapter):
         shard = check_shard(shard)
         _check_shard_combination(shard, strategy, compression)
         if compression is not None and strategy != "data":
-            raise OptionError("compression applies to strategy='data' (the gradient all-reduce of replicas). Received: "
-                              "strategy={!r}, compression={!r}".format(strategy, compression))
+            raise OptionError(
+                "compression applies to strategy='data' (the gradient all-reduce of replicas). With strategy='model' "
+                "XLA places the collectives of the sharded step itself (activations and partial sums within the "
+                "'model' axis, gradients over 'batch'), and distkeras' 16-bit all-reduce would have to replace that "
+                "partitioning. Received: strategy={!r}, compression={!r}".format(strategy, compression))
         by_device = dict(_local_devices())
         mesh_devices = [by_device[d] for d in devices]
         if cluster.is_multi_worker:
-            mesh_devices = self._global_mesh_devices(cluster, devices, mesh_devices, strategy)
+            mesh_devices = self._global_mesh_devices(cluster, devices, mesh_devices)
         if strategy == "data":
             if layout_map is not None or model_shards is not None:
                 raise OptionError(
@@ -290,13 +301,17 @@ class JaxAdapter(Adapter):
         if cluster.is_multi_worker:
             _same_random_state_every_epoch(model)
         policies.rank0_speaks_and_writes(model, cluster.rank)
-        if shard is not None:
+        if shard is not None or strategy == "model":
+            # Across processes a sharded array is no process' whole: saving and get_weights() gather it first.
             for name in ("save", "save_weights", "get_weights"):  # after the saving rule's hooks, which they wrap
                 keras_model.hook(model, name, jax_shard.gathered(getattr(model, name), model))
+        if shard is not None:
             keras_model.hook(model, _SHARD_MODE, shard)  # for describe(); unhooked by a later distribute()
+        if strategy == "model":
+            keras_model.hook(model, _MODEL_SHARDS, distribution.device_mesh.shape[1])  # for describe()
         return model
 
-    def _global_mesh_devices(self, cluster, devices, local_devices, strategy):
+    def _global_mesh_devices(self, cluster, devices, local_devices):
         """Every process' devices of the chosen kind, for a mesh that spans the job."""
         import jax
 
@@ -309,9 +324,6 @@ class JaxAdapter(Adapter):
                     cluster.rank, cluster.world_size, cluster.source,
                     self._multi_process_error or "{} JAX process(es)".format(jax.process_count()))
             )
-        if strategy != "data":
-            raise OptionError("strategy={!r} runs in one process in this version; across processes use "
-                              "strategy='data'.".format(strategy))
         mine = [d for d in jax.local_devices() if d.platform == local_devices[0].platform]
         if len(local_devices) != len(mine):
             raise DistKerasError(
@@ -451,68 +463,28 @@ def _set_jax_cpu_count(count):
 
 
 def _model_parallel(keras, model, mesh_devices, layout_map, model_shards):
-    count = len(mesh_devices)
-    shards = count if model_shards is None else model_shards
-    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or count % shards:
-        raise OptionError(
-            "Expected model_shards to be a positive int that divides the {} devices. Received: "
-            "model_shards={!r}".format(count, model_shards)
-        )
+    """Keras' ``ModelParallel`` over a ("batch", "model") mesh of ``mesh_devices`` (every process' devices across
+    processes), the layout read and checked by the one layout API (:mod:`distkeras.layouts`)."""
+    grid = layouts.mesh(len(mesh_devices), model_shards)
+    variables = [(v.path, tuple(v.shape)) for v in model.weights]
     if layout_map is None:
-        rules = _default_rules(model, shards)
-    elif isinstance(layout_map, Mapping):
-        rules = {key: getattr(axes, "axes", axes) for key, axes in layout_map.items()}
+        rules = layouts.default_rules(variables, grid.model_shards, model.name)
     else:
-        raise OptionError(
-            "Expected layout_map to be a dict (or keras.distribution.LayoutMap) from variable path regex to "
-            "axes, e.g. {{'.*dense.*kernel': (None, 'model')}}. Received: layout_map={!r}".format(layout_map)
-        )
-    mesh = keras.distribution.DeviceMesh((count // shards, shards), ["batch", "model"], mesh_devices)
-    layouts = keras.distribution.LayoutMap(mesh)
+        try:
+            rules = layouts.rules(layout_map)
+        except OptionError as exc:
+            raise OptionError("Bad layout_map for mesh axes 'batch' and 'model': {}".format(exc))
+    mesh = keras.distribution.DeviceMesh(tuple(grid), list(layouts.AXES), mesh_devices)
+    keras_layouts = keras.distribution.LayoutMap(mesh)
     try:
         for key, axes in rules.items():
-            layouts[key] = tuple(axes) if isinstance(axes, (list, tuple)) else axes
-        _check_layouts(model, layouts, dict(zip(mesh.axis_names, mesh.shape)))
-    except OptionError:
-        raise
-    except (ValueError, TypeError, re.error) as exc:  # from Keras' LayoutMap/TensorLayout, or a bad regex
+            keras_layouts[key] = axes
+        for path, _ in variables:  # as ModelParallel will look them up: a path two keys match is refused
+            keras_layouts[path]
+    except (ValueError, TypeError) as exc:  # from Keras' LayoutMap/TensorLayout
         raise OptionError("Bad layout_map for mesh axes 'batch' and 'model': {}".format(exc))
-    return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
-
-
-def _default_rules(model, shards):
-    rules = {}
-    for v in model.weights:
-        if v.path.rpartition("/")[2] in ("kernel", "embeddings") and len(v.shape) >= 2 and v.shape[-1] % shards == 0:
-            rules[re.escape(v.path)] = (None,) * (len(v.shape) - 1) + ("model",)
-    if not rules:
-        raise OptionError(
-            "strategy='model' found nothing to shard: no kernel or embedding table of {} has a last axis divisible "
-            "by model_shards={}. Pass layout_map={{path regex: axes}}, another model_shards, or use "
-            "strategy='data'.".format(model.name, shards)
-        )
-    return rules
-
-
-def _check_layouts(model, layouts, axis_sizes):
-    """Every key matches a variable; every matched layout has the variable's rank and divides its shape."""
-    used = set()
-    for v in model.weights:
-        layout = layouts[v.path]
-        if layout is None:
-            continue
-        used.update(key for key in layouts if key == v.path or re.fullmatch(key, v.path))
-        if len(layout.axes) != len(v.shape):
-            raise OptionError("Expected {} axes for {} of shape {}. Received: layout {}".format(
-                len(v.shape), v.path, tuple(v.shape), layout.axes))
-        for size, axis in zip(v.shape, layout.axes):
-            if axis is not None and size % axis_sizes[axis]:
-                raise OptionError("Expected the '{}' axis ({} devices) to divide {} of shape {}. Received: layout {}".format(
-                    axis, axis_sizes[axis], v.path, tuple(v.shape), layout.axes))
-    unused = [key for key in layouts if key not in used]
-    if unused:
-        raise OptionError("layout_map key(s) {} match no variable. The model's variables: {}".format(
-            ", ".join(map(repr, unused)), ", ".join(v.path for v in model.weights)))
+    layouts.assign(variables, rules, grid)
+    return keras.distribution.ModelParallel(layout_map=keras_layouts, batch_dim_name=layouts.BATCH)
 
 
 def _scoped(method, model, distribution, name=None):
@@ -526,6 +498,10 @@ def _scoped(method, model, distribution, name=None):
         with distribution.scope():
             # The train function is made once the optimizer is built: every variable of the step exists.
             _lay_out(model, distribution, warn=name == "make_train_function")
+            if name == "make_predict_function":
+                result = method(*args, **kwargs)
+                _gather_predictions(model)
+                return result
             if name not in jax_uneven.MODES:
                 return method(*args, **kwargs)
             with jax_uneven.running(model, name) as running:
@@ -533,6 +509,34 @@ def _scoped(method, model, distribution, name=None):
             return jax_uneven.drop_padding(result, running) if name == "predict" else result
 
     return call
+
+
+def _gather_predictions(model):
+    """Across processes, the predict function's outputs as whole arrays on every process.
+
+    A batch's outputs are laid out along the "batch" axis, which spans processes: each process holds only its
+    devices' rows, and Keras' predict() then fails converting them to NumPy ("spans non-addressable devices").
+    The function Keras made (``model.predict_function``, which predict() and predict_on_batch() call) is wrapped
+    once to gather each output (``process_allgather``, a collective every process enters at the same batch, as
+    they all run predict() together)."""
+    import jax
+
+    function = model.predict_function
+    if jax.process_count() == 1 or function is None or getattr(function, "distkeras_gathers", False):
+        return
+    from jax.experimental import multihost_utils
+
+    def whole(value):
+        if not isinstance(value, jax.Array) or value.is_fully_addressable or value.is_fully_replicated:
+            return value
+        return multihost_utils.process_allgather(value, tiled=True)
+
+    def gathered(state, iterator):
+        outputs, state = function(state, iterator)
+        return jax.tree_util.tree_map(whole, outputs), state
+
+    gathered.distkeras_gathers = True
+    model.predict_function = gathered
 
 
 def _lay_out(model, distribution, warn=False):
@@ -592,9 +596,10 @@ def _check_shard_combination(shard, strategy, compression):
     if strategy != "data":
         raise OptionError(
             "shard={!r} applies to strategy='data' on JAX: it splits the training state along the mesh's data axis, "
-            "and strategy='model' lays the kernels out by its layout_map over a ('batch', 'model') mesh. Received: "
-            "strategy={!r}, shard={!r}. Use strategy='data' with shard=, or put optimizer-state axes in layout_map "
-            "yourself.".format(shard, strategy, shard))
+            "and strategy='model' lays every variable out by its layout_map over a ('batch', 'model') mesh. Received: "
+            "strategy={!r}, shard={!r}. Use strategy='data' with shard=, or split weights (and with them their "
+            "optimizer slots) over both axes in layout_map yourself, e.g. {{'.*dense.*kernel': ('batch', 'model')}}: "
+            "XLA then gathers them per step, as shard='all' does.".format(shard, strategy, shard))
     if compression is not None and shard == "all":
         raise OptionError(
             "shard='all' and compression={!r} don't combine on JAX: shard='all' lets XLA partition the step by the "
