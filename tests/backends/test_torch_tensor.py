@@ -62,7 +62,7 @@ def train(name, split, layout=None, epochs=2, save=None, backup=None, stop_at=No
     build, x, y, _ = MODELS[name]
     model = build()
     if split:
-        model = distkeras.distribute(model, 2, strategy="model", layout_map=layout)
+        model = distkeras.distribute(model, 2, strategy="model", layout_map=layout, model_shards=2)
     callbacks = []
     if backup is not None:
         callbacks.append(distkeras.callbacks.BackupAndRestore(backup, delete_checkpoint=False))
@@ -123,6 +123,17 @@ def test_split_over_two_processes_trains_as_one_device(name, layout, tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "p.npy"), one["predict"], rtol=1e-4, atol=2e-5)
 
 
+def test_two_replicas_of_two_model_shards_on_four_processes_train_as_one_device():
+    """A 2 x 2 mesh over 2 simulated hosts: processes 0-1 and 2-3 each hold one replica split in two, each half of
+    the global batch; the shards' gradients are all-reduced among the replicas (groups 0,2 and 1,3)."""
+    one = train("block", split=False)
+    outcomes = job(4, local_size=2).run(train, "block", True, BLOCK_LAYOUT)  # 2 hosts x 2, as test_torch.py's
+    for outcome in outcomes:
+        assert_same(one, outcome.result)
+        assert outcome.result["describe"]["replicas"] == 2 and outcome.result["describe"]["model_shards"] == 2
+    assert outcomes[0].result["local"]["ff1/kernel"] == (8, 8) and outcomes[3].result["local"]["ff1/kernel"] == (8, 8)
+
+
 def test_backup_and_restore_resumes_a_split_model_to_the_uninterrupted_run(tmp_path):
     # Unshuffled: an epoch-end checkpoint keeps no random state (Keras' BackupAndRestore neither).
     one = train("mlp", split=False, epochs=3, shuffle=False)
@@ -143,8 +154,7 @@ def refused(options, model="mlp"):
 
 
 @pytest.mark.parametrize("options, model, expected", [
-    ({"model_shards": 1}, "mlp", "data parallelism across groups of model shards (model_shards=1: 2 replicas) is not "
-                                 "there yet"),
+    ({"model_shards": 3}, "mlp", "Expected model_shards to be a positive int that divides the 2 devices"),
     ({"shard": "all"}, "mlp", "shard applies to strategy='data' on PyTorch"),
     ({"layout_map": {"up/kernel": (None, "model"), "head/.*": ("model",)}}, "mlp",
      "Expected 2 axes for head/kernel"),

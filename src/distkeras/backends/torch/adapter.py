@@ -166,6 +166,7 @@ class TorchAdapter(Adapter):
         from . import loops as torch_loops
         from . import trainer as torch_trainer
         from . import messages as torch_messages
+        from . import collectives as torch_collectives
 
         # Everything that can fail on what the user gave fails here, before any process is started.
         timeout = _check_timeout(timeout)
@@ -215,9 +216,10 @@ class TorchAdapter(Adapter):
         replica = torch_trainer.Replica(
             cluster.rank, cluster.world_size, _store, timeout, watcher.failure if watcher else None, compression
         )
+        torch_collectives.use_data_group(None)  # every process (an earlier strategy="model" may have set another)
         torch_trainer.broadcast_new_variables(model, replica)  # all of them, this first time
         if strategy == "model":
-            return _tensor_parallel(model, replica, layout_map)
+            return _tensor_parallel(model, replica, layout_map, model_shards, sync_batchnorm, bucket_mb, batch_logs)
         torch_trainer.install(model, replica, sync_batchnorm, overlap, bucket_mb, shard, batch_logs)
         torch_loops.install(model, replica)  # hand-written loops (distkeras.loops)
         keras_model.hook(model, _REPLICA, replica)  # for verify()
@@ -247,12 +249,7 @@ def _check_strategy(strategy, layout_map, model_shards, shard, compression, mode
             raise OptionError("{} applies to strategy='data' on PyTorch (replicas' state and gradients). Received: "
                               "strategy='model', {}={!r}".format(name, name, value))
     processes = cluster.world_size if cluster.is_multi_worker else len(devices)
-    grid = layouts.mesh(processes, model_shards)
-    if grid.replicas > 1:
-        raise OptionError(
-            "strategy='model' on PyTorch splits the model over every process in this version (model_shards = the {} "
-            "processes); data parallelism across groups of model shards (model_shards={}: {} replicas) is not "
-            "there yet. Leave model_shards out, or use strategy='data'.".format(processes, model_shards, grid.replicas))
+    layouts.mesh(processes, model_shards)
     if layout_map is not None:
         layouts.rules(layout_map)
     if not model.built or not model.weights:
@@ -261,20 +258,45 @@ def _check_strategy(strategy, layout_map, model_shards, shard, compression, mode
                           "it.".format(model.name))
 
 
-def _tensor_parallel(model, replica, layout_map):
-    """Split ``model`` over every process (:mod:`.tensor`), rank 0's values already on every rank."""
+def _tensor_parallel(model, replica, layout_map, model_shards, sync_batchnorm, bucket_mb, batch_logs):
+    """Split ``model`` (:mod:`.tensor`; rank 0's values already on every rank) over a mesh of ``replicas`` x
+    ``model_shards`` processes: process ``r * model_shards + s`` holds shard ``s`` of replica ``r``. Each replica's
+    shards form a process group for the split layers' collectives; each shard's replicas one for data
+    parallelism (the batch split over the replicas, gradients and metrics all-reduced among them: the
+    trainer's hooks, on that group)."""
+    import torch.distributed as dist
+
     from ... import layouts
-    from . import tensor
+    from . import collectives, tensor
     from . import trainer as torch_trainer
 
-    table = layouts.rules(layout_map) if layout_map is not None else tensor.default_table(model, replica.world)
-    splits = tensor.plan(model, table, replica.rank, replica.world)
+    grid = layouts.mesh(replica.world, model_shards)
+    shards, index, shard = grid.model_shards, replica.rank // grid.model_shards, replica.rank % grid.model_shards
+    model_group = data_group = None
+    if grid.replicas > 1:  # every process makes every group, in the same order (torch's rule)
+        for r in range(grid.replicas):
+            group = dist.new_group([r * shards + s for s in range(shards)])
+            model_group = group if r == index else model_group
+        for s in range(shards):
+            group = dist.new_group([r * shards + s for r in range(grid.replicas)])
+            data_group = group if s == shard else data_group
+    table = layouts.rules(layout_map) if layout_map is not None else tensor.default_table(model, shards)
+    splits = tensor.plan(model, table, shard, shards, model_group)
 
     def split():
         tensor.shard_all(model, splits)
 
     split()
-    torch_trainer.install_tensor_parallel(model, replica, lambda: tensor.gather_all(model, splits), split)
+    whole = lambda: tensor.gather_all(model, splits)  # noqa: E731
+    if grid.replicas > 1:
+        collectives.use_data_group(data_group, src=shard)
+        replicas = torch_trainer.Replica(index, grid.replicas, replica.store, replica.timeout, replica.launch_failure)
+        replicas.process, replicas.processes = replica.rank, replica.world
+        replicas.known = replica.known  # broadcast already (before the split: whole values, from rank 0)
+        torch_trainer.install(model, replicas, sync_batchnorm, False, bucket_mb, None, batch_logs)
+        torch_trainer.install_tensor_parallel(model, replicas, whole, split, data_parallel=True)
+    else:
+        torch_trainer.install_tensor_parallel(model, replica, whole, split)
     tensor.install(splits)  # after: installing the model's hooks takes off every earlier hook of its layers
     keras_model.hook(model, tensor.SPLITS, splits)
     return model

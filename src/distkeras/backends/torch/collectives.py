@@ -16,6 +16,21 @@ import torch.distributed as dist
 from .. import keras_model, policies
 
 
+#: Where data parallelism's collectives run: ``group`` (None: every process) and ``src``, the global rank of its
+#: first member. Tensor parallelism with several replicas makes one such group per model shard
+#: (:func:`use_data_group`); the random state is still every process' (:func:`sync_random_state`).
+_DATA = {"group": None, "src": 0}
+
+
+def use_data_group(group=None, src=0):
+    """Run the data-parallel collectives on ``group`` (None: every process), broadcasting from global rank ``src``."""
+    _DATA.update(group=group, src=src)
+
+
+def data_group():
+    return _DATA["group"]
+
+
 def broadcast_from_rank0(model):
     """Give every rank rank 0's weights (all of them), metric state and every optimizer's state."""
     broadcast_variables(keras_model.state_variables(model))
@@ -28,7 +43,7 @@ def broadcast_variables(variables):
         groups.setdefault((variable._value.dtype, variable._value.device), []).append(variable)
     for group in groups.values():
         flat = torch.cat([v.value.detach().reshape(-1) for v in group])
-        dist.broadcast(flat, src=0)
+        dist.broadcast(flat, src=_DATA["src"], group=_DATA["group"])
         _scatter(flat, group)
 
 
@@ -67,7 +82,7 @@ def average_gradients(grads, variables, count, compression=None):
     weight = count
     if compression is not None:
         counts = torch.tensor(meta, dtype=torch.float64, device=device)
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=_DATA["group"])
         meta = counts.tolist()
         weight = policies.batch_share(count, meta[-1])
     # One buffer; each gradient is written into its slice already weighted (no per-variable temporaries).
@@ -82,12 +97,12 @@ def average_gradients(grads, variables, count, compression=None):
         offset += size
     if compression is None:
         flat[length:] = torch.tensor(meta, dtype=dtype)
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=_DATA["group"])
         meta = flat[length:].tolist()
         flat[:length].div_(meta[-1] or 1.0)
     else:
         wire = flat.to(WIRE[compression])
-        dist.all_reduce(wire)
+        dist.all_reduce(wire, group=_DATA["group"])
         flat.copy_(wire)
     averaged, offset = [], 0
     for present, variable, size in zip(meta, variables, sizes):
@@ -113,7 +128,7 @@ def all_reduce_states(variables, rank, world, extra=()):
     if extra:
         pieces.append(torch.tensor([float(v) for v in extra], dtype=torch.float64, device=pieces[0].device))
     flat = torch.cat(pieces)
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=_DATA["group"])
     _scatter(flat, variables)
     return flat[len(flat) - len(extra):].tolist() if extra else []
 
@@ -121,7 +136,7 @@ def all_reduce_states(variables, rank, world, extra=()):
 def any_rank(flag):
     """True on every rank when ``flag`` is true on any (one all-reduce of one integer)."""
     value = torch.tensor([int(bool(flag))], dtype=torch.int32, device=_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_DATA["group"])
     return bool(value.item())
 
 
@@ -140,7 +155,7 @@ def average_logs(logs, weight=1.0):
     names = sorted(k for k, v in values.items() if isinstance(v, float))
     if names:
         flat = torch.tensor([values[k] * weight for k in names] + [weight], dtype=torch.float64, device=_device())
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=_DATA["group"])
         total = flat.tolist()
         values.update(zip(names, (value / (total[-1] or 1.0) for value in total[:-1])))
     return values
@@ -160,14 +175,14 @@ class _Gathered(torch.autograd.Function):
     def forward(ctx, row, rank, world, weight):
         table = row.new_zeros((world,) + tuple(row.shape))
         table[rank] = row
-        dist.all_reduce(table)
+        dist.all_reduce(table, group=_DATA["group"])
         ctx.rank, ctx.weight = rank, weight
         return table
 
     @staticmethod
     def backward(ctx, grad):
         weighted = grad * ctx.weight if ctx.weight else torch.zeros_like(grad)
-        dist.all_reduce(weighted)
+        dist.all_reduce(weighted, group=_DATA["group"])
         own = weighted[ctx.rank] / ctx.weight if ctx.weight else torch.zeros_like(grad[ctx.rank])
         return own, None, None, None
 
@@ -195,7 +210,7 @@ def gather_rows(value, count, rank, world, total):
     padded = value.new_zeros((max(shares),) + tuple(value.shape[1:]))
     padded[:count] = value[:count]
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=_DATA["group"])
     gathered = value.new_empty((total,) + tuple(value.shape[1:]))
     for r, (part, share) in enumerate(zip(parts, shares)):
         gathered[r::world] = part[:share]

@@ -150,7 +150,7 @@ def _averaged_step(optimizer, loop):
             flat = torch.cat([(g.detach().reshape(-1).to(torch.float32) * count) if g is not None else
                               torch.zeros(p.numel(), dtype=torch.float32, device=device) for p, g in zip(params, grads)]
                              + [torch.tensor([float(g is not None) for g in grads] + [count], device=device)])
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=collectives.data_group())
             total = float(flat[-1]) or 1.0
             offset = 0
             for index, (param, grad) in enumerate(zip(params, grads)):

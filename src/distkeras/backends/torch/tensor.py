@@ -47,65 +47,67 @@ class Copy(torch.autograd.Function):
     """Identity forward; the gradient all-reduced backward (the input of a column split)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class Reduce(torch.autograd.Function):
     """The partial sums all-reduced forward; identity backward (the output of a row split)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
         x = x.contiguous().clone()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
 class Gather(torch.autograd.Function):
     """Every process' slice along ``axis`` concatenated forward; this process' slice of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, axis, rank, world):
+    def forward(ctx, x, axis, rank, world, group):
         ctx.axis, ctx.rank, ctx.world = axis, rank, world
         parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(ctx.world, dim=ctx.axis)[ctx.rank].contiguous(), None, None, None
+        return grad.chunk(ctx.world, dim=ctx.axis)[ctx.rank].contiguous(), None, None, None, None
 
 
 class Scatter(torch.autograd.Function):
     """This process' slice along ``axis`` forward; the gradients' slices gathered backward."""
 
     @staticmethod
-    def forward(ctx, x, axis, rank, world):
-        ctx.axis, ctx.rank, ctx.world = axis, rank, world
+    def forward(ctx, x, axis, rank, world, group):
+        ctx.axis, ctx.rank, ctx.world, ctx.group = axis, rank, world, group
         return x.chunk(world, dim=axis)[rank].contiguous()
 
     @staticmethod
     def backward(ctx, grad):
         parts = [torch.empty_like(grad) for _ in range(ctx.world)]
-        dist.all_gather(parts, grad.contiguous())
-        return torch.cat(parts, dim=ctx.axis), None, None, None
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=ctx.axis), None, None, None, None
 
 
 class Split(object):
     """How one layer is split: its variables' split axes, its role, and whether it pairs with its neighbour."""
 
-    def __init__(self, layer, kind, variables, rank, world):
+    def __init__(self, layer, kind, variables, rank, world, group=None):
         self.layer = layer
+        self.group = group  # the model shards' process group (None: every process)
         self.kind = kind  # "column", "row", "heads", "vocab", "feature"
         self.variables = variables  # [(variable, axis)], the axis of each that is split
         self.rank, self.world = rank, world
@@ -205,9 +207,10 @@ def _attention_split(layer, rank, world):
 # ---- choosing what to split
 
 
-def plan(model, table, rank, world):
+def plan(model, table, rank, world, group=None):
     """The splits of ``model``'s layers under ``table`` (``{regex: axes}``, checked against the variables), with
-    column/row pairs found in the model's graph.
+    column/row pairs found in the model's graph: this process is ``rank`` of the ``world`` model shards of
+    ``group`` (None: every process).
 
     Raises:
         OptionError: the layout splits a variable of a layer this version can't split (named), or splits a
@@ -246,6 +249,8 @@ def plan(model, table, rank, world):
                           "MultiHeadAttention layers and Embedding tables; layout_map splits {}, which it can't. "
                           "Leave {} out of layout_map.".format(", ".join(left), "them" if len(left) > 1 else "it"))
     _pair(model, splits)
+    for split in splits:
+        split.group = group
     return splits
 
 
@@ -347,7 +352,7 @@ def gather_all(model, splits):
         for variable, axis in _with_slots(model, split):
             local = variable._value.data.contiguous()
             parts = [torch.empty_like(local) for _ in range(split.world)]
-            dist.all_gather(parts, local)
+            dist.all_gather(parts, local, group=split.group)
             _set(variable, torch.cat(parts, dim=axis))
 
 
@@ -394,13 +399,13 @@ def _dense_call(split):
         if x.device.type == "meta":
             return _symbolic(layer, x)
         if split.kind == "column":
-            y = _finish(layer, _einsum(layer, Copy.apply(x)))
+            y = _finish(layer, _einsum(layer, Copy.apply(x, split.group)))
             if not split.paired_out:
-                y = Gather.apply(y, split.out_axis % y.dim(), split.rank, split.world)
+                y = Gather.apply(y, split.out_axis % y.dim(), split.rank, split.world, split.group)
             return y
         if not split.paired_in:
-            x = Scatter.apply(x, split.in_axis % x.dim(), split.rank, split.world)
-        return _finish(layer, Reduce.apply(_einsum(layer, x)))
+            x = Scatter.apply(x, split.in_axis % x.dim(), split.rank, split.world, split.group)
+        return _finish(layer, Reduce.apply(_einsum(layer, x), split.group))
 
     return call
 
@@ -411,8 +416,8 @@ def _head_call(dense, output, split):
         if x.device.type == "meta":
             return _symbolic(dense, x)
         if output:
-            return _finish(dense, Reduce.apply(_einsum(dense, x)))
-        return _finish(dense, _einsum(dense, Copy.apply(x)))
+            return _finish(dense, Reduce.apply(_einsum(dense, x), split.group))
+        return _finish(dense, _einsum(dense, Copy.apply(x, split.group)))
 
     return call
 
@@ -429,12 +434,12 @@ def _embedding_call(split):
             ids = ids.to(torch.int64)
         if split.kind == "feature":
             out = torch.nn.functional.embedding(ids, table.value)
-            return Gather.apply(out, out.dim() - 1, split.rank, split.world)
+            return Gather.apply(out, out.dim() - 1, split.rank, split.world, split.group)
         rows = table.value.shape[0]
         start = split.rank * rows
         inside = (ids >= start) & (ids < start + rows)
         local = torch.where(inside, ids - start, torch.zeros_like(ids))
         out = torch.nn.functional.embedding(local, table.value) * inside.unsqueeze(-1).to(table.value.dtype)
-        return Reduce.apply(out)
+        return Reduce.apply(out, split.group)
 
     return call

@@ -136,6 +136,9 @@ class Replica(object):
     def __init__(self, rank, world, store, timeout, launch_failure=None, compression=None):
         self.rank = rank
         self.world = world
+        # This process among all of the job's: who prints and writes (with tensor parallelism ``rank``/``world``
+        # are its place among the replicas, the model shards of one replica sharing it).
+        self.process, self.processes = rank, world
         self.store = store
         self.timeout = timeout
         self.launch_failure = launch_failure
@@ -419,7 +422,7 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None, batc
                 )
             )
     selection = batchnorm.select(model, sync_batchnorm)
-    batchnorm.warn_left(selection, replica.rank)
+    batchnorm.warn_left(selection, replica.process)
     synced = selection.synchronized
     for layer in synced:
         keras_model.hook(layer, batchnorm.MOMENTS, _global_moments(layer, replica))
@@ -445,13 +448,16 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None, batc
     unreduced = _unreduced_metrics_result(model)
     if unreduced is not None:
         hooks["get_metrics_result"] = unreduced
+    # Buckets run on a group of every process: not with tensor parallelism's groups of replicas (all at once then).
+    overlap = overlap and collectives.data_group() is None
     replica.buckets = torch_buckets.Buckets(replica, bucket_mb) if overlap and replica.world > 1 else None
     if replica.buckets is not None:
         hooks[_BUCKETS] = replica.buckets
     for name, hook in hooks.items():
         keras_model.hook(model, name, hook)
-    policies.rank0_writes(model, replica.rank)
-    agreement.use(agreement.store_board(replica.store, replica.rank, replica.world) if replica.store is not None else None)
+    policies.rank0_writes(model, replica.process)
+    agreement.use(agreement.store_board(replica.store, replica.process, replica.processes)
+                  if replica.store is not None else None)
     policies.every_rank_calls(model)  # predict()/evaluate() on one rank only: an error within seconds
     replica.shard = None
     if shard is not None:
@@ -465,13 +471,22 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None, batc
     model.train_function = model.test_function = model.predict_function = None
 
 
-def install_tensor_parallel(model, replica, whole, split):
+def install_tensor_parallel(model, replica, whole, split, data_parallel=False):
     """The hooks of a model split by tensor parallelism over every rank (:mod:`distkeras.backends.torch.tensor`):
     every rank runs the same global batches (no row split, no gradient all-reduce: what is replicated
     computes alike), quiet off rank 0, rank 0's random state at ``fit()``'s start and every epoch's, and
     ``save``/``save_weights``/``get_weights`` of the whole model: ``whole()`` puts every split variable's whole
     value back for the call (collective), ``split()`` the shards after. Saves follow the saving rule
-    (:func:`~distkeras.backends.policies.rank0_writes`); called on one rank only they raise CollectiveError."""
+    (:func:`~distkeras.backends.policies.rank0_writes`); called on one rank only they raise CollectiveError.
+    With ``data_parallel`` (several replicas of model shards) :func:`install` has set the data-parallel hooks
+    already, on the replicas' groups, and only the whole-model calls are added."""
+    if not data_parallel:
+        _install_model_shards_only(model, replica)
+    for name in ("save", "save_weights", "get_weights", "load_weights", "set_weights"):
+        keras_model.hook(model, name, agreement.agreed(_whole_while(getattr(model, name), whole, split), name))
+
+
+def _install_model_shards_only(model, replica):
     uninstall(model)
     replica.batch_logs = False
     hooks = {
@@ -484,8 +499,6 @@ def install_tensor_parallel(model, replica, whole, split):
     for name, hook in hooks.items():
         keras_model.hook(model, name, hook)
     policies.rank0_writes(model, replica.rank)
-    for name in ("save", "save_weights", "get_weights", "load_weights", "set_weights"):
-        keras_model.hook(model, name, agreement.agreed(_whole_while(getattr(model, name), whole, split), name))
     agreement.use(agreement.store_board(replica.store, replica.rank, replica.world) if replica.store is not None else None)
     policies.every_rank_calls(model)
     model.train_function = model.test_function = model.predict_function = None
@@ -736,7 +749,7 @@ def _entry(method, replica, sync_random=False, sharded=False, logs=None):
             verbose = bound.arguments.get("verbose", signature.parameters["verbose"].default)
             reads = _batch_logs_read(bound.arguments.get("callbacks"), verbose, logs == "train")
             replica.batch_logs = collectives.any_rank(reads)  # every rank alike, or the steps' collectives differ
-        if replica.rank != 0:
+        if replica.process != 0:
             bound.arguments["verbose"] = 0
         try:
             if sync_random:

@@ -60,7 +60,7 @@ def summed_metrics(entries):
         return entries
     flat = torch.cat([torch.as_tensor(np.asarray(entries[i][2], dtype="float64")).reshape(-1) for i in where])
     flat = flat.to(collectives._device())
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=collectives.data_group())
     flat = flat.cpu().numpy()
     entries, offset = list(entries), 0
     for i in where:
