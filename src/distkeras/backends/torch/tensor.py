@@ -426,7 +426,9 @@ def _embedding_call(split):
     layer = split.layer
     table = layer.embeddings
 
-    def call(inputs, **kwargs):
+    def call(inputs, reverse=False, **kwargs):
+        if reverse:  # a ReversibleEmbedding (KerasHub, Keras) read backwards: hidden states to logits
+            return _reverse(split, inputs)
         ids = keras.ops.convert_to_tensor(inputs)
         if ids.device.type == "meta":
             return _symbolic(layer, ids, table.value.dtype)
@@ -443,3 +445,30 @@ def _embedding_call(split):
         return Reduce.apply(out, split.group)
 
     return call
+
+
+def _reverse(split, inputs):
+    """The logits of a ReversibleEmbedding with tied weights: ``inputs @ embeddings.T``, the table split. By
+    vocabulary: each process its logits' columns, gathered; by feature: its slice of the inputs times its columns,
+    the partial sums all-reduced."""
+    layer = split.layer
+    if not getattr(layer, "tie_weights", True):
+        return type(layer).call(layer, inputs, reverse=True)  # its own reverse kernel: not split, whole
+    x = keras.ops.convert_to_tensor(inputs)
+    kernel = layer.embeddings.value
+    if x.device.type == "meta":
+        return torch.empty(tuple(x.shape[:-1]) + (layer.input_dim,), dtype=x.dtype, device="meta")
+    if getattr(layer, "reverse_dtype", None) is not None:
+        dtype = keras.backend.standardize_dtype(layer.reverse_dtype)
+        x, kernel = keras.ops.cast(x, dtype), keras.ops.cast(kernel, dtype)
+    if split.kind == "vocab":
+        logits = torch.matmul(Copy.apply(x, split.group), kernel.t())
+    else:
+        part = Scatter.apply(x, x.dim() - 1, split.rank, split.world, split.group)
+        logits = Reduce.apply(torch.matmul(part, kernel.t()), split.group)
+    cap = getattr(layer, "logit_soft_cap", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    if split.kind == "vocab":
+        logits = Gather.apply(logits, logits.dim() - 1, split.rank, split.world, split.group)
+    return logits
