@@ -236,3 +236,16 @@ def test_a_kerashub_causal_lm_split_by_its_own_layout_map_trains_as_one_device(k
     np.testing.assert_allclose(one["history"]["loss"], split["history"]["loss"], rtol=1e-5)
     np.testing.assert_allclose(one["evaluate"], split["evaluate"], rtol=1e-5)
     assert split["local"]["token_embedding/embeddings"] == (16, 8)  # the vocabulary split in two
+
+
+def shard_storage():
+    """The bytes each split variable's torch storage holds after the split (a view of the whole would hold it all)."""
+    model = block()
+    distkeras.distribute(model, 2, strategy="model", layout_map=BLOCK_LAYOUT)
+    return {v.path: (v._value.untyped_storage().nbytes(), v._value.numel() * v._value.element_size())
+            for v in model.weights}
+
+
+def test_a_shard_holds_only_its_own_memory():
+    for path, (storage, shard) in job(2).run(shard_storage)[0].result.items():
+        assert storage == shard, path  # a row split (its first axis) was a view keeping the whole kernel alive

@@ -77,7 +77,8 @@ class TorchAdapter(Adapter):
         "layout_map": "strategy='model': {variable path regex: axes}, e.g. {'dense/kernel': (None, 'model'), "
                       "'dense_1/kernel': ('model', None)} (column, then row), or a keras.distribution.LayoutMap; "
                       "default: Dense pairs column then row, attention by heads",
-        "model_shards": "strategy='model': processes on the 'model' axis (this version: all of them)",
+        "model_shards": "strategy='model': processes per model replica, on the 'model' axis (default: all); the "
+                        "processes / model_shards replicas split the batch",
     }
 
     def prepare(self, cluster):

@@ -337,7 +337,10 @@ def shard_all(model, splits):
     """Keep only this process' part of each split variable and of its optimizer slots (whole values)."""
     for split in splits:
         for variable, axis in _with_slots(model, split):
-            _set(variable, variable._value.data.chunk(split.world, dim=axis)[split.rank].contiguous())
+            # clone(): a chunk along the first axis is contiguous already, and contiguous() would keep it a view
+            # holding the whole tensor's memory.
+            _set(variable, variable._value.data.chunk(split.world, dim=axis)[split.rank].clone(
+                memory_format=torch.contiguous_format))
 
 
 def _set(variable, data):
