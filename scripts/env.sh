@@ -8,7 +8,7 @@ PYTHON="${PYTHON:-python3}"
 VENV="$ROOT/.venv"
 # torch is pinned to the CPU build here (a loose requirement pulls several GB of CUDA wheels); the
 # package itself only asks for torch>=2.1 in its extra.
-REQS=("torch==2.13.0" "keras==3.15.*" "tensorflow-cpu==2.21.*" "tf-keras==2.21.*" "jax[cpu]>=0.4.30" "ray[train]==2.60.0" -e "$ROOT[dev]")
+REQS=("torch==2.13.0" "keras==3.15.*" "tensorflow-cpu==2.21.*" "tf-keras==2.21.*" "jax[cpu]>=0.4.30" "ray[train]==2.60.0" "keras-hub==0.32.*" -e "$ROOT[dev]")
 make_venv "$VENV" "$PYTHON" "${REQS[@]}"
 # Keras reads its default backend from $KERAS_HOME/keras.json; keep ours apart from the user's (and
 # from keras-mxnet's, which rewrites it to "mxnet").
