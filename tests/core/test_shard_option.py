@@ -42,3 +42,20 @@ def test_sharding_backends_take_the_option(name):
     adapter = backends.adapter_class(name)()
     assert "shard" in adapter.options and adapter.shard_unsupported is None
 
+
+
+@pytest.mark.parametrize("name", sorted(set(backends.REGISTRY) - {"torch", "jax"}))
+def test_backends_that_cant_split_a_model_say_why_and_which_can(name):
+    """strategy='model' on TensorFlow, MXNet or CNTK: an OptionError with the backend's reason, not a list of
+    unknown options; strategy='data' (the meaning of every backend) is accepted."""
+    adapter = backends.adapter_class(name)()
+    assert "strategy" not in adapter.options and adapter.model_parallel_unsupported
+    adapter.check_options({"strategy": "data"})
+    for options in ({"strategy": "model"}, {"layout_map": {"d/kernel": (None, "model")}}, {"model_shards": 2}):
+        with pytest.raises(OptionError) as info:
+            adapter.check_options(options)
+        message = str(info.value)
+        assert "the {} backend can't: {}".format(name, adapter.model_parallel_unsupported) in message, message
+        assert "Model parallelism runs on the PyTorch and JAX backends" in message and "Unknown" not in message
+    if name == "tensorflow":
+        assert "places only the forward pass" in adapter.model_parallel_unsupported

@@ -34,6 +34,9 @@ SHARD_HELP = ("sharded training state (ZeRO): None (default: every replica holds
 #: The backends whose adapters take ``shard``, and their names in the error the others give.
 SHARDING_BACKENDS = ("torch", "jax")
 _SHARDING_NAMES = "PyTorch and JAX"
+#: The options of model parallelism (``strategy="model"``), and the backends whose adapters take them.
+MODEL_PARALLEL_OPTIONS = ("strategy", "layout_map", "model_shards")
+_MODEL_PARALLEL_NAMES = "PyTorch and JAX"
 
 
 def check_shard(value: object) -> Optional[str]:
@@ -106,6 +109,8 @@ class Adapter(abc.ABC):
     #: Why this backend can't shard training state (``shard=``), for the OptionError; None where it can (its
     #: :attr:`options` then name ``shard``).
     shard_unsupported: Optional[str] = "it has no sharded variables"
+    #: Why this backend can't split a model over devices (``strategy="model"``), for the OptionError.
+    model_parallel_unsupported = "its adapter replicates whole models"
     #: Whether :meth:`distribute` takes a model that is not built yet (Keras 3): the variables it creates
     #: later, when its first ``fit()`` builds it, are created distributed. Keras 2 adapters need them now.
     late_variables = False
@@ -249,6 +254,16 @@ class Adapter(abc.ABC):
                     "on the {} backends (set KERAS_BACKEND); on {} use shard=None (the default).".format(
                         mode, self.name, self.shard_unsupported, _SHARDING_NAMES, self.name))
             options = {k: v for k, v in options.items() if k != "shard"}
+        if "strategy" not in self.options and any(k in options for k in MODEL_PARALLEL_OPTIONS):
+            if options.get("strategy", "data") != "data" or any(
+                    options.get(k) is not None for k in MODEL_PARALLEL_OPTIONS[1:]):
+                raise OptionError(
+                    "strategy='model' (with layout_map, model_shards) splits the model's layers over the devices, and "
+                    "the {} backend can't: {}. Model parallelism runs on the {} backends (set KERAS_BACKEND); on {} "
+                    "use strategy='data' (the default). Received: {}".format(
+                        self.name, self.model_parallel_unsupported, _MODEL_PARALLEL_NAMES, self.name,
+                        ", ".join("{}={!r}".format(k, options[k]) for k in MODEL_PARALLEL_OPTIONS if k in options)))
+            options = {k: v for k, v in options.items() if k not in MODEL_PARALLEL_OPTIONS}
         unknown = sorted(set(options) - set(self.options))
         if unknown:
             known = ", ".join("{} ({})".format(k, v) for k, v in sorted(self.options.items())) or "none"

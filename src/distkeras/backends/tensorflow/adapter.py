@@ -106,6 +106,10 @@ class TensorFlowAdapter(Adapter):
     framework = "tensorflow"
     late_variables = True
     install_hint = "tensorflow (or tensorflow-cpu)"
+    model_parallel_unsupported = (
+        "Keras 3 gives TensorFlow no model-parallel distribution (keras.distribution's ModelParallel is JAX's), and "
+        "pinning layers with tf.device inside fit() places only the forward pass: the backward pass and the "
+        "optimizer's slots stay on one device")
     shard_unsupported = (
         "MirroredStrategy and MultiWorkerMirroredStrategy keep a full copy of every variable on every replica; TF's "
         "sharded variables belong to ParameterServerStrategy, and the DTensor layouts of Keras' TF distribution "
