@@ -249,3 +249,15 @@ def shard_storage():
 def test_a_shard_holds_only_its_own_memory():
     for path, (storage, shard) in job(2).run(shard_storage)[0].result.items():
         assert storage == shard, path  # a row split (its first axis) was a view keeping the whole kernel alive
+
+
+def verified():
+    model = mlp()
+    distkeras.distribute(model, 2, strategy="model", layout_map=MLP_LAYOUT, verify=True)
+    model.fit(X_MLP, Y_MLP, batch_size=8, epochs=1, verbose=0)
+    return True
+
+
+def test_the_one_device_check_says_it_is_off_for_a_split_model():
+    outcome = job(2).run(verified)[0]
+    assert outcome.result is True and "one-device check is off for this model: a model split" in outcome.stderr
