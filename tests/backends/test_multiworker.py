@@ -68,7 +68,7 @@ def test_two_workers_train_as_one_process(tmp_path, data):
     assert "[rank 0] Epoch 4/4" in out and "[rank 1] Epoch" not in out
     assert "[rank 1] describe {'backend': '" + BACKEND in done.stdout
     # Two worker processes, one device each: two replicas in all, on every backend; this is rank 1.
-    assert "'replicas': 2, 'rank': 1, 'workers': 2, 'distributed': True" in done.stdout
+    assert "'replicas': 2, 'model_shards': 1, 'rank': 1, 'workers': 2, 'distributed': True" in done.stdout
 
 
 def test_two_workers_with_bf16_gradients_stay_equal_and_close_to_one_process(tmp_path):
