@@ -171,17 +171,17 @@ def test_what_cant_be_split_is_a_clear_error(options, model, expected):
 def conv():
     keras.utils.set_random_seed(3)
     model = keras.Sequential([keras.Input((6, 2)), keras.layers.Conv1D(4, 3, name="conv"),
-                              keras.layers.Flatten(), keras.layers.Dense(1, name="out")])
+                              keras.layers.Flatten(), keras.layers.Dense(1, name="out")], name="convnet")
     model.compile(optimizer="sgd", loss="mse")
     try:
-        distkeras.distribute(model, 2, strategy="model", layout_map={".*conv/kernel": (None, None, "model")})
+        distkeras.distribute(model, 2, strategy="model", layout_map={"convnet/conv/kernel": (None, None, "model")})
     except distkeras.DistKerasError as exc:
         return str(exc)
 
 
 def test_a_layer_it_cant_split_is_named():
     message = job(2).run(conv)[0].result
-    assert "layout_map splits sequential/conv/kernel, which it can't" in message, message
+    assert "layout_map splits convnet/conv/kernel, which it can't" in message, message
 
 
 def test_the_keras_privates_it_reads_are_there():
