@@ -38,7 +38,6 @@ from ... import layouts
 from ...errors import OptionError
 from .. import keras_model
 
-_SPLIT = "_distkeras_tensor"
 #: The instance attribute holding a model's splits (read by describe()).
 SPLITS = "_distkeras_splits"
 
@@ -115,7 +114,6 @@ class Split(object):
         self.paired_in = False  # a row split whose input comes split from a column split
         self.out_axis = None  # column: the output axis that is split
         self.in_axis = None  # row: the input axis that is split
-        self.full_shapes = [tuple(v.shape) for v, _ in variables]
 
 
 # ---- reading a layer as an einsum
@@ -138,7 +136,7 @@ def _axis(spec, letter):
     return position
 
 
-def _bias_axis(layer, out_spec, letter):
+def _bias_axis(layer, letter):
     bias = getattr(layer, "bias", None)
     if bias is None:
         return None
@@ -163,7 +161,7 @@ def _dense_split(layer, axes, rank, world):
     if letter in out_spec.replace("...", ""):
         split = Split(layer, "column", variables, rank, world)
         split.out_axis = _axis(out_spec, letter)
-        bias_axis = _bias_axis(layer, out_spec, letter)
+        bias_axis = _bias_axis(layer, letter)
         if bias_axis is not None:
             split.variables.append((layer.bias, bias_axis))
     elif letter in in_spec:
@@ -189,16 +187,15 @@ def _attention_split(layer, rank, world):
                           "attention dropout of its heads only, not one device's. Use dropout=0 in the attention "
                           "layer (a Dropout layer after it is fine) or leave it out of layout_map.".format(
                               layer.path, layer._dropout))
+    if layer._num_heads % world:
+        raise OptionError("strategy='model' can't split {} by heads: {} heads over {} processes. Choose "
+                          "model_shards dividing the heads.".format(layer.path, layer._num_heads, world))
     variables = []
     for name, dense in parts.items():
-        _, kernel_spec, out_spec = _einsum_of(dense)
         heads = 1 if name != "output" else 0  # kernels (model, heads, key_dim) and (heads, key_dim, model)
         variables.append((dense.kernel, heads))
         if dense.bias is not None and name != "output":
             variables.append((dense.bias, 0))
-        if layer._num_heads % world:
-            raise OptionError("strategy='model' can't split {} by heads: {} heads over {} processes. Choose "
-                              "model_shards dividing the heads.".format(layer.path, layer._num_heads, world))
     split = Split(layer, "heads", variables, rank, world)
     split.parts = parts
     return split
@@ -369,7 +366,6 @@ def install(splits):
         elif split.kind == "heads":
             for name, dense in split.parts.items():
                 keras_model.hook(dense, "call", _head_call(dense, name == "output", split))
-            keras_model.hook(split.layer, _SPLIT, split)
         else:
             keras_model.hook(split.layer, "call", _embedding_call(split))
 
