@@ -15,7 +15,10 @@ weights), up to float tolerance, and reads from the framework that the replicas 
   --nproc-per-node N`` (one process per GPU, NCCL), plain; with ``shard="optimizer"``, ``"gradients"`` and
   ``"all"``; with ``compression="bf16"`` and ``"fp16"`` (close to exact, not equal: the tolerances of
   tests/backends/test_distribute.py). With one GPU, N=2 is tried anyway and distkeras' refusal (one process per
-  device) is reported as SKIP.
+  device) is reported as SKIP, after checking that ``distribute(model)`` leaves a plain model training on the GPU.
+- ``torch-tensor``: the same launch with ``strategy="model"``: the MLP's two Dense layers split column then row over
+  the N GPUs (tensor parallelism, NCCL), SGD with momentum so the split optimizer slots count; the gathered weights
+  equal one device's.
 
 TF32 is turned off in every framework, so float32 on the GPU is float32 and the tolerances are the test suite's.
 
@@ -52,6 +55,7 @@ PATHS = {
     "torch-nccl": ("torch", 110),
     "torch-shard": ("torch", 110),
     "torch-compression": ("torch", 110),
+    "torch-tensor": ("torch", 110),
 }
 VERDICT = "GPU-CHECK-VERDICT "
 #: float32 SGD over 18 steps: replicas add partial sums in another order than one device (test_distribute.py).
@@ -405,6 +409,8 @@ TORCH_VARIANTS = {
     "torch-nccl": [("plain", {}, 0.0)],
     "torch-shard": [("shard=" + m, {"shard": m}, 0.9) for m in ("optimizer", "gradients", "all")],
     "torch-compression": [("compression=" + c, {"compression": c}, 0.0) for c in ("bf16", "fp16")],
+    # Tensor parallelism: the MLP's two Dense layers are a column-then-row pair, split over every process.
+    "torch-tensor": [("strategy=model", {"strategy": "model"}, 0.9)],
 }
 
 
@@ -421,6 +427,9 @@ def check_torch(kind, count, name):
         count = torch.cuda.device_count()
         about += ", NCCL {}".format(".".join(map(str, torch.cuda.nccl.version())))
     print(about, flush=True)
+    alone = ""
+    if count == 1 and name == "torch-nccl":  # one device: distribute() must leave a plain model that trains there
+        alone = "; checked: " + torch_one_device(kind)
     processes = max(count, 2)
     out = tempfile.mkdtemp(prefix="gpu-check-torch-")
     env = dict(os.environ)
@@ -448,7 +457,8 @@ def check_torch(kind, count, name):
         errors = [line for line in output.splitlines() if re.search(r"Error|error:|NCCL", line)]
         first = errors[-1].strip() if errors else "exit code {}".format(launched.returncode)
         if count == 1 and ("LOCAL_WORLD_SIZE" in output or "Duplicate GPU" in output):
-            raise Skip("{}: 1 {k}, and 2 processes can't share it: {}".format(about, first[:400], k=kind.upper()))
+            raise Skip("{}: 1 {k}, and 2 processes can't share it: {}{}".format(about, first[:400], alone,
+                                                                                 k=kind.upper()))
         raise Fail("distkeras launch --nproc-per-node {} failed: {}".format(processes, first[:400]))
     infos = []
     for rank in range(processes):
@@ -458,10 +468,12 @@ def check_torch(kind, count, name):
     for rank, info in enumerate(infos):
         for variant in info["variants"]:
             want = "cuda:{}".format(rank) if kind == "gpu" else "cpu"
-            if variant["backend"] != engine or variant["device"] != want or variant["replicas"] != processes:
-                raise Fail("rank {} {}: torch.distributed backend {}, weights on {}, {} replicas; expected {}, {}, {}"
-                           .format(rank, variant["name"], variant["backend"], variant["device"], variant["replicas"],
-                                   engine, want, processes))
+            mesh = (variant["replicas"], variant["model_shards"])
+            wanted = (1, processes) if name == "torch-tensor" else (processes, 1)
+            if variant["backend"] != engine or variant["device"] != want or mesh != wanted:
+                raise Fail("rank {} {}: torch.distributed backend {}, weights on {}, (replicas, model_shards) {}; "
+                           "expected {}, {}, {}".format(rank, variant["name"], variant["backend"], variant["device"],
+                                                        mesh, engine, want, wanted))
     import numpy as np
 
     if kind == "gpu":
@@ -481,6 +493,27 @@ def check_torch(kind, count, name):
     return "{}: {} processes, torch.distributed {} on {}{}; vs one-device plain Keras at global batch {}: {}".format(
         about, processes, engine, ", ".join(v["device"] for v in (i["variants"][0] for i in infos)),
         "" if not any(shard) else " (describe()['shard'] {})".format(shard), 6 * processes, "; ".join(notes))
+
+
+def torch_one_device(kind):
+    """One GPU: ``distribute(model)`` returns the model unchanged, on the GPU, training as plain Keras does there."""
+    import distkeras  # before keras
+    import torch
+
+    if kind == "gpu":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    import keras
+
+    expected = fit(build(keras), 1)
+    one = build(keras)
+    if distkeras.distribute(one) is not one or distkeras.describe(one)["distributed"]:
+        raise Fail("distribute(model) on one {} did not return the model unchanged".format(kind))
+    where = getattr(one.trainable_weights[0], "_value", None).device  # its torch Parameter
+    if where.type != ("cuda" if kind == "gpu" else "cpu"):
+        raise Fail("distribute(model) on one {} left the kernel on {}".format(kind, where))
+    worst = compare("distribute(model) on one {}".format(kind), expected, fit(one, 1))
+    return "distribute(model) left a plain model training on {}, max |dw| {:.1e}".format(where, worst)
 
 
 def torch_worker(name, out):
@@ -505,7 +538,8 @@ def torch_worker(name, out):
         weights, loss = fit(model, world)
         variants.append({"name": variant, "backend": dist.get_backend(), "device": "{}{}".format(
             device.type, "" if device.index is None else ":{}".format(device.index)),
-            "replicas": info["replicas"], "shard": info["shard"], "cuda": torch.cuda.is_available()})
+            "replicas": info["replicas"], "model_shards": info.get("model_shards", 1), "shard": info["shard"],
+            "cuda": torch.cuda.is_available()})
         if rank == 0:
             np.savez(os.path.join(out, variant + ".npz"), loss=np.asarray(loss),
                      **{"w{}".format(i): w for i, w in enumerate(weights)})
@@ -528,6 +562,9 @@ def run_one(name):
         verdict = "PASS"
     except Skip as exc:
         verdict, reason = "SKIP", str(exc)
+    except ImportError as exc:  # the framework isn't installed in this Python: nothing to check, not a failure
+        verdict, reason = "SKIP", "{} is not installed in {} ({}: {})".format(
+            backend, sys.executable, type(exc).__name__, str(exc).strip().splitlines()[0][:200] if str(exc) else "")
     except Fail as exc:
         verdict, reason = "FAIL", str(exc)
     except Exception as exc:  # any other error is a FAIL that names it

@@ -14,19 +14,19 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PATHS = ["tf-mirrored", "jax", "torch-nccl", "torch-shard", "torch-compression"]
+PATHS = ["tf-mirrored", "jax", "torch-nccl", "torch-shard", "torch-compression", "torch-tensor"]
 HAS_GPU = shutil.which("nvidia-smi") is not None or bool(glob.glob("/dev/nvidia[0-9]*"))
 pytestmark = pytest.mark.skipif(HAS_GPU, reason="this machine has an NVIDIA GPU: run bash scripts/gpu-check.sh itself")
 
 
-def gpu_check(tmp_path, *args):
+def gpu_check(tmp_path, *args, env=None):
     blockers = tmp_path / "blockers"
     for framework in ("tensorflow", "jax", "torch", "keras"):
         (blockers / framework).mkdir(parents=True, exist_ok=True)
         (blockers / framework / "__init__.py").write_text(
             "raise ImportError('the no-GPU path of the GPU check imported {}')\n".format(framework))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_GPU_CHECK")}
-    env.update(PYTHON=sys.executable, PYTHONPATH=str(blockers))
+    extra, env = env or {}, {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_GPU_CHECK")}
+    env.update(PYTHON=sys.executable, PYTHONPATH=str(blockers), **extra)
     started = time.monotonic()
     done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu-check.sh"), *args], capture_output=True,
                           text=True, env=env, timeout=60, cwd=tmp_path)
@@ -40,7 +40,7 @@ def test_without_a_gpu_every_path_skips_naming_why(tmp_path):
     lines = done.stdout.splitlines()
     for name in PATHS:
         assert "SKIP {}: no NVIDIA GPU (nvidia-smi not found, no /dev/nvidia* device) [0.0 s]".format(name) in lines
-    assert lines[-1].startswith("summary: 0 PASS, 0 FAIL, 5 SKIP in ") and lines[-1].endswith(": OK")
+    assert lines[-1].startswith("summary: 0 PASS, 0 FAIL, {} SKIP in ".format(len(PATHS))) and lines[-1].endswith(": OK")
     assert "python {}".format(sys.version.split()[0]) in done.stdout  # the versions, printed first
     assert "ImportError" not in done.stdout + done.stderr
 
@@ -52,3 +52,13 @@ def test_paths_can_be_picked_and_a_misspelt_one_is_refused(tmp_path):
     done, _ = gpu_check(tmp_path, "jaxx")
     assert done.returncode == 2
     assert "unknown path(s) jaxx; the paths are {}".format(", ".join(PATHS)) in done.stdout
+
+
+def test_a_framework_that_is_not_installed_is_a_skip_not_a_failure(tmp_path):
+    # A GPU image may hold PyTorch and JAX but no TensorFlow: that path has nothing to check. Run in the fake-CPU
+    # mode (the paths really start), with every framework shadowed by a stand-in that raises ImportError.
+    done, _ = gpu_check(tmp_path, "tf-mirrored", "jax", env={"DISTKERAS_GPU_CHECK_FAKE_CPU": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    skips = [line for line in done.stdout.splitlines() if line.startswith("SKIP")]
+    assert [line.split(":")[0] for line in skips] == ["SKIP tf-mirrored", "SKIP jax"], done.stdout
+    assert "SKIP tf-mirrored: tensorflow is not installed in {} (ImportError: ".format(sys.executable) in skips[0]
