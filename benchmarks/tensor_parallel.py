@@ -64,6 +64,10 @@ def add_arguments(parser):
     parser.add_argument("--memory-steps", type=int, default=3, help="steps of the memory phase (default 3; 0: skip)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="of one,data,shard,model (default all four)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one set of processes may take")
+    parser.add_argument("--hosts", type=int, default=0,
+                        help="run the timed job on this many network-namespace hosts (root, iproute2; --processes "
+                             "split evenly over them), each link shaped to --rate (default 0: one host, loopback)")
+    parser.add_argument("--rate", default="100mbit", help="each namespace host's link rate, tc syntax (default 100mbit)")
     parser.add_argument("--out", default=None, help="folder for results.json and results.md (default: print only)")
 
 
@@ -272,6 +276,42 @@ def _run(command, args):
     return sorted(results, key=lambda r: r["rank"])
 
 
+PORT = 29540
+
+
+def _run_hosts(args, arguments):
+    """The job on ``args.hosts`` namespace hosts (tests/netns.py), ``processes / hosts`` processes each, every link
+    shaped to ``args.rate``; every rank's result."""
+    from tests import netns
+
+    if args.processes % args.hosts:
+        raise SystemExit("--processes {} can't be split evenly over --hosts {}".format(args.processes, args.hosts))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
+    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND="torch")
+    env.pop("OMP_NUM_THREADS", None)
+    with netns.Hosts(args.hosts) as hosts:
+        for host in range(args.hosts):
+            hosts.limit(host, args.rate)
+        launchers = [hosts.popen(host, [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node",
+                                        str(args.processes // args.hosts), "--nnodes", str(args.hosts), "--node-rank",
+                                        str(host), "--coordinator", "{}:{}".format(hosts.addresses[0], PORT),
+                                        "--backend", "torch", "-m", "benchmarks.tensor_parallel"] + arguments,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+                     for host in range(args.hosts)]
+        try:
+            outputs = [p.communicate(timeout=args.timeout) for p in launchers]
+        finally:
+            for p in launchers:
+                if p.poll() is None:
+                    p.kill()
+    results = [json.loads(line.split(_RESULT, 1)[1]) for out, _ in outputs for line in out.splitlines()
+               if _RESULT in line]
+    if any(p.returncode for p in launchers) or len(results) != args.processes:
+        raise RuntimeError("the job on {} hosts failed ({}):\n{}".format(
+            args.hosts, [p.returncode for p in launchers], "\n".join(err[-2000:] for _, err in outputs)))
+    return sorted(results, key=lambda r: r["rank"])
+
+
 def _launch(args, arguments):
     return [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", str(args.processes), "--backend", "torch",
             "-m", "benchmarks.tensor_parallel"] + arguments
@@ -297,7 +337,10 @@ def measure(args):
             results["memory"][variant] = _run(command, args)
             print("memory {}: {:.0f} s".format(variant, time.perf_counter() - started), file=sys.stderr, flush=True)
     started = time.perf_counter()
-    results["job"] = _run(_launch(args, ["job"] + _forwarded(args)), args)
+    if args.hosts:
+        results["job"] = _run_hosts(args, ["job"] + _forwarded(args))
+    else:
+        results["job"] = _run(_launch(args, ["job"] + _forwarded(args)), args)
     print("time: {:.0f} s".format(time.perf_counter() - started), file=sys.stderr, flush=True)
     results["machine"]["load_average_after"] = machine.load_average()
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -337,6 +380,11 @@ def table(results):
                                                                                           settings["steps"]), "",
              "| variant | processes | weights MiB | Adam state MiB | peak RSS MiB (before model) | step s [min, max] | "
              "vs one | collectives / step | MiB / step |", "|---|---|---|---|---|---|---|---|---|"]
+    if settings.get("hosts"):
+        lines[2] += (" The timed job ran on {} network-namespace hosts, {} processes each, every host's link shaped to {}"
+                     " (tc tbf); the memory phase on one host.".format(settings["hosts"],
+                                                                        settings["processes"] // settings["hosts"],
+                                                                        settings["rate"]))
     for variant in variants:
         memory = results["memory"].get(variant)
         if memory:

@@ -79,6 +79,12 @@ class TorchAdapter(Adapter):
                       "default: Dense pairs column then row, attention by heads",
         "model_shards": "strategy='model': processes per model replica, on the 'model' axis (default: all); the "
                         "processes / model_shards replicas split the batch",
+        "pipeline_stages": "pipeline parallelism: the number of stages to cut the model into (balanced by parameter "
+                           "count), or the names of the layers to cut after; one process per stage, the processes / "
+                           "stages replicas split the batch",
+        "microbatches": "pipeline_stages: micro-batches per batch (default: 2 x stages)",
+        "schedule": "pipeline_stages: 'gpipe' (every forward, then every backward; the default) or '1f1b' (fewer "
+                    "activations held)",
     }
 
     def prepare(self, cluster):
@@ -127,7 +133,10 @@ class TorchAdapter(Adapter):
 
     def model_shards(self, model):
         """The processes a model split by ``strategy="model"`` spans (1: not split). Read by describe()."""
-        splits = model.__dict__.get("_distkeras_splits") if hasattr(model, "__dict__") else None
+        state = model.__dict__ if hasattr(model, "__dict__") else {}
+        if state.get("_distkeras_pipeline") is not None:  # pipeline.PLAN: each replica split into stages
+            return state["_distkeras_pipeline"].stages
+        splits = state.get("_distkeras_splits")
         return splits[0].world if splits else 1
 
     def shard_mode(self, model):
@@ -160,7 +169,8 @@ class TorchAdapter(Adapter):
 
     def distribute(self, model, devices, cluster, timeout=DEFAULT_TIMEOUT, backend=None, sync_batchnorm=True,
                    compression=None, overlap=True, bucket_mb=DEFAULT_BUCKET_MB, shard=None, batch_logs="global",
-                   strategy="data", layout_map=None, model_shards=None):
+                   strategy="data", layout_map=None, model_shards=None, pipeline_stages=None, microbatches=None,
+                   schedule="gpipe"):
         import torch
 
         from . import launch as torch_launch
@@ -182,6 +192,7 @@ class TorchAdapter(Adapter):
                     DEFAULT_BUCKET_MB, bucket_mb)
             )
         _check_strategy(strategy, layout_map, model_shards, shard, compression, model, cluster, devices)
+        _check_pipeline(pipeline_stages, microbatches, schedule, strategy, shard, compression, model, cluster, devices)
         if batch_logs not in _BATCH_LOGS:
             raise OptionError("Expected batch_logs in {}. Received: batch_logs={!r}".format(_BATCH_LOGS, batch_logs))
         if len({d.kind for d in devices}) > 1:
@@ -219,6 +230,9 @@ class TorchAdapter(Adapter):
         )
         torch_collectives.use_data_group(None)  # every process (an earlier strategy="model" may have set another)
         torch_trainer.broadcast_new_variables(model, replica)  # all of them, this first time
+        if pipeline_stages is not None:
+            return _pipeline(model, replica, pipeline_stages, microbatches, schedule, sync_batchnorm, bucket_mb,
+                             batch_logs)
         if strategy == "model":
             return _tensor_parallel(model, replica, layout_map, model_shards, sync_batchnorm, bucket_mb, batch_logs)
         torch_trainer.install(model, replica, sync_batchnorm, overlap, bucket_mb, shard, batch_logs)
@@ -235,6 +249,65 @@ class TorchAdapter(Adapter):
         from .. import verifying
 
         verifying.install(model, check, torch_verify.wrap(model, check, model.__dict__[_REPLICA]))
+
+
+def _check_pipeline(stages, microbatches, schedule, strategy, shard, compression, model, cluster, devices):
+    """The pipeline options, checked (and the model cut, to find a bad cut) before any process starts."""
+    from ... import pipeline
+
+    if stages is None:
+        if microbatches is not None or schedule != "gpipe":
+            raise OptionError("microbatches and schedule apply to pipeline_stages only. Received: microbatches={!r}, "
+                              "schedule={!r}".format(microbatches, schedule))
+        return
+    pipeline.check_schedule(schedule)
+    if microbatches is not None:
+        pipeline.check_microbatches(microbatches)
+    for name, value, default in (("strategy", strategy, "data"), ("shard", shard, None),
+                                 ("compression", compression, None)):
+        if value != default:
+            raise OptionError("pipeline_stages runs each stage's layers whole on one process and doesn't combine "
+                              "with {}={!r} in this version. Received: pipeline_stages={!r}, {}={!r}".format(
+                                  name, value, stages, name, value))
+    parts = pipeline.plan(model, stages)
+    processes = cluster.world_size if cluster.is_multi_worker else len(devices)
+    if len(parts) < 2:
+        raise OptionError("pipeline_stages={!r} gives one stage: nothing to pipeline. Give 2 or more.".format(stages))
+    pipeline.check_world(processes, len(parts))
+
+
+def _pipeline(model, replica, stages, microbatches, schedule, sync_batchnorm, bucket_mb, batch_logs):
+    """Cut ``model`` into stages (:mod:`distkeras.pipeline`), one per process, R = processes / stages replicas of
+    the pipeline: process ``r * S + s`` runs stage ``s`` of replica ``r``. A replica's stages form a process group
+    for the activations and gradients; each stage's replicas one for data parallelism (the trainer's hooks on
+    that group, as with tensor parallelism)."""
+    from . import collectives
+    from . import pipeline as torch_pipeline
+    from . import trainer as torch_trainer
+
+    plan = torch_pipeline.make_plan(model, stages, microbatches, schedule, replica.rank, replica.world)
+    steps = torch_pipeline.steps(plan)
+
+    def whole():
+        torch_pipeline.gather(plan)
+
+    def split():
+        pass
+
+    if plan.replicas > 1:
+        collectives.use_data_group(plan.data_group, src=plan.index)
+        replicas = torch_trainer.Replica(plan.replica, plan.replicas, replica.store, replica.timeout,
+                                         replica.launch_failure)
+        replicas.process, replicas.processes = replica.rank, replica.world
+        replicas.known = replica.known
+        torch_trainer.install(model, replicas, sync_batchnorm, False, bucket_mb, None, batch_logs, steps=steps)
+        torch_trainer.install_tensor_parallel(model, replicas, whole, split, data_parallel=True)
+    else:
+        torch_trainer.install_tensor_parallel(model, replica, whole, split)
+        for name, step in steps.items():
+            keras_model.hook(model, name, step)
+    keras_model.hook(model, torch_pipeline.PLAN, plan)
+    return model
 
 
 def _check_strategy(strategy, layout_map, model_shards, shard, compression, model, cluster, devices):

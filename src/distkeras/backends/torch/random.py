@@ -66,11 +66,13 @@ class _Rows(object):
     two rows here, a draw of two dimensions or more, ``k`` up to :data:`MAX_BLOCKS`.
     """
 
-    def __init__(self, rank, world, count, total):
+    def __init__(self, rank, world, count, total, keep=None):
         self.rank, self.world, self.count = rank, world, count
         self.total = max(int(total), 1)
         self.local = count if count else 1  # a stand-in step runs on one sample
         self.keep = slice(rank, None, world) if count else slice(0, 1)
+        if keep is not None:  # a pipeline's micro-batch: rows keep of the global batch
+            self.keep = keep
 
     def blocks(self, shape):
         """How many of this rank's batches the draw's leading dimension stacks (0: not a draw over rows)."""
@@ -199,16 +201,28 @@ def _categorical(module, original, rows):
 
 
 @contextlib.contextmanager
-def global_draws(rank, world, count, total):
+def global_draws(rank, world, count, total, rows=None):
     """While open, Keras' torch random functions draw for this rank's rows of the global batch (see the
     module docstring). ``count``: this rank's rows in the step (0: a stand-in), ``total``: the global
-    batch's. Nested blocks leave the outer one in place."""
-    if getattr(_state, "open", False) or world < 2 or total is None:
+    batch's. Nested blocks leave the outer one in place, except one given ``rows``: a pipeline's micro-batch,
+    rows ``rows`` (a slice) of what the outer block keeps (or of the global batch, with no outer block)."""
+    if rows is not None and getattr(_state, "open", False):
+        outer = _state.rows
+        saved = (outer.keep, outer.local, outer.count)
+        kept = torch.arange(outer.total)[outer.keep][rows]
+        outer.keep, outer.local, outer.count = kept, int(kept.numel()), int(kept.numel())
+        try:
+            yield
+        finally:
+            outer.keep, outer.local, outer.count = saved
+        return
+    if getattr(_state, "open", False) or (world < 2 and rows is None) or total is None:
         yield
         return
     module = _module()
     originals = {name: getattr(module, name) for name in PATCHED}
-    rows = _Rows(rank, world, count, total)
+    rows = _Rows(rank, world, count, total, keep=rows)
+    _state.rows = rows
     patched = {name: _shaped(module, originals[name], rows) for name in SHAPED}
     patched.update({name: _parametrized(module, originals[name], rows, PARAMETRIZED[name]) for name in PARAMETRIZED})
     patched["dropout"] = _dropout(module, originals["dropout"], rows)

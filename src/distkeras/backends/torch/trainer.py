@@ -398,7 +398,7 @@ def _in_step(replica):
         _stepping.replica = outer
 
 
-def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None, batch_logs="global"):
+def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None, batch_logs="global", steps=None):
     """Install the hooks of the module docstring on ``model`` (already on this rank's device).
 
     Hooks an earlier call installed are removed first. Keras' cached step functions are dropped, so a
@@ -409,6 +409,7 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None, batc
     step first shards the weights of layers built since (``Sharding.prepare_weights``) and ends with every
     weight freed again off its owner. ``batch_logs`` (``"global"``, ``"local"``): whether the logs of each
     step are one device's (where something reads them: :func:`_batch_logs_read`) or this rank's own.
+    ``steps``: the train/test/predict steps to wrap instead of the model's own (a pipeline's stage steps).
     """
     uninstall(model)
     replica.batch_logs_mode = batch_logs
@@ -428,10 +429,11 @@ def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None, batc
         keras_model.hook(layer, batchnorm.MOMENTS, _global_moments(layer, replica))
     global_state = frozenset(id(v) for layer in synced for v in layer.non_trainable_variables)
     global_logs = _global_logs(model, getattr(model, _PRIVATE_LOGS), replica)
+    steps = steps or {}
     hooks = {
-        "train_step": _train_step(model, model.train_step, replica, global_state, global_logs),
-        "test_step": _test_step(model, model.test_step, replica, global_logs),
-        "predict_step": _predict_step(model, model.predict_step, replica),
+        "train_step": _train_step(model, steps.get("train_step", model.train_step), replica, global_state, global_logs),
+        "test_step": _test_step(model, steps.get("test_step", model.test_step), replica, global_logs),
+        "predict_step": _predict_step(model, steps.get("predict_step", model.predict_step), replica),
         _PRIVATE_LOGS: global_logs,
         "fit": _entry(model.fit, replica, sync_random=True, sharded=True, logs="train"),
         "evaluate": _entry(model.evaluate, replica, sharded=True, logs="test"),

