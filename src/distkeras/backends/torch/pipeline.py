@@ -141,6 +141,7 @@ class TorchStage(pipeline.Stage):
         self.saved, self.sends, self.outputs = {}, [], {}
         self.loss = torch.zeros((), dtype=torch.float64)
         self.seeds = _seed_states(plan.stage)
+        self.rng_sent = False
 
     # -- compute
 
@@ -207,6 +208,11 @@ class TorchStage(pipeline.Stage):
             header = torch.tensor(list(value.shape), dtype=torch.int64, device=value.device)
             self.sends.append((dist.isend(header, dst=peer, group=self.plan.group, tag=tag), header))
         self.sends.append((dist.isend(value, dst=peer, group=self.plan.group, tag=tag), value))
+        if kind == pipeline.FORWARD and not self.rng_sent:
+            # torch's generator as this stage's first micro-batch left it: where one device's next layer draws from.
+            state = _rng_get().to(value.device)
+            self.sends.append((dist.isend(state, dst=peer, group=self.plan.group, tag=_RNG_TAG), state))
+            self.rng_sent = True
 
     def receive(self, kind, m):
         symbolic = self._symbolic(kind)
@@ -221,6 +227,11 @@ class TorchStage(pipeline.Stage):
             shape = header.tolist()
         buffer = torch.empty(shape, dtype=_torch_dtype(symbolic.dtype), device=device)
         dist.recv(buffer, src=peer, group=self.plan.group, tag=tag)
+        if kind == pipeline.FORWARD and "received" not in self.seeds:
+            state = torch.empty_like(_rng_get()).to(device)
+            dist.recv(state, src=peer, group=self.plan.group, tag=_RNG_TAG)
+            self.seeds["torch"] = state.cpu()
+            self.seeds["received"] = True
         return buffer
 
     def flush(self):
@@ -228,6 +239,24 @@ class TorchStage(pipeline.Stage):
             work.wait()
         self.sends = []
         _advance(self.seeds)
+
+
+#: The tag of torch's generator state, sent once per step with the first activation.
+_RNG_TAG = 1 << 20
+
+
+def _rng_get():
+    """torch's generator that Dropout draws from on this device (the CUDA one on a GPU), as bytes."""
+    if dist.get_backend() == "nccl":
+        return torch.cuda.get_rng_state()
+    return torch.get_rng_state()
+
+
+def _rng_set(state):
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_rng_state(state.cpu())
+    else:
+        torch.set_rng_state(state.cpu())
 
 
 def _static(symbolic):
@@ -252,7 +281,7 @@ def _seed_states(stage):
         state = getattr(generator, "state", None)
         if state is not None and id(state) not in states:
             states[id(state)] = (state, state.value.detach().clone(), None)
-    return {"states": states, "torch": torch.get_rng_state(), "after": None}
+    return {"states": states, "torch": _rng_get(), "after": None}
 
 
 def _restore(seeds):
@@ -260,11 +289,11 @@ def _restore(seeds):
     draws once per layer, as one device does per step) are kept to leave at the end (:func:`_advance`)."""
     if seeds["after"] is None and seeds.get("ran"):
         seeds["after"] = ({key: state.value.detach().clone() for key, (state, _, _) in seeds["states"].items()},
-                          torch.get_rng_state())
+                          _rng_get())
     seeds["ran"] = True
     for state, value, _ in seeds["states"].values():
         state.assign(value)
-    torch.set_rng_state(seeds["torch"])
+    _rng_set(seeds["torch"])
 
 
 def _advance(seeds):
@@ -275,7 +304,7 @@ def _advance(seeds):
     values, rng = seeds["after"]
     for key, (state, _, _) in seeds["states"].items():
         state.assign(values[key])
-    torch.set_rng_state(rng)
+    _rng_set(rng)
 
 
 # ---------------------------------------------------------------------------------------------- the steps
@@ -332,6 +361,11 @@ def _from_last(plan, value):
 def _logs(plan, stage, x, y, sample_weight):
     """The step's loss (every stage's share summed) and the last stage's metrics, alike on every stage."""
     model = plan.model
+    # One device's generator after the step is the last stage's (every stage drew from where the one before
+    # left it): every stage takes it, so the next step (and the next epoch's shuffle) draws alike everywhere.
+    state = _rng_get().to(_device())
+    dist.broadcast(state, src=plan.ranks[-1], group=plan.group)
+    _rng_set(state)
     total = stage.loss.to(device=_device(), dtype=torch.float32)
     dist.all_reduce(total, group=plan.group)
     model._loss_tracker.update_state(total, sample_weight=stage.total)  # Keras' Trainer's loss Mean (a private)
