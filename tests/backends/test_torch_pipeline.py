@@ -65,6 +65,9 @@ def train(name, stages=None, processes=2, save=None, **options):
     if stages is not None:
         plan = model.__dict__["_distkeras_pipeline"]
         result["stage"] = [layer.name for layer in plan.parts[plan.index].layers]
+        # What torch's autograd filled in the last step: the stage's own variables' gradients, no other.
+        result["grads"] = sorted(v.path for v in model.trainable_variables if v.value.grad is not None)
+        result["own"] = sorted(v.path for layer in plan.parts[plan.index].layers for v in layer.trainable_variables)
     if save is not None:
         model.save(save)
     return result
@@ -89,13 +92,72 @@ def test_two_stages_train_as_one_device(name, schedule, microbatches, tmp_path):
     for outcome in outcomes:
         assert_same(one, outcome.result)
         assert outcome.result["describe"]["replicas"] == 1 and outcome.result["describe"]["model_shards"] == 2
+    for outcome in outcomes:
+        assert outcome.result["grads"] == outcome.result["own"] and outcome.result["grads"]
     first, second = (o.result["stage"] for o in outcomes)
     assert first and second and not set(first) & set(second)
     if name == "convnet":
-        assert "c1" in first and "skip" in first  # the skip connection stays inside one stage
+        assert "c2" in first + second and ("c2" in first) == ("skip" in first)  # c2 and the Add on one side
     script = ("import sys, numpy as np, keras; m = keras.saving.load_model(sys.argv[1]); "
               "np.save(sys.argv[2], m.predict(np.load(sys.argv[3]), verbose=0)); assert 'distkeras' not in sys.modules")
     np.save(tmp_path / "x.npy", MODELS[name][1][:7])
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.keras"), str(tmp_path / "p.npy"),
                     str(tmp_path / "x.npy")], check=True, env=dict(os.environ, KERAS_BACKEND="torch"), timeout=120)
     np.testing.assert_allclose(np.load(tmp_path / "p.npy"), one["predict"], rtol=1e-4, atol=2e-5)
+
+
+def test_four_stages_and_two_stages_times_two_replicas_train_as_one_device():
+    """4 processes on 2 simulated hosts of 2 (distribute(model, 2) on each): the MLP cut after each Dense (4 stages), then 2 stages x 2 replicas
+    (processes 0-1 and 2-3 each a pipeline, each half of the global batch; groups 0,2 and 1,3 all-reduce)."""
+    one = train("mlp-dropout")
+    outcomes = job(4, local_size=2).run(train, "mlp-dropout", ["d1", "d2", "d3"], 2, microbatches=2, schedule="1f1b")
+    assert [o.result["stage"] for o in outcomes] == [["d1"], ["d2"], ["drop", "d3"], ["d4"]]
+    for outcome in outcomes:
+        assert_same(one, outcome.result)
+        assert outcome.result["describe"]["replicas"] == 1 and outcome.result["describe"]["model_shards"] == 4
+    one = train("mlp")
+    outcomes = job(4, local_size=2).run(train, "mlp", 2, 2, microbatches=2)
+    for outcome in outcomes:
+        assert_same(one, outcome.result)
+        assert outcome.result["describe"]["replicas"] == 2 and outcome.result["describe"]["model_shards"] == 2
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = keras.layers.Dense(4), keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+def refusal(build, devices=2, **options):
+    model = build()
+    try:
+        distkeras.distribute(model, devices, **options)
+    except OptionError as exc:
+        return str(exc)
+    return None
+
+
+def test_what_cannot_be_cut_is_a_clear_error_before_any_process_starts():
+    said = refusal(convnet, pipeline_stages=["c2"])
+    assert "can't be cut after 'c2'" in said and "skip connection" in said and "'skip'" in said
+    assert "It can be cut after 'c1', 'skip', 'pool', 'flat', 'fc'." in said  # not inside the skip
+    said = refusal(lambda: mlp(), pipeline_stages=9)
+    assert "into at most 4 stages" in said and "'d1', 'd2', 'd3'" in said
+    said = refusal(lambda: mlp(), pipeline_stages=["nope"])
+    assert "doesn't have" in said and "'d1'" in said
+    model = Subclassed()
+    model.build((None, 3))
+    model.compile("sgd", "mse")
+    said = refusal(lambda: model, pipeline_stages=2)
+    assert "subclassed" in said and "Functional or Sequential" in said
+    said = refusal(lambda: mlp(), devices=3, pipeline_stages=2)
+    assert "doesn't divide the job's 3 processes" in said
+    said = refusal(lambda: mlp(), pipeline_stages=2, schedule="zigzag")
+    assert "Expected schedule in ('gpipe', '1f1b')" in said
+    said = refusal(lambda: mlp(), pipeline_stages=2, shard="all")
+    assert "doesn't combine with shard='all'" in said
+    said = refusal(lambda: mlp(), microbatches=2)
+    assert "apply to pipeline_stages only" in said
