@@ -68,6 +68,10 @@ def train(name, stages=None, processes=2, save=None, **options):
         # What torch's autograd filled in the last step: the stage's own variables' gradients, no other.
         result["grads"] = sorted(v.path for v in model.trainable_variables if v.value.grad is not None)
         result["own"] = sorted(v.path for layer in plan.parts[plan.index].layers for v in layer.trainable_variables)
+        # The storage torch holds (Keras' private _value): this stage's weights and Adam/momentum slots only.
+        result["held"] = sorted(v.path for v in model.trainable_variables if v._value.numel())
+        result["slots"] = sum(v._value.numel() for v in model.optimizer.variables if len(v.shape))
+        result["all_slots"] = sum(int(np.prod(v.shape)) for v in model.optimizer.variables if len(v.shape))
     if save is not None:
         model.save(save)
     return result
@@ -93,7 +97,8 @@ def test_two_stages_train_as_one_device(name, schedule, microbatches, tmp_path):
         assert_same(one, outcome.result)
         assert outcome.result["describe"]["replicas"] == 1 and outcome.result["describe"]["model_shards"] == 2
     for outcome in outcomes:
-        assert outcome.result["grads"] == outcome.result["own"] and outcome.result["grads"]
+        assert outcome.result["grads"] == outcome.result["own"] == outcome.result["held"] and outcome.result["grads"]
+    assert sum(o.result["slots"] for o in outcomes) == outcomes[0].result["all_slots"]  # split, not copied
     first, second = (o.result["stage"] for o in outcomes)
     assert first and second and not set(first) & set(second)
     if name == "convnet":
@@ -126,6 +131,10 @@ class Subclassed(keras.Model):
     def __init__(self):
         super().__init__()
         self.a, self.b = keras.layers.Dense(4), keras.layers.Dense(1)
+
+    def build(self, input_shape):
+        self.a.build(input_shape)
+        self.b.build((None, 4))
 
     def call(self, x):
         return self.b(self.a(x))

@@ -32,6 +32,7 @@ import ipaddress
 import os
 import socket
 import sys
+import weakref
 from typing import List
 
 from ... import exchange, network
@@ -243,7 +244,7 @@ class TorchAdapter(Adapter):
     def verify(self, model, check):
         """The one-device check (:mod:`.verify`): every rank runs the one-device step on the gathered global batch."""
         if self.model_shards(model) > 1 or _REPLICA not in model.__dict__:
-            check.skip("a model split by strategy='model' is whole on no one process")
+            check.skip("a model split over processes (strategy='model', pipeline_stages) is whole on no one process")
             return
         from . import verify as torch_verify
         from .. import verifying
@@ -287,12 +288,19 @@ def _pipeline(model, replica, stages, microbatches, schedule, sync_batchnorm, bu
 
     plan = torch_pipeline.make_plan(model, stages, microbatches, schedule, replica.rank, replica.world)
     steps = torch_pipeline.steps(plan)
+    optimizer = model.optimizer
+    if optimizer is not None and not optimizer.built:  # every variable's slots: a save holds the whole state
+        optimizer.build(model.trainable_variables)
+    # Alike on every process already (fresh slots): never broadcast as "new" (the other stages' are freed below).
+    replica.known.update((id(v), weakref.ref(v)) for v in keras_model.state_variables(model))
 
     def whole():
         torch_pipeline.gather(plan)
 
     def split():
-        pass
+        torch_pipeline.release(plan)
+
+    split()  # each process keeps its own stage's weights and optimizer state only
 
     if plan.replicas > 1:
         collectives.use_data_group(plan.data_group, src=plan.index)

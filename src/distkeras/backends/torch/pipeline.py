@@ -321,8 +321,9 @@ def steps(plan):
         stage = TorchStage(plan, x, y, sample_weight, training=True)
         pipeline.run(pipeline.schedule(plan.schedule, plan.stages, plan.index, len(stage.sizes)), stage)
         optimizer = model.optimizer
-        if not optimizer.built:
-            optimizer.build(model.trainable_variables)  # every variable: a save holds the whole optimizer state
+        if not optimizer.built:  # compile() after distribute(): as distribute() does
+            optimizer.build(model.trainable_variables)
+            release(plan)
         with torch.no_grad():
             optimizer.apply([v.value.grad for v in plan.trainable], plan.trainable)
         return _logs(plan, stage, x, y, sample_weight)
@@ -402,13 +403,31 @@ def _slots(model, variables):
     return found
 
 
+def release(plan):
+    """Free the storage of the variables (and optimizer slots) of the other stages: this process holds its own
+    stage's state only. Their Keras shapes stay; :func:`gather` gives them values again for a save."""
+    for index, owned in enumerate(plan.owned):
+        if index == plan.index:
+            continue
+        for variable in owned + _slots(plan.model, owned):
+            storage = variable._value  # Keras' torch Variable keeps its tensor here (a private; as tensor.py)
+            if storage.numel():
+                storage.data = torch.empty(0, dtype=storage.dtype, device=storage.device)
+
+
 def gather(plan):
     """Every stage's variables and optimizer slots, from its owner to every process of the replica
-    (collective): the whole current model on each, for a save, ``get_weights`` or a load."""
+    (collective): the whole current model on each, for a save, ``get_weights`` or a load; :func:`release`
+    frees the other stages' again after."""
     for index, owned in enumerate(plan.owned):
         variables = owned + _slots(plan.model, owned)
         if not variables:
             continue
+        if index != plan.index:
+            for variable in variables:
+                storage = variable._value
+                if storage.numel() == 0 and len(variable.shape) and 0 not in tuple(variable.shape):
+                    storage.data = torch.empty(tuple(variable.shape), dtype=storage.dtype, device=storage.device)
         by_dtype = {}
         for variable in variables:
             by_dtype.setdefault(variable.value.dtype, []).append(variable)
