@@ -14,6 +14,7 @@ import pytest
 from tests.backends.harness import BACKEND, job, keras
 
 import distkeras
+import distkeras.callbacks
 from distkeras.errors import OptionError
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="pipeline stages by process groups: PyTorch's adapter")
@@ -53,12 +54,21 @@ def convnet():
 MODELS = {"mlp": (mlp, X, Y), "mlp-dropout": (lambda: mlp(0.3), X, Y), "convnet": (convnet, X_IMG, Y_IMG)}
 
 
-def train(name, stages=None, processes=2, save=None, **options):
+def train(name, stages=None, processes=2, save=None, epochs=2, shuffle=True, backup=None, stop_at=None, **options):
     build, x, y = MODELS[name]
     model = build()
     if stages is not None:
         model = distkeras.distribute(model, processes, pipeline_stages=stages, **options)
-    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=True).history
+    callbacks = []
+    if backup is not None:
+        callbacks.append(distkeras.callbacks.BackupAndRestore(backup, delete_checkpoint=False))
+    if stop_at is not None:
+        callbacks.append(keras.callbacks.LambdaCallback(
+            on_epoch_begin=lambda epoch, logs: (_ for _ in ()).throw(KeyboardInterrupt) if epoch == stop_at else None))
+    try:
+        history = model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, shuffle=shuffle, callbacks=callbacks).history
+    except KeyboardInterrupt:
+        return None
     result = {"weights": model.get_weights(), "history": history, "evaluate": model.evaluate(x, y, verbose=0),
               "predict": model.predict(x[:7], verbose=0),
               "describe": distkeras.describe(model) if stages is not None else None}
@@ -125,6 +135,18 @@ def test_four_stages_and_two_stages_times_two_replicas_train_as_one_device():
     for outcome in outcomes:
         assert_same(one, outcome.result)
         assert outcome.result["describe"]["replicas"] == 2 and outcome.result["describe"]["model_shards"] == 2
+
+
+def test_backup_and_restore_resumes_a_pipelined_model_to_the_uninterrupted_run(tmp_path):
+    # Unshuffled: an epoch-end checkpoint keeps no random state (Keras' BackupAndRestore neither).
+    one = train("mlp", epochs=3, shuffle=False)
+    backup = str(tmp_path / "backup")
+    assert job(2).run(train, "mlp", 2, epochs=3, shuffle=False, backup=backup, stop_at=2)[0].result is None
+    resumed = job(2).run(train, "mlp", 2, epochs=3, shuffle=False, backup=backup)
+    for outcome in resumed:
+        for a, b in zip(one["weights"], outcome.result["weights"]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+        assert len(outcome.result["history"]["loss"]) == 1  # only the epoch left ran
 
 
 class Subclassed(keras.Model):
