@@ -44,6 +44,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ("one", "data", "shard", "model")
+#: Pipeline variants: "pipe<M>", pipeline_stages = --processes with M micro-batches (--schedule), e.g. pipe4.
+PIPE = "pipe"
 LABELS = {"one": "one process, no distribute()", "data": 'strategy="data"',
           "shard": 'strategy="data", shard="all"', "model": 'strategy="model"'}
 _RESULT = "TENSOR-RESULT "
@@ -62,7 +64,10 @@ def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=4, help="steps per timed window; the first is not timed (default 4)")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant (default 5)")
     parser.add_argument("--memory-steps", type=int, default=3, help="steps of the memory phase (default 3; 0: skip)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="of one,data,shard,model (default all four)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="of one,data,shard,model,pipe<M> (default the first four; pipe4: pipeline_stages = "
+                             "--processes, 4 micro-batches)")
+    parser.add_argument("--schedule", default="gpipe", help="the pipe variants' schedule: gpipe or 1f1b (default gpipe)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one set of processes may take")
     parser.add_argument("--hosts", type=int, default=0,
                         help="run the timed job on this many network-namespace hosts (root, iproute2; --processes "
@@ -99,9 +104,25 @@ def data(args, steps):
         "int32")
 
 
-def distribute(distkeras, model, variant):
+def _microbatches(variant):
+    """M of a pipe<M> variant, else 0."""
+    count = variant[len(PIPE):]
+    return int(count) if variant.startswith(PIPE) and count.isdigit() and int(count) > 0 else 0
+
+
+def _label(variant, settings):
+    if _microbatches(variant):
+        return 'pipeline_stages={}, microbatches={} ({})'.format(settings["processes"], _microbatches(variant),
+                                                                 settings.get("schedule", "gpipe"))
+    return LABELS[variant]
+
+
+def distribute(distkeras, model, variant, args=None):
     if variant == "one":
         return model
+    if _microbatches(variant):
+        return distkeras.distribute(model, pipeline_stages=args.processes, microbatches=_microbatches(variant),
+                                    schedule=args.schedule)
     options = {"data": {}, "shard": {"shard": "all"}, "model": {"strategy": "model"}}[variant]
     return distkeras.distribute(model, **options)
 
@@ -134,7 +155,7 @@ def memory_worker(args):
 
     before = memory.vm_rss_bytes()
     keras.utils.set_random_seed(0)
-    model = distribute(distkeras, build(keras, args), args.variant)
+    model = distribute(distkeras, build(keras, args), args.variant, args)
     x, y = data(args, args.memory_steps)
     model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0)
     figures = {"variant": args.variant, "rank": rank, "weights_bytes": state_bytes(model.weights), "optimizer_bytes": state_bytes(model.optimizer.variables),
@@ -191,7 +212,7 @@ def job(args):
             continue
         model = build(keras, args)
         model.set_weights(weights)
-        models[variant] = distribute(distkeras, model, variant)
+        models[variant] = distribute(distkeras, model, variant, args)
     del first
     distributed_threads = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0))
@@ -259,7 +280,7 @@ def job(args):
 def _forwarded(args):
     out = []
     for name in ("model", "heads", "feed_forward", "blocks", "vocabulary", "sequence", "batch", "steps", "windows",
-                 "memory_steps", "variants"):
+                 "memory_steps", "variants", "schedule"):
         out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return out
 
@@ -323,7 +344,7 @@ def measure(args):
     if args.steps < 2:
         raise SystemExit("--steps must be 2 or more: a window is timed from the end of its first step")
     variants = [v for v in args.variants.split(",") if v]
-    if not set(variants) <= set(VARIANTS):
+    if not all(v in VARIANTS or _microbatches(v) for v in variants):
         raise SystemExit("expected variants of {}. Received: --variants {}".format(VARIANTS, args.variants))
     results = {"command": args.command_line, "machine": dict(machine.describe(ROOT), load_average=machine.load_average()), "settings": vars(args).copy(),
                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "memory": {}}
@@ -405,7 +426,7 @@ def table(results):
         size = sum(b for _, b in traffic.values())
         detail = ", ".join("{:g} {}".format(round(c, 1), n) for n, (c, _) in sorted(traffic.items()))
         lines.append("| {} | {} | {} | {} | {} | {:.3f} [{:.3f}, {:.3f}] | {} | {:g}{} | {:.1f} |".format(
-            LABELS[variant], 1 if variant == "one" else settings["processes"], _mib(weights), _mib(optimizer), peak,
+            _label(variant, settings), 1 if variant == "one" else settings["processes"], _mib(weights), _mib(optimizer), peak,
             statistics.median(step), min(step), max(step), ratio, round(calls, 1),
             " ({})".format(detail) if detail else "", size / 2.0 ** 20))
     expected = 4 * settings["model"] * tokens * 6 * settings["blocks"] / 2.0 ** 20

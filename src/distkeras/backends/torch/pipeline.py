@@ -78,7 +78,7 @@ def _model_inputs(model):
 def _variables(layers):
     seen, out = set(), []
     for layer in layers:
-        for variable in layer.variables:
+        for variable in getattr(layer, "variables", ()):  # an operation (x + y) has none
             if id(variable) not in seen:
                 seen.add(id(variable))
                 out.append(variable)
