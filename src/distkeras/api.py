@@ -333,7 +333,8 @@ def distribute(model, devices=None, **options):
         "%s backend, %d replica(s)%s on %s%s; fit()'s batch_size is the global batch, split evenly",
         adapter.name,
         info["replicas"],
-        " x {} model shard(s)".format(info["model_shards"]) if info["model_shards"] > 1 else "",
+        " x {} {}(s)".format(info["model_shards"], "pipeline stage" if options.get("pipeline_stages") is not None
+                             else "model shard") if info["model_shards"] > 1 else "",
         ", ".join(info["devices"]),
         " in {} worker processes".format(info["workers"]) if info["workers"] > 1 else "",
     )
@@ -362,7 +363,7 @@ def describe(model: object) -> Dict[str, object]:
         A dict with ``backend``; ``devices`` (strings: the devices given to this process, on PyTorch this
         host's, one process each); ``replicas``: the model's copies training, over all processes (the devices
         training, divided by ``model_shards``: with ``strategy="model"`` the size of the mesh's "batch" axis);
-        ``model_shards``: the devices each copy is split over (1 unless ``strategy="model"``); ``rank``;
+        ``model_shards``: the devices each copy is split over (1 unless ``strategy="model"`` or ``pipeline_stages``: then its shards or stages); ``rank``;
         ``workers``: the number of worker processes in the job, on every backend; ``distributed``
         (False for a model distkeras left unchanged or never saw); and ``shard``: the sharded training state
         it trains with (``"optimizer"``, ``"gradients"``, ``"all"``; None: unsharded).
