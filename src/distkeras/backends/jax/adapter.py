@@ -78,6 +78,9 @@ _ours = weakref.WeakKeyDictionary()
 _SHARD_MODE = "_distkeras_shard_mode"
 #: The model's instance attribute that holds its "model" mesh axis size (for :meth:`JaxAdapter.model_shards`).
 _MODEL_SHARDS = "_distkeras_model_shards"
+#: The model's instance attribute that holds its pipeline plan (``backends.jax.pipeline.PLAN``, read by name here:
+#: that module imports JAX).
+_PIPELINE = "_distkeras_pipeline"
 
 
 class JaxAdapter(Adapter):
@@ -94,6 +97,11 @@ class JaxAdapter(Adapter):
         "default: the last axis of every kernel and embedding table that the 'model' axis divides",
         "model_shards": "strategy='model': devices on the 'model' mesh axis (default: all); the rest form 'batch'",
         "compression": COMPRESSION_HELP + "; strategy='data' only",
+        "pipeline_stages": "pipeline parallelism in this process: the number of stages to cut the model into (balanced "
+        "by parameter count), or the names of the layers to cut after; one device per stage",
+        "microbatches": "pipeline_stages: micro-batches per batch (default: 2 x stages)",
+        "schedule": "pipeline_stages: 'gpipe' (every forward, then every backward; the default) or '1f1b' (fewer "
+        "activations held)",
         "compression_fallback": "with compression: True (default) times the 16-bit step against the uncompressed "
         "one over the first steps of training and keeps the faster (a warning when that is the uncompressed one); "
         "False: always 16-bit",
@@ -150,8 +158,12 @@ class JaxAdapter(Adapter):
         return model.__dict__.get(_SHARD_MODE) if hasattr(model, "__dict__") else None
 
     def model_shards(self, model):
-        """The size of the mesh's "model" axis ``model`` trains on (1: not split, every device a replica)."""
-        return model.__dict__.get(_MODEL_SHARDS, 1) if hasattr(model, "__dict__") else 1
+        """The size of the mesh's "model" axis ``model`` trains on, or its pipeline stages (1: not split, every
+        device a replica)."""
+        if not hasattr(model, "__dict__"):
+            return 1
+        plan = model.__dict__.get(_PIPELINE)
+        return plan.stages if plan is not None else model.__dict__.get(_MODEL_SHARDS, 1)
 
     def check_alone(self):
         """jax.distributed joined by someone else (Ray's JaxTrainer on GPUs and TPUs) to several processes."""
@@ -193,13 +205,17 @@ class JaxAdapter(Adapter):
         if self.shard_mode(model) is not None:
             check.skip("a sharded model (shard=...) is whole on no one device")
             return
+        if _PIPELINE in model.__dict__:
+            check.skip("a model cut into pipeline stages is whole on no one device")
+            return
         from . import verify as jax_verify
         from .. import verifying
 
         verifying.install(model, check, jax_verify.wrap(model, check))
 
     def distribute(self, model, devices, cluster, strategy="data", layout_map=None, model_shards=None,
-                   compression=None, shard=None, compression_fallback=True):
+                   compression=None, shard=None, compression_fallback=True, pipeline_stages=None, microbatches=None,
+                   schedule="gpipe"):
         """Lay ``model`` out under a Keras distribution over exactly ``devices``, in place.
 
         Args:
@@ -223,6 +239,12 @@ class JaxAdapter(Adapter):
                 first 12 steps of training it is timed against the uncompressed step, interleaved, and the faster
                 is kept for good, the same on every process (rank 0 warns when that is the uncompressed one); see
                 :class:`distkeras.backends.jax.steps._Trial`. False: the 16-bit step always (reproducible runs).
+            pipeline_stages: pipeline parallelism in this process (:mod:`distkeras.backends.jax.pipeline`): the
+                number of stages (balanced by parameter count) or the names of the layers to cut after; stage ``s``
+                on ``devices[s]``, so as many devices as stages. Not with ``strategy="model"``, ``shard``,
+                ``compression`` or several processes in this version.
+            microbatches: ``pipeline_stages``: micro-batches per batch (default: 2 x stages).
+            schedule: ``pipeline_stages``: ``"gpipe"`` (the default) or ``"1f1b"``.
 
         Returns:
             ``model`` itself, its variables on the mesh.
@@ -243,6 +265,10 @@ class JaxAdapter(Adapter):
         from . import uneven as jax_uneven
 
         compression = check_compression(compression)
+        if pipeline_stages is not None or microbatches is not None or schedule != "gpipe":
+            return _pipeline(model, devices, cluster, pipeline_stages, microbatches, schedule, dict(
+                strategy=(strategy, "data"), layout_map=(layout_map, None), model_shards=(model_shards, None),
+                compression=(compression, None), shard=(shard, None)))
         if compression_fallback not in (True, False):
             raise OptionError("Expected compression_fallback to be True or False. Received: compression_fallback="
                               "{!r}".format(compression_fallback))
@@ -332,6 +358,51 @@ class JaxAdapter(Adapter):
                     devices[0].kind, [str(d) for d in devices], len(local_devices), len(mine))
             )
         return [d for d in jax.devices() if d.platform == local_devices[0].platform]
+
+
+def _pipeline(model, devices, cluster, stages, microbatches, schedule, others):
+    """Cut ``model`` into pipeline stages over ``devices`` of this process (:mod:`.pipeline`), every option checked
+    first: one device per stage, one process, no other way of splitting."""
+    from ... import pipeline
+    from . import pipeline as jax_pipeline
+    from . import shard as jax_shard
+    from . import steps as jax_steps
+
+    if stages is None:
+        raise OptionError("microbatches and schedule apply to pipeline_stages only. Received: microbatches={!r}, "
+                          "schedule={!r}".format(microbatches, schedule))
+    pipeline.check_schedule(schedule)
+    if microbatches is not None:
+        pipeline.check_microbatches(microbatches)
+    for name, (value, default) in others.items():
+        if value != default:
+            raise OptionError("pipeline_stages runs each stage's layers whole on one device and doesn't combine with "
+                              "{}={!r} in this version. Received: pipeline_stages={!r}, {}={!r}".format(
+                                  name, value, stages, name, value))
+    if cluster.is_multi_worker:
+        raise OptionError("pipeline_stages on JAX runs its stages on the devices of one process in this version; this "
+                          "process is worker {} of {}. Run one process with a device per stage.".format(
+                              cluster.rank, cluster.world_size))
+    parts = pipeline.plan(model, stages)
+    if len(parts) < 2:
+        raise OptionError("pipeline_stages={!r} gives one stage: nothing to pipeline. Give 2 or more.".format(stages))
+    if len(parts) != len(devices):
+        raise OptionError(
+            "pipeline_stages on JAX puts one stage on each device: {} stages need {} devices. Received: {} device(s) "
+            "({}). Replicas of a pipeline (stages x replicas devices) are not supported on JAX in this version.".format(
+                len(parts), len(parts), len(devices), ", ".join(str(d) for d in devices)))
+    if getattr(model, "_compile_loss", None) is None and getattr(model, "optimizer", None) is None:
+        raise OptionError("pipeline stages train a compiled model: compile({!r}) with a loss first".format(model.name))
+    jax_pipeline.check_optimizer(model)
+    by_device = dict(_local_devices())
+    keras_model.unhook(model)  # an earlier distribute()'s hooks
+    jax_shard.unhook_optimizers(model)
+    jax_steps.uninstall(model)
+    plan = jax_pipeline.Plan(model, parts, [by_device[d] for d in devices],
+                             2 * len(parts) if microbatches is None else microbatches, schedule)
+    jax_pipeline.install(model, plan)
+    policies.rank0_speaks_and_writes(model, cluster.rank)
+    return model
 
 
 def _same_random_state_every_epoch(model):

@@ -1,0 +1,52 @@
+"""The models and the comparison of the pipeline tests (tests/backends/test_*_pipeline.py), backend-neutral: a
+Sequential MLP (a regularizer, optionally Dropout) and a functional convnet with a skip connection, their data, and
+what "trains as one device" means (weights rtol 1e-4 atol 2e-5, History, evaluate, predict). Import it after the
+backend's devices are set up (it imports Keras)."""
+
+import keras
+import numpy as np
+
+RNG = np.random.default_rng(0)
+X, Y = RNG.normal(size=(30, 6)).astype("float32"), RNG.normal(size=(30, 2)).astype("float32")
+X_IMG, Y_IMG = RNG.normal(size=(20, 8, 8, 1)).astype("float32"), RNG.integers(0, 3, size=(20,)).astype("int32")
+
+
+def mlp(dropout=0.0, optimizer=None):
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((6,)), keras.layers.Dense(8, activation="relu", name="d1"),
+              keras.layers.Dense(8, activation="tanh", name="d2", kernel_regularizer=keras.regularizers.L2(1e-2))]
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout, name="drop"))
+    layers += [keras.layers.Dense(6, activation="relu", name="d3"), keras.layers.Dense(2, name="d4")]
+    model = keras.Sequential(layers, name="mlp")
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def convnet():
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((8, 8, 1))
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="c1")(inputs)
+    y = keras.layers.Conv2D(4, 3, padding="same", name="c2")(x)
+    x = keras.layers.Add(name="skip")([x, y])  # a skip connection: no cut between c1 and skip
+    x = keras.layers.MaxPooling2D(name="pool")(x)
+    x = keras.layers.Flatten(name="flat")(x)
+    x = keras.layers.Dense(8, activation="relu", name="fc")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="logits")(x), name="convnet")
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+MODELS = {"mlp": (mlp, X, Y), "mlp-dropout": (lambda: mlp(0.3), X, Y), "convnet": (convnet, X_IMG, Y_IMG)}
+
+
+def assert_same(one, other, atol=2e-5):
+    assert len(one["weights"]) == len(other["weights"])
+    for a, b in zip(one["weights"], other["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
+    assert sorted(one["history"]) == sorted(other["history"])
+    for key in one["history"]:
+        np.testing.assert_allclose(one["history"][key], other["history"][key], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one["evaluate"], other["evaluate"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one["predict"], other["predict"], rtol=1e-4, atol=atol)

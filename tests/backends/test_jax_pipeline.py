@@ -1,0 +1,110 @@
+"""Pipeline parallelism on JAX (pipeline_stages=), in one process over several CPU devices: a Sequential MLP (with a
+regularizer, and with Dropout) and a functional convnet with a skip connection inside a stage, cut into 2 stages
+(GPipe and 1F1B, uneven micro-batches: batch 8 in 3, and the epoch's last batch smaller) and the MLP into 4 stages,
+train what one device trains at the same global batch (weights, History, evaluate, predict); JAX holds each stage's
+variables and optimizer slots on its device; the saved model loads in plain Keras; what can't be done is a clear
+error before anything runs."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.backends.harness import BACKEND, keras
+
+import distkeras
+from distkeras.errors import OptionError
+
+pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="pipeline stages over one process' devices: JAX's adapter")
+
+if BACKEND == "jax":
+    from tests.backends.jax_pipeline_job import train
+    from tests.backends.pipeline_models import MODELS, assert_same, convnet, mlp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ONE = {}
+
+
+def one_device(name):
+    if name not in _ONE:
+        _ONE[name] = train(name)
+    return _ONE[name]
+
+
+@pytest.mark.parametrize("name, schedule, stages", [("mlp", "gpipe", 2), ("mlp-dropout", "1f1b", 2),
+                                                    ("convnet", "1f1b", 2), ("convnet", "gpipe", ["skip"])])
+def test_two_stages_train_as_one_device(name, schedule, stages, tmp_path):
+    one = one_device(name)
+    save = str(tmp_path / "model.keras") if name == "convnet" else None
+    two = train(name, stages, microbatches=3, schedule=schedule, save=save)
+    assert_same(one, two)
+    assert two["placed"] == two["expected"] and two["placed"]  # read from JAX: array.devices()
+    assert {tuple(devices) for _, devices in two["placed"]} == {(0,), (1,)}  # both stages hold something
+    assert two["describe"]["replicas"] == 1 and two["describe"]["model_shards"] == 2
+    first, second = two["stages"]
+    assert first and second and not set(first) & set(second)
+    if name == "convnet":
+        assert ("c2" in first) == ("skip" in first)  # c2 and the Add on one side
+    if save is not None:  # the plain model, which loads without distkeras and predicts the same
+        script = ("import sys, numpy as np, keras; m = keras.saving.load_model(sys.argv[1]); "
+                  "np.save(sys.argv[2], m.predict(np.load(sys.argv[3]), verbose=0)); "
+                  "assert 'distkeras' not in sys.modules")
+        np.save(tmp_path / "x.npy", MODELS[name][1][:7])
+        subprocess.run([sys.executable, "-c", script, save, str(tmp_path / "p.npy"), str(tmp_path / "x.npy")],
+                       check=True, env=dict(os.environ, KERAS_BACKEND="jax"), timeout=120)
+        np.testing.assert_allclose(np.load(tmp_path / "p.npy"), one["predict"], rtol=1e-4, atol=2e-5)
+
+
+def test_four_stages_on_four_devices_train_as_one_device():
+    """In a process of its own: the suite's processes have 3 CPU devices."""
+    done = subprocess.run([sys.executable, "-m", "tests.backends.jax_pipeline_job"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, KERAS_BACKEND="jax"))
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = keras.layers.Dense(4), keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+def refusal(build, devices=2, **options):
+    model = build()
+    try:
+        distkeras.distribute(model, ["cpu:{}".format(i) for i in range(devices)], **options)
+    except OptionError as exc:
+        return str(exc)
+    return None
+
+
+def test_what_cannot_be_done_is_a_clear_error_before_anything_runs():
+    said = refusal(convnet, pipeline_stages=["c2"])
+    assert "can't be cut after 'c2'" in said and "skip connection" in said and "'skip'" in said
+    said = refusal(mlp, pipeline_stages=9)
+    assert "into at most 4 stages" in said and "'d1', 'd2', 'd3'" in said
+    said = refusal(mlp, pipeline_stages=["nope"])
+    assert "doesn't have" in said and "'d1'" in said
+    model = Subclassed()
+    model.build((None, 3))
+    model.compile("sgd", "mse")
+    said = refusal(lambda: model, pipeline_stages=2)
+    assert "subclassed" in said and "Functional or Sequential" in said
+    said = refusal(mlp, devices=3, pipeline_stages=2)
+    assert "2 stages need 2 devices" in said and "Received: 3 device(s)" in said and "not supported" in said
+    said = refusal(mlp, pipeline_stages=2, schedule="zigzag")
+    assert "Expected schedule in ('gpipe', '1f1b')" in said
+    said = refusal(mlp, pipeline_stages=2, microbatches=0)
+    assert "microbatches as a positive integer" in said
+    said = refusal(mlp, pipeline_stages=2, shard="all")
+    assert "doesn't combine with shard='all'" in said
+    said = refusal(mlp, pipeline_stages=2, strategy="model")
+    assert "doesn't combine with strategy='model'" in said
+    said = refusal(mlp, microbatches=2)
+    assert "apply to pipeline_stages only" in said
+    said = refusal(lambda: mlp(optimizer=keras.optimizers.Adam(global_clipnorm=1.0)), pipeline_stages=2)
+    assert "global_clipnorm=1.0" in said and "stage by stage" in said
