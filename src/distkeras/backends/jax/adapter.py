@@ -391,8 +391,6 @@ def _pipeline(model, devices, cluster, stages, microbatches, schedule, others):
             "pipeline_stages on JAX puts one stage on each device: {} stages need {} devices. Received: {} device(s) "
             "({}). Replicas of a pipeline (stages x replicas devices) are not supported on JAX in this version.".format(
                 len(parts), len(parts), len(devices), ", ".join(str(d) for d in devices)))
-    if getattr(model, "_compile_loss", None) is None and getattr(model, "optimizer", None) is None:
-        raise OptionError("pipeline stages train a compiled model: compile({!r}) with a loss first".format(model.name))
     jax_pipeline.check_optimizer(model)
     by_device = dict(_local_devices())
     keras_model.unhook(model)  # an earlier distribute()'s hooks

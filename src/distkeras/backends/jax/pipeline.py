@@ -68,7 +68,8 @@ class Plan(object):
                       for m in self.models]
         self.stage_of_trainable = {i: s for s, ids in enumerate(self.trainable) for i in ids}
         self.stage_of_non_trainable = {i: s for s, ids in enumerate(self.non_trainable) for i in ids}
-        self.functions = {}
+        self.functions = {}  # the jitted stage functions, by kind and stage (see steps())
+        self.compiled = None  # the optimizer, compiled loss and metrics they were traced with
 
     @property
     def last(self):
@@ -142,7 +143,7 @@ class Layout(object):
         self.trainable = [devices[plan.stage_of_trainable.get(i, 0)] for i in range(len(model.trainable_variables))]
         self.non_trainable = [devices[plan.stage_of_non_trainable.get(i, 0)]
                               for i in range(len(model.non_trainable_variables))]
-        optimizer = model.optimizer
+        optimizer = getattr(model, "optimizer", None)  # None until compile()
         self.slots = {}  # stage -> [(index in optimizer.variables, index in model.trainable_variables)]
         self.shared = []  # indices of the optimizer's variables made from no model variable (iterations, ...)
         self.optimizer = []
@@ -521,6 +522,11 @@ def steps(plan):
                 return current
             if name == "make_train_function":
                 check_optimizer(model)
+            compiled = (getattr(model, "optimizer", None), getattr(model, "_compile_loss", None),
+                        getattr(model, "_compile_metrics", None))
+            if plan.compiled is None or any(a is not b for a, b in zip(plan.compiled, compiled)):
+                plan.functions.clear()  # traced with an earlier compile()'s loss and optimizer
+                plan.compiled = compiled
             plan.layout = place(plan)  # the optimizer and metrics Keras built since
             # Keras' JAX trainer's loop over steps_per_execution batches (a private), around our Python step.
             function = model._make_function(step, concatenate_outputs=concatenate)
@@ -541,8 +547,3 @@ def install(model, plan):
         keras_model.hook(model, name, make)
     keras_model.hook(model, PLAN, plan)
     model.train_function = model.test_function = model.predict_function = None
-
-
-def describe(model):
-    """The plan of a model cut by :func:`install`, or None."""
-    return model.__dict__.get(PLAN) if hasattr(model, "__dict__") else None
