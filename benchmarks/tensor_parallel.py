@@ -280,7 +280,7 @@ def job(args):
 def _forwarded(args):
     out = []
     for name in ("model", "heads", "feed_forward", "blocks", "vocabulary", "sequence", "batch", "steps", "windows",
-                 "memory_steps", "variants", "schedule"):
+                 "memory_steps", "variants", "schedule", "processes"):
         out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return out
 
