@@ -64,6 +64,29 @@ def test_four_stages_on_four_devices_train_as_one_device():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def test_compile_after_distribute_and_batchnorm_per_micro_batch():
+    """compile() after distribute() (the optimizer's slots made then go to their stages' devices) trains as one
+    device; BatchNormalization runs on each micro-batch's statistics, its moving statistics on its stage's device."""
+    import jax
+
+    build, x, y = MODELS["mlp"]
+    model = distkeras.distribute(build(), ["cpu:0", "cpu:1"], pipeline_stages=2, microbatches=3)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])  # a new optimizer
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=True)
+    for a, b in zip(one_device("mlp")["weights"], model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+    slots = {v.path: v.value.devices() for v in model.optimizer.variables if "d4" in v.path}
+    assert slots and set(map(frozenset, slots.values())) == {frozenset([jax.devices("cpu")[1]])}
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(8, name="b"),
+                              keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(2, name="c")])
+    model.compile(optimizer="sgd", loss="mse")
+    model = distkeras.distribute(model, ["cpu:0", "cpu:1"], pipeline_stages=["a"], microbatches=2)
+    model.fit(x[:16], y[:16], batch_size=8, epochs=1, verbose=0)  # one batch shape: one trace per stage
+    moving = model.get_layer("bn").moving_mean
+    assert moving.value.devices() == {jax.devices("cpu")[1]} and np.abs(np.asarray(moving.value)).sum() > 0
+
+
 class Subclassed(keras.Model):
     def __init__(self):
         super().__init__()
