@@ -34,7 +34,6 @@ computation runs there: every stage's functions are jitted, and JAX runs a jitte
 
 import contextlib
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +57,14 @@ class Plan(object):
         inputs = _model_inputs(model)
         self.models = [keras.Model(inputs if p.input is None else p.input, p.output,
                                    name="{}_stage{}".format(model.name, p.index)) for p in parts]
+        self.index()
+        self.functions = {}  # the jitted stage functions, by kind and stage (see steps())
+        self.compiled = None  # the optimizer, compiled loss and metrics they were traced with
+
+    def index(self):
+        """Where each stage's variables are in the model's lists (again after a compile(): a layer made
+        non-trainable since moves from one list to the other)."""
+        model = self.model
         trainable = {id(v): i for i, v in enumerate(model.trainable_variables)}
         non_trainable = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
         #: Per stage: the indices, in the model's lists, of the stage model's variables, in the stage's order.
@@ -68,8 +75,6 @@ class Plan(object):
                       for m in self.models]
         self.stage_of_trainable = {i: s for s, ids in enumerate(self.trainable) for i in ids}
         self.stage_of_non_trainable = {i: s for s, ids in enumerate(self.non_trainable) for i in ids}
-        self.functions = {}  # the jitted stage functions, by kind and stage (see steps())
-        self.compiled = None  # the optimizer, compiled loss and metrics they were traced with
 
     @property
     def last(self):
@@ -144,7 +149,7 @@ class Layout(object):
         self.non_trainable = [devices[plan.stage_of_non_trainable.get(i, 0)]
                               for i in range(len(model.non_trainable_variables))]
         optimizer = getattr(model, "optimizer", None)  # None until compile()
-        self.slots = {}  # stage -> [(index in optimizer.variables, index in model.trainable_variables)]
+        self.slots = {}  # stage -> indices in optimizer.variables of the slots of its variables
         self.shared = []  # indices of the optimizer's variables made from no model variable (iterations, ...)
         self.optimizer = []
         if optimizer is not None and optimizer.built:
@@ -169,6 +174,7 @@ class Layout(object):
 
 def place(plan):
     """Every variable of the model (its optimizer's and metrics' too) on its stage's device; the layout."""
+    plan.index()
     layout = Layout(plan)
     for variables, devices in layout.groups():
         for variable, device in zip(variables, devices):
@@ -194,7 +200,6 @@ def _put(values, devices):
 #: ``backend.random`` and ``keras.random`` call through its attributes, swapped while a stage is traced).
 _PRIVATE_RANDOM = "keras.src.backend.jax.random"
 _SHAPED = ("normal", "uniform", "truncated_normal", "randint")
-_rows = threading.local()
 
 
 @contextlib.contextmanager
