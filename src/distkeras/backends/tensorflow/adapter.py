@@ -88,6 +88,9 @@ _WIRE = {"bf16": "bfloat16", "fp16": "float16"}
 _agreements = weakref.WeakKeyDictionary()
 #: distribute()'s ``batch_logs`` values.
 _BATCH_LOGS = ("global", "local")
+#: The model's instance attribute that holds its pipeline plan (``backends.tensorflow.pipeline.PLAN``, read by name
+#: here: importing that module imports TensorFlow).
+_PIPELINE = "_distkeras_pipeline"
 _strategy_serial = itertools.count(1)  # 0 stays the base of strategies made without distkeras
 #: Strategy -> its traced sum over the workers (each worker's vector once).
 _worker_sums = weakref.WeakKeyDictionary()
@@ -124,6 +127,11 @@ class TensorFlowAdapter(Adapter):
                       "is the global batch's, one all-reduce of the metrics' variables a step; on one host); "
                       "'local': Keras' own average of each replica's results (not one device's for AUC, Precision "
                       "or counts)",
+        "pipeline_stages": "pipeline parallelism in this process: the number of stages to cut the model into (balanced "
+                           "by parameters) or the layer names to cut after; one device per stage",
+        "microbatches": "pipeline_stages: micro-batches per batch (default: 2 x stages)",
+        "schedule": "pipeline_stages: 'gpipe' (every forward, then every backward; the default) or '1f1b' (fewer "
+                    "activations held)",
     }
 
     @classmethod
@@ -216,8 +224,16 @@ class TensorFlowAdapter(Adapter):
             _agreements[strategy] = agree
         return bool(int(agree(tf.constant(int(bool(flag))))) > 0)
 
+    def model_shards(self, model):
+        """The pipeline stages ``model`` is cut into (1: not split, every device a replica)."""
+        plan = model.__dict__.get(_PIPELINE) if hasattr(model, "__dict__") else None
+        return plan.stages if plan is not None else 1
+
     def verify(self, model, check):
         """The one-device check (:mod:`.verify`): one host; across workers the global batch isn't gathered yet."""
+        if hasattr(model, "__dict__") and _PIPELINE in model.__dict__:
+            check.skip("a model cut into pipeline stages is whole on no one device")
+            return
         if cluster_lib.from_env().is_multi_worker:
             check.skip("across TensorFlow workers the check doesn't gather the global batch yet; it runs on one host")
             return
@@ -227,9 +243,12 @@ class TensorFlowAdapter(Adapter):
         verifying.install(model, check, tensorflow_verify.wrap(model, check))
 
     def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True, sync_batchnorm=True,
-                   compression=None, batch_logs="global"):
+                   compression=None, batch_logs="global", pipeline_stages=None, microbatches=None, schedule="gpipe"):
         import tensorflow as tf
 
+        if pipeline_stages is not None or microbatches is not None or schedule != "gpipe":
+            return _pipeline(model, devices, cluster, pipeline_stages, microbatches, schedule, dict(
+                cross_device_ops=(cross_device_ops, None), compression=(compression, None)))
         compression = check_compression(compression)
         if batch_logs not in _BATCH_LOGS:
             raise OptionError("Expected batch_logs in {}. Received: batch_logs={!r}".format(_BATCH_LOGS, batch_logs))
@@ -323,6 +342,46 @@ class TensorFlowAdapter(Adapter):
                 )
             )
         return self._multi_worker
+
+
+def _pipeline(model, devices, cluster, stages, microbatches, schedule, others):
+    """Cut ``model`` into pipeline stages over ``devices`` of this process (:mod:`.pipeline`), every option checked
+    first: one device per stage, one process, no other way of splitting."""
+    from ... import pipeline
+    from . import pipeline as tensorflow_pipeline
+
+    if stages is None:
+        raise OptionError("microbatches and schedule apply to pipeline_stages only. Received: microbatches={!r}, "
+                          "schedule={!r}".format(microbatches, schedule))
+    pipeline.check_schedule(schedule)
+    if microbatches is not None:
+        pipeline.check_microbatches(microbatches)
+    for name, (value, default) in others.items():
+        if value != default:
+            raise OptionError("pipeline_stages runs each stage's layers whole on one device and doesn't combine with "
+                              "{}={!r} in this version. Received: pipeline_stages={!r}, {}={!r}".format(
+                                  name, value, stages, name, value))
+    if cluster.is_multi_worker:
+        raise OptionError("pipeline_stages on TensorFlow runs its stages on the devices of one process in this "
+                          "version; this process is worker {} of {}. Run one process with a device per stage.".format(
+                              cluster.rank, cluster.world_size))
+    if keras_model.keras_package(model) == "tf_keras":
+        raise OptionError("pipeline_stages needs a Keras 3 model; this is a tf.keras 2.x {}.".format(
+            type(model).__name__))
+    parts = pipeline.plan(model, stages)
+    if len(parts) < 2:
+        raise OptionError("pipeline_stages={!r} gives one stage: nothing to pipeline. Give 2 or more.".format(stages))
+    if len(parts) != len(devices):
+        raise OptionError(
+            "pipeline_stages on TensorFlow puts one stage on each device: {} stages need {} devices. Received: {} "
+            "device(s) ({}). Replicas of a pipeline (stages x replicas devices) are not supported on TensorFlow in "
+            "this version.".format(len(parts), len(parts), len(devices), ", ".join(str(d) for d in devices)))
+    keras_model.unhook(model)  # an earlier distribute()'s hooks
+    plan = tensorflow_pipeline.Plan(model, parts, ["/device:{}:{}".format(d.kind.upper(), d.index) for d in devices],
+                                    2 * len(parts) if microbatches is None else microbatches, schedule)
+    tensorflow_pipeline.install(model, plan)
+    policies.rank0_speaks_and_writes(model, cluster.rank)
+    return model
 
 
 def _board(cluster):

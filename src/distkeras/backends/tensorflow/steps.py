@@ -79,6 +79,17 @@ def current():
     return getattr(_held, "rows", None)
 
 
+@contextlib.contextmanager
+def holding_rows(rows):
+    """This thread's step holds ``rows`` (a :class:`Rows`) for the ``with`` block: a pipeline stage's micro-batch
+    (:mod:`.pipeline`) draws its rows of the global batch's draws as a replica does."""
+    outer, _held.rows = current(), rows
+    try:
+        yield
+    finally:
+        _held.rows = outer
+
+
 def tell_replicas_their_rows(tf, strategy, exact_losses):
     """Wrap ``strategy.run`` (this instance only, which distkeras made) so each replica holds its :class:`Rows`.
 

@@ -1,0 +1,335 @@
+"""Pipeline parallelism on TensorFlow, in one process: the stages and schedules of :mod:`distkeras.pipeline` over
+several devices of this process (``distribute(model, ["gpu:0", "gpu:1"], pipeline_stages=2)``).
+
+Stage ``s`` is a Keras ``Model`` over the original layers (``keras.Model(tensor_in, tensor_out)`` on the model's
+graph, sharing the variables); its variables live on device ``s`` (their storage re-created there) and its
+forward and backward run under ``tf.device`` of that device.
+
+- **Backward primitive**: a ``tf.GradientTape`` per stage and micro-batch, kept from the forward until the
+  backward, which is ``tape.gradient([output, stage loss], stage variables + [input], output_gradients=[g, 1])``
+  (the last stage from its loss only); each stage adds its variables' gradients to its sums.
+- **Wire**: TensorFlow's own copy: a stage's output, used under the next stage's ``tf.device``, is copied there
+  by the engine (and a gradient back); no transport of distkeras'.
+- **Order**: the stages' action lists (:func:`distkeras.pipeline.schedule`, GPipe or 1F1B) run in one loop, each
+  action after what it needs (:func:`distkeras.pipeline.interleave`-like, see :func:`_interleave`).
+- **Eager**: this first version runs the step eagerly (the train, test and predict functions are made as with
+  ``run_eagerly=True``, XLA off): the micro-batch sizes are Python ints, so an uneven batch is cut as
+  :func:`distkeras.pipeline.microbatch_sizes` says and no micro-batch is ever empty. Slower than a traced step;
+  correct first.
+- **Loss**: each micro-batch's mean loss is weighed by its share of the batch (``pipeline.weights``), and each
+  stage adds its own layers' losses (regularizers) weighed the same way, so the summed gradients are one
+  device's at the global batch. The logged loss is the sum of the parts; metrics are computed on the last
+  stage's device on the whole batch's predictions.
+- **Optimizer**: built over every variable of the model and applied once per step to every gradient (each
+  variable's update runs where the variable lives), so ``global_clipnorm``, EMA and accumulation see the global
+  gradient as on one device.
+- **Random draws** (Dropout, GaussianNoise, ``keras.random`` in a layer): one device's. Before each micro-batch
+  a stage's seed-generator states are put back to where the step found them, and each draw whose leading
+  dimension is the micro-batch's rows is drawn at the global batch's shape and sliced to its rows
+  (:func:`distkeras.backends.tensorflow.steps.draw_like_one_device`); the states advance once per step.
+- **BatchNormalization**: normalises by each micro-batch's statistics and updates its moving statistics once per
+  micro-batch (GPipe's choice): a model with BatchNormalization trains close to, not exactly as, one device.
+- **Saving**: every variable is one ``tf.Variable`` on one device: ``save()`` writes the plain model.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from ... import pipeline
+from .. import keras_model
+from . import steps as tensorflow_steps
+
+#: The plan's attribute on a model split into stages (read by name by the adapter's ``model_shards``).
+PLAN = "_distkeras_pipeline"
+#: The hooks :func:`install` sets.
+_STEPS = ("train_step", "test_step", "predict_step")
+_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
+
+
+class Plan(object):
+    """A model cut into ``parts``, one per device name of ``devices`` (``"/device:CPU:1"``)."""
+
+    def __init__(self, model, parts, devices, microbatches, schedule):
+        self.model, self.parts, self.devices = model, parts, list(devices)
+        self.stages = len(parts)
+        self.microbatches, self.schedule = microbatches, schedule
+        inputs = _model_inputs(model)
+        self.models = [keras.Model(inputs if p.input is None else p.input, p.output,
+                                   name="{}_stage{}".format(model.name, p.index)) for p in parts]
+        #: Per stage: the seed-generator state variables of its layers.
+        self.seeds = [_seed_states(m) for m in self.models]
+        #: Per stage: the device of its last output, read from TensorFlow (``tensor.device``) after each step.
+        self.placed = [None] * self.stages
+
+    @property
+    def last(self):
+        return self.stages - 1
+
+
+def _model_inputs(model):
+    try:
+        return model.input
+    except (AttributeError, ValueError):
+        return model.inputs[0] if len(model.inputs) == 1 else model.inputs
+
+
+def _seed_states(model):
+    found, seen = [], set()
+    for layer in model._flatten_layers(include_self=False):  # Keras' walk of nested layers (a private)
+        for generator in getattr(layer, "_seed_generators", None) or []:
+            state = getattr(generator, "state", None)
+            if state is not None and id(state) not in seen:
+                seen.add(id(state))
+                found.append(state)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- placement
+
+
+def place(plan):
+    """Each stage's variables (and the optimizer slots made from them, when built) re-created on its device.
+
+    Keras' TensorFlow ``Variable`` keeps its storage in the private ``_value`` (a ``tf.Variable``) and makes it in
+    ``_initialize(value)``; no public API moves a variable (the data-parallel path does the same under a strategy).
+    The optimizer indexes its variables by their storage, so its index is rebuilt after."""
+    model = plan.model
+    owner = {}
+    for s, stage in enumerate(plan.models):
+        for variable in stage.variables:
+            owner.setdefault(id(variable), s)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        by_path = {v.path.replace("/", "_"): owner[id(v)] for v in model.trainable_variables if id(v) in owner}
+        for slot in optimizer.variables:
+            name = slot.path.partition("/")[2] if "/" in slot.path else slot.name
+            matches = [key for key in by_path if name.startswith(key + "_")]
+            if matches:
+                owner[id(slot)] = by_path[max(matches, key=len)]
+    variables = list(model.variables) + (list(optimizer.variables) if optimizer is not None else [])
+    with tf.init_scope():
+        for variable in variables:
+            s = owner.get(id(variable))
+            storage = getattr(variable, "_value", None)
+            if s is None or storage is None or _same_device(storage.device, plan.devices[s]):
+                continue
+            value = storage.read_value()
+            flag = variable.trainable
+            variable.trainable = bool(getattr(storage, "trainable", flag))  # as the data-parallel path keeps it
+            try:
+                with tf.device(plan.devices[s]):
+                    variable._initialize(tf.identity(value))
+            finally:
+                variable.trainable = flag
+    if optimizer is not None and getattr(optimizer, "built", False) and hasattr(optimizer, "_trainable_variables"):
+        optimizer._trainable_variables_indices = {  # Keras' index by storage (a private), rebuilt
+            optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)}
+
+
+def _same_device(found, wanted):
+    return tf.DeviceSpec.from_string(found or "").to_string().lower().endswith(
+        tf.DeviceSpec.from_string(wanted).to_string().lower())
+
+
+# ---------------------------------------------------------------------------------------------- the step
+
+
+def _interleave(schedules):
+    """One order of every stage's actions in which each comes after what it needs (a forward after the previous
+    stage's forward of its micro-batch, a backward after the next stage's backward of it), each stage keeping its
+    own order, the stages taking turns. A list of (stage, kind, micro-batch)."""
+    stages = len(schedules)
+    done, position, order = set(), [0] * stages, []
+    while any(position[s] < len(schedules[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            if position[s] == len(schedules[s]):
+                continue
+            kind, m = schedules[s][position[s]]
+            need = (s - 1, kind, m) if kind == pipeline.FORWARD else (s + 1, kind, m)
+            if 0 <= need[0] < stages and need not in done:
+                continue
+            order.append((s, kind, m))
+            done.add((s, kind, m))
+            position[s] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("the pipeline schedules wait on each other: {}".format(schedules))
+    return order
+
+
+def _rows(value, start, count):
+    return tf.nest.map_structure(lambda t: None if t is None else t[start:start + count], value)
+
+
+class Step(object):
+    """One batch through the stages, eagerly: training (with the backward) or not."""
+
+    def __init__(self, plan, training, x, y, sample_weight):
+        self.plan, self.training = plan, training
+        self.x, self.y, self.sample_weight = x, y, sample_weight
+        self.total = int(next(t for t in tf.nest.flatten(x) if t is not None).shape[0])
+        self.sizes = pipeline.microbatch_sizes(self.total, plan.microbatches)
+        self.shares = pipeline.weights(self.sizes)
+        self.offsets = [sum(self.sizes[:m]) for m in range(len(self.sizes))]
+        self.start = [[s.value.read_value() for s in seeds] for seeds in plan.seeds]  # the states the step found
+        self.tapes, self.wire, self.outputs, self.losses = {}, {}, {}, []
+        self.variables = [m.trainable_variables for m in plan.models]
+        self.sums = [None] * plan.stages
+
+    @contextlib.contextmanager
+    def _micro_batch(self, s, m):
+        """Stage ``s`` drawing micro-batch ``m``'s rows of the global batch's draws, from the step's seed states."""
+        for state, value in zip(self.plan.seeds[s], self.start[s]):
+            state.assign(value)
+        rows = tensorflow_steps.Rows(tf.constant(self.sizes[m], tf.int32), tf.constant(self.offsets[m], tf.int32),
+                                     tf.constant(self.total, tf.int32), False)
+        with tensorflow_steps.holding_rows(rows):
+            yield
+
+    def forward(self, s, m):
+        plan, model = self.plan, self.plan.model
+        last, start, count = s == plan.last, self.offsets[m], self.sizes[m]
+        with tf.device(plan.devices[s]):
+            x = _rows(self.x, start, count) if s == 0 else tf.identity(self.wire.pop((pipeline.FORWARD, s, m)))
+            tape = tf.GradientTape() if self.training else contextlib.nullcontext()
+            with tape:
+                if self.training and s > 0:
+                    tape.watch(x)
+                with self._micro_batch(s, m):
+                    output = plan.models[s](x, training=self.training)
+                # Each stage adds its own layers' losses (regularizers), as Trainer.compute_loss adds the model's;
+                # _aggregate_additional_loss is Keras' private for that sum.
+                parts = [model._aggregate_additional_loss(loss) for loss in plan.models[s].losses] \
+                    if self.y is not None else []
+                if last and self.y is not None:
+                    # The compiled loss alone (CompileLoss, a Keras private, called as Trainer.compute_loss calls
+                    # it): every stage's layer losses are added by their stage.
+                    compiled = model._compile_loss(_rows(self.y, start, count), output,
+                                                   _rows(self.sample_weight, start, count))
+                    if compiled is not None:
+                        parts.append(compiled)
+                loss = self.shares[m] * tf.add_n([tf.cast(p, "float32") for p in parts]) if parts else None
+                scaled = None
+                if loss is not None and self.training and model.optimizer is not None:
+                    scaled = model.optimizer.scale_loss(loss)
+        plan.placed[s] = output.device
+        if loss is not None:
+            self.losses.append(loss)
+        if last:
+            self.outputs[m] = output
+        else:
+            self.wire[(pipeline.FORWARD, s + 1, m)] = output
+        if self.training:
+            self.tapes[(s, m)] = (tape, x, output, scaled)
+
+    def backward(self, s, m):
+        plan = self.plan
+        tape, x, output, loss = self.tapes.pop((s, m))
+        with tf.device(plan.devices[s]):
+            if s == plan.last:
+                targets, gradients = [loss], None
+            else:
+                gradient = tf.identity(self.wire.pop((pipeline.BACKWARD, s, m)))
+                targets, gradients = [output], [gradient]
+                if loss is not None:
+                    targets.append(loss)
+                    gradients.append(tf.ones_like(loss))
+            sources = list(self.variables[s]) + ([x] if s > 0 else [])
+            found = tape.gradient(targets, sources, output_gradients=gradients,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            mine = found[:len(self.variables[s])]
+            self.sums[s] = mine if self.sums[s] is None else [a + b for a, b in zip(self.sums[s], mine)]
+        if s > 0:
+            self.wire[(pipeline.BACKWARD, s - 1, m)] = found[-1]
+
+    def run(self):
+        plan, count = self.plan, len(self.sizes)
+        if self.training:
+            schedules = [pipeline.schedule(plan.schedule, plan.stages, s, count) for s in range(plan.stages)]
+        else:
+            schedules = [[(pipeline.FORWARD, m) for m in range(count)]] * plan.stages
+        for s, kind, m in _interleave(schedules):
+            (self.forward if kind == pipeline.FORWARD else self.backward)(s, m)
+
+    def loss(self):
+        with tf.device(self.plan.devices[-1]):
+            return tf.add_n([tf.identity(v) for v in self.losses]) if self.losses else tf.zeros((), "float32")
+
+    def prediction(self):
+        with tf.device(self.plan.devices[-1]):
+            outputs = [self.outputs[m] for m in range(len(self.sizes))]
+            return outputs[0] if len(outputs) == 1 else tf.nest.map_structure(
+                lambda *parts: tf.concat(parts, 0), *outputs)
+
+
+def _logs(plan, step, x, y, sample_weight):
+    """Keras' TF trainer's logs: the loss tracker takes the step's loss (weighed by the batch's rows), the
+    compiled metrics the whole batch's predictions; on the last stage's device."""
+    model = plan.model
+    prediction = step.prediction()
+    with tf.device(plan.devices[-1]):
+        # Keras' Trainer's loss Mean (a private), updated as its TF train_step updates it.
+        model._loss_tracker.update_state(step.loss(), sample_weight=step.total)
+        return model.compute_metrics(x, y, prediction, sample_weight=sample_weight)
+
+
+def steps(plan):
+    """The model's train_step, test_step and predict_step, driving the stages."""
+    model = plan.model
+
+    def train_step(data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        step = Step(plan, True, x, y, sample_weight)
+        step.run()
+        variables = [v for vs in step.variables for v in vs]
+        gradients = [g for gs in step.sums for g in gs]
+        model.optimizer.apply(gradients, variables)
+        return _logs(plan, step, x, y, sample_weight)
+
+    def test_step(data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        step = Step(plan, False, x, y, sample_weight)
+        step.run()
+        return _logs(plan, step, x, y, sample_weight)
+
+    def predict_step(data):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        step = Step(plan, False, x, None, None)
+        step.run()
+        return step.prediction()
+
+    return {"train_step": train_step, "test_step": test_step, "predict_step": predict_step}
+
+
+def _eager_maker(model, name):
+    """Keras' own ``make_*_function`` (which reads ``run_eagerly`` as it makes the function), made eagerly: the
+    step is Python over the stages (the module docstring's **Eager**). ``_run_eagerly`` is the private behind
+    Keras' ``run_eagerly`` property, set for the making only so the user's setting and compile config stay."""
+    keras_make = getattr(type(model), name)
+
+    def make(force=False):
+        outer = model._run_eagerly
+        model._run_eagerly = True
+        try:
+            return keras_make(model, force)
+        finally:
+            model._run_eagerly = outer
+
+    return make
+
+
+def install(model, plan):
+    """Place the variables and hook the model's steps and step makers (instance attributes, see
+    :func:`keras_model.hook`). Keras' random functions draw one device's values for a micro-batch's rows."""
+    place(plan)
+    tensorflow_steps.draw_like_one_device(tf)
+    tensorflow_steps.draw_tf_like_one_device(tf)
+    for name, function in steps(plan).items():
+        keras_model.hook(model, name, function)
+    for name in _MAKERS:
+        keras_model.hook(model, name, _eager_maker(model, name))
+    keras_model.hook(model, PLAN, plan)
+    model.train_function = model.test_function = model.predict_function = None

@@ -1,0 +1,76 @@
+"""The training run of tests/backends/test_tensorflow_pipeline.py, and, run as a script, its 4-stage case:
+the MLP cut after each Dense on 4 CPU devices (the backend suite's harness gives its process 3), checked against
+one device in that process; it prints "ok" and exits 0, or fails."""
+
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import distkeras  # noqa: E402
+
+if __name__ == "__main__":
+    distkeras.use_cpu_devices(4)  # before TensorFlow starts
+
+import tensorflow as tf  # noqa: E402
+
+from tests.backends.pipeline_models import MODELS, assert_same  # noqa: E402
+
+
+def cpu_index(device):
+    """The CPU index of a TensorFlow device string ("/job:localhost/replica:0/task:0/device:CPU:1" -> 1)."""
+    spec = tf.DeviceSpec.from_string(device)
+    assert spec.device_type == "CPU", device
+    return spec.device_index
+
+
+def train(name, stages=None, devices=2, save=None, **options):
+    """Two epochs at batch 8 (the last batch smaller), then evaluate and predict; for a pipelined model also where
+    TensorFlow holds each stage's variables and optimizer slots, and where each stage's output was computed."""
+    build, x, y = MODELS[name]
+    model = build()
+    if stages is not None:
+        model = distkeras.distribute(model, ["cpu:{}".format(i) for i in range(devices)], pipeline_stages=stages,
+                                     **options)
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=True).history
+    result = {"weights": model.get_weights(), "history": history, "evaluate": model.evaluate(x, y, verbose=0)}
+    if stages is not None:
+        plan = model.__dict__["_distkeras_pipeline"]
+        result["outputs"] = [cpu_index(d) for d in plan.placed]  # evaluate()'s last step
+    result["predict"] = model.predict(x[:7], verbose=0)
+    if stages is not None:
+        result["describe"] = distkeras.describe(model)
+        result["stages"] = [[layer.name for layer in part.layers] for part in plan.parts]
+        expected, found = [], []
+        for s, part in enumerate(plan.parts):
+            for layer in part.layers:
+                for variable in layer.variables:
+                    expected.append((variable.path, s))
+                    found.append((variable.path, cpu_index(variable.value.device)))
+                    # The optimizer's slots made from it (Adam's moments, SGD's momentum): on its device too.
+                    key = variable.path.replace("/", "_") + "_"
+                    for slot in model.optimizer.variables:
+                        if slot.name.startswith(key):
+                            expected.append((slot.path, s))
+                            found.append((slot.path, cpu_index(slot.value.device)))
+        result["placed"], result["expected"] = found, expected
+    if save is not None:
+        model.save(save)
+    return result
+
+
+def four_stages():
+    one = train("mlp-dropout")
+    four = train("mlp-dropout", ["d1", "d2", "d3"], devices=4, microbatches=3, schedule="1f1b")
+    assert four["stages"] == [["d1"], ["d2"], ["drop", "d3"], ["d4"]], four["stages"]
+    assert four["placed"] == four["expected"], four["placed"]
+    assert four["outputs"] == [0, 1, 2, 3], four["outputs"]
+    assert four["describe"]["replicas"] == 1 and four["describe"]["model_shards"] == 4, four["describe"]
+    assert_same(one, four)
+
+
+if __name__ == "__main__":
+    assert len(tf.config.list_logical_devices("CPU")) == 4, tf.config.list_logical_devices()
+    four_stages()
+    print("ok")
+    sys.exit(0)
