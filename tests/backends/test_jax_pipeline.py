@@ -87,6 +87,24 @@ def test_compile_after_distribute_and_batchnorm_per_micro_batch():
     assert moving.value.devices() == {jax.devices("cpu")[1]} and np.abs(np.asarray(moving.value)).sum() > 0
 
 
+def test_one_loop_drives_every_stage_in_an_order_its_schedule_allows():
+    from distkeras import pipeline
+    from distkeras.backends.jax.pipeline import interleave
+
+    for name in pipeline.SCHEDULES:
+        for stages, microbatches in ((2, 3), (4, 3), (4, 8)):
+            schedules = [pipeline.schedule(name, stages, s, microbatches) for s in range(stages)]
+            order = interleave(schedules)
+            assert sorted(order) == sorted((s, k, m) for s in range(stages) for k, m in schedules[s])
+            for s in range(stages):  # each stage's own order, so it holds what its schedule holds
+                assert [(k, m) for t, k, m in order if t == s] == schedules[s]
+            place = {action: i for i, action in enumerate(order)}
+            for (s, kind, m), i in place.items():
+                before = s - 1 if kind == pipeline.FORWARD else s + 1
+                if 0 <= before < stages:
+                    assert place[(before, kind, m)] < i
+
+
 class Subclassed(keras.Model):
     def __init__(self):
         super().__init__()

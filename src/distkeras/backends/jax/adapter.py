@@ -40,6 +40,10 @@ split along the "batch" axis instead of replicated (:mod:`distkeras.backends.jax
 laid out differently, and XLA places the all-gathers; for "gradients" the step computes each shard's gradient
 in ``jax.shard_map`` and reduce-scatters it itself (XLA's CPU compiler makes no reduce-scatter).
 
+``pipeline_stages=`` (with ``microbatches``, ``schedule``) is no Keras distribution: the model is cut into stages,
+one per device of this process, each stage's variables on its device, and the model's train/test/predict functions
+drive the stages' jitted functions micro-batch by micro-batch (:mod:`distkeras.backends.jax.pipeline`).
+
 Every optimizer the model holds is laid out (``keras_model.all_optimizers``: a GAN's ``d_optimizer`` and
 ``g_optimizer`` too), and a model built later (an unbuilt subclassed model) creates its variables under
 the distribution, at its first scoped fit/evaluate/predict.
