@@ -224,3 +224,18 @@ def test_what_cannot_be_cut_is_a_clear_error_before_any_process_starts():
     assert "doesn't combine with shard='all'" in said
     said = refusal(lambda: mlp(), microbatches=2)
     assert "apply to pipeline_stages only" in said
+
+
+def test_the_keras_privates_the_pipeline_reads_are_there():
+    """Pinned: what backends/torch/pipeline.py reads from Keras that Keras doesn't publish."""
+    model = mlp(0.3)
+    y_pred = model(X[:4])
+    loss = model._compile_loss(Y[:4], y_pred, None)  # the compiled loss alone
+    assert float(loss) > 0 and callable(model._aggregate_additional_loss)
+    assert hasattr(model._loss_tracker, "update_state")
+    drop = model.get_layer("drop")
+    assert drop.seed_generator in drop._seed_generators  # a layer's seed generators, restored per micro-batch
+    from keras.src.backend.common import global_state
+
+    assert callable(global_state.get_global_attribute)
+    assert model.get_layer("d1").kernel._value.numel() == 6 * 8  # the storage a stage frees and gathers
