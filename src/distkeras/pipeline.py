@@ -380,6 +380,70 @@ def check_microbatches(value):
     return value
 
 
+def model_inputs(model):
+    """What a stage model that starts at the model's inputs is built on: ``model.input`` (one tensor, or the
+    structure the model was built with), else its list of inputs."""
+    try:
+        return model.input
+    except (AttributeError, ValueError):
+        return model.inputs[0] if len(model.inputs) == 1 else model.inputs
+
+
+def interleave(schedules):
+    """One order of every stage's actions (``schedules[s]``: stage s's list of (kind, micro-batch)) for a pipeline
+    whose stages all run in one process: each action comes after what it needs (a forward after the previous
+    stage's forward of its micro-batch, a backward after the next stage's backward of it), each stage keeping its
+    own order; stages take turns, one action each, so they advance together. A list of (stage, kind, micro-batch)."""
+    stages = len(schedules)
+    done, position, order = set(), [0] * stages, []
+    while any(position[s] < len(schedules[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            if position[s] == len(schedules[s]):
+                continue
+            kind, m = schedules[s][position[s]]
+            need = (s - 1, kind, m) if kind == FORWARD else (s + 1, kind, m)
+            if 0 <= need[0] < stages and need not in done:
+                continue
+            order.append((s, kind, m))
+            done.add((s, kind, m))
+            position[s] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("the pipeline schedules wait on each other: {}".format(schedules))
+    return order
+
+
+def plan_in_process(model, stages, microbatches, schedule, others, cluster, devices, backend):
+    """Every check of a pipeline over the devices of one process (one stage per device), then its plan: the
+    :class:`Part` list and the micro-batch count (default 2 x stages). ``others``: ``{option: (value, default)}``,
+    the backend's other ways of splitting, refused unless at their defaults; ``backend``: its name in messages."""
+    if stages is None:
+        raise OptionError("microbatches and schedule apply to pipeline_stages only. Received: microbatches={!r}, "
+                          "schedule={!r}".format(microbatches, schedule))
+    check_schedule(schedule)
+    if microbatches is not None:
+        check_microbatches(microbatches)
+    for name, (value, default) in sorted(others.items()):
+        if value != default:
+            raise OptionError("pipeline_stages runs each stage's layers whole on one device and doesn't combine with "
+                              "{}={!r} in this version. Received: pipeline_stages={!r}, {}={!r}".format(
+                                  name, value, stages, name, value))
+    if cluster.is_multi_worker:
+        raise OptionError("pipeline_stages on {} runs its stages on the devices of one process in this version; this "
+                          "process is worker {} of {}. Run one process with a device per stage.".format(
+                              backend, cluster.rank, cluster.world_size))
+    parts = plan(model, stages)
+    if len(parts) < 2:
+        raise OptionError("pipeline_stages={!r} gives one stage: nothing to pipeline. Give 2 or more.".format(stages))
+    if len(parts) != len(devices):
+        raise OptionError(
+            "pipeline_stages on {} puts one stage on each device: {} stages need {} devices. Received: {} device(s) "
+            "({}). Replicas of a pipeline (stages x replicas devices) are not supported on {} in this version.".format(
+                backend, len(parts), len(parts), len(devices), ", ".join(str(d) for d in devices), backend))
+    return parts, 2 * len(parts) if microbatches is None else microbatches
+
+
 def stage_of(rank, stages):
     """(replica, stage) of process ``rank`` in a job of replicas x stages processes: stage-major within a
     replica, so a replica's stages are neighbours (process r * S + s)."""

@@ -50,3 +50,39 @@ def assert_same(one, other, atol=2e-5):
         np.testing.assert_allclose(one["history"][key], other["history"][key], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(one["evaluate"], other["evaluate"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(one["predict"], other["predict"], rtol=1e-4, atol=atol)
+
+
+class Subclassed(keras.Model):
+    """A subclassed model: a call() of its own, no graph of layers to cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = keras.layers.Dense(4), keras.layers.Dense(1)
+
+    def build(self, input_shape):
+        self.a.build(input_shape)
+        self.b.build((None, 4))
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+def assert_cut_refusals(refusal):
+    """What no backend can cut, each a clear error: ``refusal(build, **options)`` gives distribute()'s
+    OptionError message for the model ``build()`` makes (None where it distributed)."""
+    said = refusal(convnet, pipeline_stages=["c2"])
+    assert "can't be cut after 'c2'" in said and "skip connection" in said and "'skip'" in said
+    assert "It can be cut after 'c1', 'skip', 'pool', 'flat', 'fc'." in said  # not inside the skip
+    said = refusal(mlp, pipeline_stages=9)
+    assert "into at most 4 stages" in said and "'d1', 'd2', 'd3'" in said
+    said = refusal(mlp, pipeline_stages=["nope"])
+    assert "doesn't have" in said and "'d1'" in said
+    model = Subclassed()
+    model.build((None, 3))
+    model.compile("sgd", "mse")
+    said = refusal(lambda: model, pipeline_stages=2)
+    assert "subclassed" in said and "Functional or Sequential" in said
+    said = refusal(mlp, pipeline_stages=2, schedule="zigzag")
+    assert "Expected schedule in ('gpipe', '1f1b')" in said
+    said = refusal(mlp, microbatches=2)
+    assert "apply to pipeline_stages only" in said

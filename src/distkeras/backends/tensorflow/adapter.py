@@ -346,39 +346,19 @@ class TensorFlowAdapter(Adapter):
 
 def _pipeline(model, devices, cluster, stages, microbatches, schedule, others):
     """Cut ``model`` into pipeline stages over ``devices`` of this process (:mod:`.pipeline`), every option checked
-    first: one device per stage, one process, no other way of splitting."""
+    first (:func:`distkeras.pipeline.plan_in_process`): one device per stage, one process, no other way of
+    splitting, a Keras 3 model."""
     from ... import pipeline
     from . import pipeline as tensorflow_pipeline
 
-    if stages is None:
-        raise OptionError("microbatches and schedule apply to pipeline_stages only. Received: microbatches={!r}, "
-                          "schedule={!r}".format(microbatches, schedule))
-    pipeline.check_schedule(schedule)
-    if microbatches is not None:
-        pipeline.check_microbatches(microbatches)
-    for name, (value, default) in others.items():
-        if value != default:
-            raise OptionError("pipeline_stages runs each stage's layers whole on one device and doesn't combine with "
-                              "{}={!r} in this version. Received: pipeline_stages={!r}, {}={!r}".format(
-                                  name, value, stages, name, value))
-    if cluster.is_multi_worker:
-        raise OptionError("pipeline_stages on TensorFlow runs its stages on the devices of one process in this "
-                          "version; this process is worker {} of {}. Run one process with a device per stage.".format(
-                              cluster.rank, cluster.world_size))
-    if keras_model.keras_package(model) == "tf_keras":
+    if stages is not None and keras_model.keras_package(model) == "tf_keras":
         raise OptionError("pipeline_stages needs a Keras 3 model; this is a tf.keras 2.x {}.".format(
             type(model).__name__))
-    parts = pipeline.plan(model, stages)
-    if len(parts) < 2:
-        raise OptionError("pipeline_stages={!r} gives one stage: nothing to pipeline. Give 2 or more.".format(stages))
-    if len(parts) != len(devices):
-        raise OptionError(
-            "pipeline_stages on TensorFlow puts one stage on each device: {} stages need {} devices. Received: {} "
-            "device(s) ({}). Replicas of a pipeline (stages x replicas devices) are not supported on TensorFlow in "
-            "this version.".format(len(parts), len(parts), len(devices), ", ".join(str(d) for d in devices)))
+    parts, microbatches = pipeline.plan_in_process(model, stages, microbatches, schedule, others, cluster, devices,
+                                                   "TensorFlow")
     keras_model.unhook(model)  # an earlier distribute()'s hooks
     plan = tensorflow_pipeline.Plan(model, parts, ["/device:{}:{}".format(d.kind.upper(), d.index) for d in devices],
-                                    2 * len(parts) if microbatches is None else microbatches, schedule)
+                                    microbatches, schedule)
     tensorflow_pipeline.install(model, plan)
     policies.rank0_speaks_and_writes(model, cluster.rank)
     return model

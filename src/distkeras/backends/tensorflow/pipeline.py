@@ -11,7 +11,7 @@ forward and backward run under ``tf.device`` of that device.
 - **Wire**: TensorFlow's own copy: a stage's output, used under the next stage's ``tf.device``, is copied there
   by the engine (and a gradient back); no transport of distkeras'.
 - **Order**: the stages' action lists (:func:`distkeras.pipeline.schedule`, GPipe or 1F1B) run in one loop, each
-  action after what it needs (:func:`distkeras.pipeline.interleave`-like, see :func:`_interleave`).
+  action after what it needs (:func:`distkeras.pipeline.interleave`).
 - **Eager**: this first version runs the step eagerly (the train, test and predict functions are made as with
   ``run_eagerly=True``, XLA off): the micro-batch sizes are Python ints, so an uneven batch is cut as
   :func:`distkeras.pipeline.microbatch_sizes` says and no micro-batch is ever empty. Slower than a traced step;
@@ -55,7 +55,7 @@ class Plan(object):
         self.model, self.parts, self.devices = model, parts, list(devices)
         self.stages = len(parts)
         self.microbatches, self.schedule = microbatches, schedule
-        inputs = _model_inputs(model)
+        inputs = pipeline.model_inputs(model)
         self.models = [keras.Model(inputs if p.input is None else p.input, p.output,
                                    name="{}_stage{}".format(model.name, p.index)) for p in parts]
         #: Per stage: the seed-generator state variables of its layers.
@@ -66,13 +66,6 @@ class Plan(object):
     @property
     def last(self):
         return self.stages - 1
-
-
-def _model_inputs(model):
-    try:
-        return model.input
-    except (AttributeError, ValueError):
-        return model.inputs[0] if len(model.inputs) == 1 else model.inputs
 
 
 def _seed_states(model):
@@ -134,30 +127,6 @@ def _same_device(found, wanted):
 
 
 # ---------------------------------------------------------------------------------------------- the step
-
-
-def _interleave(schedules):
-    """One order of every stage's actions in which each comes after what it needs (a forward after the previous
-    stage's forward of its micro-batch, a backward after the next stage's backward of it), each stage keeping its
-    own order, the stages taking turns. A list of (stage, kind, micro-batch)."""
-    stages = len(schedules)
-    done, position, order = set(), [0] * stages, []
-    while any(position[s] < len(schedules[s]) for s in range(stages)):
-        progressed = False
-        for s in range(stages):
-            if position[s] == len(schedules[s]):
-                continue
-            kind, m = schedules[s][position[s]]
-            need = (s - 1, kind, m) if kind == pipeline.FORWARD else (s + 1, kind, m)
-            if 0 <= need[0] < stages and need not in done:
-                continue
-            order.append((s, kind, m))
-            done.add((s, kind, m))
-            position[s] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError("the pipeline schedules wait on each other: {}".format(schedules))
-    return order
 
 
 def _rows(value, start, count):
@@ -251,7 +220,7 @@ class Step(object):
             schedules = [pipeline.schedule(plan.schedule, plan.stages, s, count) for s in range(plan.stages)]
         else:
             schedules = [[(pipeline.FORWARD, m) for m in range(count)]] * plan.stages
-        for s, kind, m in _interleave(schedules):
+        for s, kind, m in pipeline.interleave(schedules):
             (self.forward if kind == pipeline.FORWARD else self.backward)(s, m)
 
     def loss(self):
