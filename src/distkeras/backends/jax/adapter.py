@@ -372,36 +372,14 @@ def _pipeline(model, devices, cluster, stages, microbatches, schedule, others):
     from . import shard as jax_shard
     from . import steps as jax_steps
 
-    if stages is None:
-        raise OptionError("microbatches and schedule apply to pipeline_stages only. Received: microbatches={!r}, "
-                          "schedule={!r}".format(microbatches, schedule))
-    pipeline.check_schedule(schedule)
-    if microbatches is not None:
-        pipeline.check_microbatches(microbatches)
-    for name, (value, default) in others.items():
-        if value != default:
-            raise OptionError("pipeline_stages runs each stage's layers whole on one device and doesn't combine with "
-                              "{}={!r} in this version. Received: pipeline_stages={!r}, {}={!r}".format(
-                                  name, value, stages, name, value))
-    if cluster.is_multi_worker:
-        raise OptionError("pipeline_stages on JAX runs its stages on the devices of one process in this version; this "
-                          "process is worker {} of {}. Run one process with a device per stage.".format(
-                              cluster.rank, cluster.world_size))
-    parts = pipeline.plan(model, stages)
-    if len(parts) < 2:
-        raise OptionError("pipeline_stages={!r} gives one stage: nothing to pipeline. Give 2 or more.".format(stages))
-    if len(parts) != len(devices):
-        raise OptionError(
-            "pipeline_stages on JAX puts one stage on each device: {} stages need {} devices. Received: {} device(s) "
-            "({}). Replicas of a pipeline (stages x replicas devices) are not supported on JAX in this version.".format(
-                len(parts), len(parts), len(devices), ", ".join(str(d) for d in devices)))
+    parts, microbatches = pipeline.plan_in_process(model, stages, microbatches, schedule, others, cluster, devices,
+                                                   "JAX")
     jax_pipeline.check_optimizer(model)
     by_device = dict(_local_devices())
     keras_model.unhook(model)  # an earlier distribute()'s hooks
     jax_shard.unhook_optimizers(model)
     jax_steps.uninstall(model)
-    plan = jax_pipeline.Plan(model, parts, [by_device[d] for d in devices],
-                             2 * len(parts) if microbatches is None else microbatches, schedule)
+    plan = jax_pipeline.Plan(model, parts, [by_device[d] for d in devices], microbatches, schedule)
     jax_pipeline.install(model, plan)
     policies.rank0_speaks_and_writes(model, cluster.rank)
     return model

@@ -11,8 +11,9 @@ computation runs there: every stage's functions are jitted, and JAX runs a jitte
   applies one to the gradient of the output and adds the variables' gradients to the stage's sums.
 - **Wire**: ``jax.device_put`` of an activation to the next stage's device, of a gradient to the previous one's.
 - **One loop, every stage**: the stages' action lists (:func:`distkeras.pipeline.schedule`) are interleaved in an
-  order that respects their dependencies (:func:`interleave`: every stage takes its next action as soon as its
-  input has been made). JAX dispatches asynchronously, so the devices compute at once while Python runs ahead.
+  order that respects their dependencies (:func:`distkeras.pipeline.interleave`: every stage takes its next action
+  as soon as its input has been made). JAX dispatches asynchronously, so the devices compute at once while Python
+  runs ahead.
 - **Loss**: each micro-batch's mean loss is weighed by its share of the batch (``pipeline.weights``), and each stage
   adds its own layers' losses (regularizers) weighed the same way, so the summed gradients are one device's at the
   global batch. The reported loss is the sum of the stages' parts; the metrics are computed on the last stage, on
@@ -54,7 +55,7 @@ class Plan(object):
         self.model, self.parts, self.devices = model, parts, list(devices)
         self.stages = len(parts)
         self.microbatches, self.schedule = microbatches, schedule
-        inputs = _model_inputs(model)
+        inputs = pipeline.model_inputs(model)
         self.models = [keras.Model(inputs if p.input is None else p.input, p.output,
                                    name="{}_stage{}".format(model.name, p.index)) for p in parts]
         self.index()
@@ -79,13 +80,6 @@ class Plan(object):
     @property
     def last(self):
         return self.stages - 1
-
-
-def _model_inputs(model):
-    try:
-        return model.input
-    except (AttributeError, ValueError):
-        return model.inputs[0] if len(model.inputs) == 1 else model.inputs
 
 
 def _seed_states(model):
@@ -352,31 +346,6 @@ def _metrics_function(plan):
 # ---------------------------------------------------------------------------------------------- the step
 
 
-def interleave(schedules):
-    """One order of every stage's actions (``schedules[s]``: stage s's list of (kind, micro-batch)) in which each
-    action comes after what it needs (a forward after the previous stage's forward of its micro-batch, a backward
-    after the next stage's backward of it), each stage keeping its own order; stages take turns, one action each,
-    so they advance together. A list of (stage, kind, micro-batch)."""
-    stages = len(schedules)
-    done, position, order = set(), [0] * stages, []
-    while any(position[s] < len(schedules[s]) for s in range(stages)):
-        progressed = False
-        for s in range(stages):
-            if position[s] == len(schedules[s]):
-                continue
-            kind, m = schedules[s][position[s]]
-            need = (s - 1, kind, m) if kind == pipeline.FORWARD else (s + 1, kind, m)
-            if 0 <= need[0] < stages and need not in done:
-                continue
-            order.append((s, kind, m))
-            done.add((s, kind, m))
-            position[s] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError("the pipeline schedules wait on each other: {}".format(schedules))
-    return order
-
-
 class Step(object):
     """One batch through the stages (training or not) on the state arrays of Keras' JAX trainer."""
 
@@ -441,7 +410,7 @@ class Step(object):
             schedules = [pipeline.schedule(plan.schedule, plan.stages, s, count) for s in range(plan.stages)]
         else:
             schedules = [[(pipeline.FORWARD, m) for m in range(count)]] * plan.stages
-        for s, kind, m in interleave(schedules):
+        for s, kind, m in pipeline.interleave(schedules):
             (self.forward if kind == pipeline.FORWARD else self.backward)(s, m)
 
     def loss(self):
