@@ -329,14 +329,17 @@ def distribute(model, devices=None, **options):
     info = _record(result, adapter, chosen, cluster_lib.from_env(), distributed=True)
     if verify_mode is not None:
         adapter.verify(result, verify_lib.Check(verify_mode, adapter.name, info["replicas"], info["rank"], rtol, atol))
+    pipelined = options.get("pipeline_stages") is not None
     logger.info(
-        "%s backend, %d replica(s)%s on %s%s; fit()'s batch_size is the global batch, split evenly",
+        "%s backend, %d replica(s)%s on %s%s; fit()'s batch_size is the global batch, %s",
         adapter.name,
         info["replicas"],
-        " x {} {}(s)".format(info["model_shards"], "pipeline stage" if options.get("pipeline_stages") is not None
-                             else "model shard") if info["model_shards"] > 1 else "",
+        " x {} {}(s)".format(info["model_shards"], "pipeline stage" if pipelined else "model shard")
+        if info["model_shards"] > 1 else "",
         ", ".join(info["devices"]),
         " in {} worker processes".format(info["workers"]) if info["workers"] > 1 else "",
+        "cut into micro-batches" + (", split evenly over the replicas" if info["replicas"] > 1 else "") if pipelined
+        else "split evenly",
     )
     return result
 
