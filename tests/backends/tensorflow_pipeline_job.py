@@ -24,11 +24,13 @@ def cpu_index(device):
     return spec.device_index
 
 
-def train(name, stages=None, devices=2, save=None, **options):
+def train(name, stages=None, devices=2, save=None, eager=False, **options):
     """Two epochs at batch 8 (the last batch smaller), then evaluate and predict; for a pipelined model also where
-    TensorFlow holds each stage's variables and optimizer slots, and where each stage's output was computed."""
+    TensorFlow holds each stage's variables and optimizer slots, and where each stage's output was computed (eager:
+    the device it ran on; traced: the device its op was placed on)."""
     build, x, y = MODELS[name]
     model = build()
+    model.run_eagerly = eager
     if stages is not None:
         model = distkeras.distribute(model, ["cpu:{}".format(i) for i in range(devices)], pipeline_stages=stages,
                                      **options)

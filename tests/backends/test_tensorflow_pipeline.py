@@ -34,12 +34,15 @@ def one_device(name):
     return _ONE[name]
 
 
-@pytest.mark.parametrize("name, schedule, stages", [("mlp", "gpipe", 2), ("mlp-dropout", "1f1b", 2),
-                                                    ("convnet", "1f1b", 2), ("convnet", "gpipe", ["skip"])])
-def test_two_stages_train_as_one_device(name, schedule, stages, tmp_path):
+@pytest.mark.parametrize("name, schedule, stages, eager", [
+    ("mlp", "gpipe", 2, False), ("mlp-dropout", "1f1b", 2, False), ("mlp-dropout", "gpipe", 2, True),
+    ("convnet", "1f1b", 2, False), ("convnet", "gpipe", ["skip"], True)])
+def test_two_stages_train_as_one_device(name, schedule, stages, eager, tmp_path):
+    """Traced steps (a tf.function per batch shape) and eager ones (run_eagerly=True), where each stage's output
+    is read from the device it ran on."""
     one = one_device(name)
     save = str(tmp_path / "model.keras") if name == "convnet" else None
-    two = train(name, stages, microbatches=3, schedule=schedule, save=save)
+    two = train(name, stages, microbatches=3, schedule=schedule, save=save, eager=eager)
     assert_same(one, two)
     assert two["placed"] == two["expected"] and two["placed"]  # read from TensorFlow: variable.value.device
     assert {device for _, device in two["placed"]} == {0, 1}  # both stages hold something
@@ -70,22 +73,25 @@ def test_four_stages_on_four_devices_train_as_one_device():
 @pytest.mark.filterwarnings("ignore:Skipping variable loading for optimizer")  # the plain model's, unbuilt
 def test_compile_after_distribute_global_clipnorm_and_save_weights(tmp_path):
     """compile() after distribute() trains as one device, with an optimizer that reads every gradient at once
-    (global_clipnorm: one apply over every stage's gradients); its slots, made then, sit on their stages' devices;
-    save_weights() writes the plain model's weights."""
+    (global_clipnorm: one apply over every stage's gradients) and validation data; its slots, made then, sit on
+    their stages' devices; the step is traced once per batch shape; save_weights() writes the plain model's
+    weights."""
 
     def run(distributed):
         model = mlp()
         if distributed:
             model = distkeras.distribute(model, ["cpu:0", "cpu:1"], pipeline_stages=2, microbatches=3)
         model.compile(optimizer=keras.optimizers.Adam(0.01, global_clipnorm=0.05), loss="mse", metrics=["mae"])
-        history = model.fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=True).history
+        history = model.fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=True,
+                            validation_data=(X[:10], Y[:10])).history
         return model, history
 
     one, one_history = run(False)
     two, two_history = run(True)
     for a, b in zip(one.get_weights(), two.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
-    np.testing.assert_allclose(one_history["loss"], two_history["loss"], rtol=1e-5, atol=1e-6)
+    for key in ("loss", "mae", "val_loss", "val_mae"):
+        np.testing.assert_allclose(one_history[key], two_history[key], rtol=1e-5, atol=1e-6)
     slots = {v.path: cpu_index(v.value.device) for v in two.optimizer.variables if "d4" in v.path}
     assert slots and set(slots.values()) == {1}, slots
     path = str(tmp_path / "w.weights.h5")
@@ -94,6 +100,13 @@ def test_compile_after_distribute_global_clipnorm_and_save_weights(tmp_path):
     plain.load_weights(path)
     for a, b in zip(plain.get_weights(), two.get_weights()):
         np.testing.assert_array_equal(a, b)
+    # Traced per batch shape (8 rows, the last 6; TensorFlow traces a function's first call twice), not per epoch
+    # nor per fit(); evaluate() (its own function) leaves the train step's traces alone.
+    traces = two.__dict__["_distkeras_pipeline"].traced["train_step"].experimental_get_tracing_count
+    assert traces() <= 3
+    before = traces()
+    two.fit(X, Y, batch_size=8, epochs=2, verbose=0, validation_data=(X[:10], Y[:10]))
+    assert traces() == before
 
 
 def refusal(build, devices=2, **options):

@@ -12,10 +12,11 @@ forward and backward run under ``tf.device`` of that device.
   by the engine (and a gradient back); no transport of distkeras'.
 - **Order**: the stages' action lists (:func:`distkeras.pipeline.schedule`, GPipe or 1F1B) run in one loop, each
   action after what it needs (:func:`distkeras.pipeline.interleave`).
-- **Eager**: this first version runs the step eagerly (the train, test and predict functions are made as with
-  ``run_eagerly=True``, XLA off): the micro-batch sizes are Python ints, so an uneven batch is cut as
-  :func:`distkeras.pipeline.microbatch_sizes` says and no micro-batch is ever empty. Slower than a traced step;
-  correct first.
+- **Traced per batch shape**: Keras' loop over a call's batches runs in Python (its train, test and predict
+  functions are made as with ``run_eagerly=True``) and each step is a ``tf.function`` traced for its batch's
+  shape (XLA off: one program over several devices), so the micro-batch sizes are ints when it is traced, an
+  uneven batch is cut as :func:`distkeras.pipeline.microbatch_sizes` says and no micro-batch is ever empty; a
+  fit() traces twice (its full batches, its last smaller one). ``run_eagerly=True`` runs the step eagerly.
 - **Loss**: each micro-batch's mean loss is weighed by its share of the batch (``pipeline.weights``), and each
   stage adds its own layers' losses (regularizers) weighed the same way, so the summed gradients are one
   device's at the global batch. The logged loss is the sum of the parts; metrics are computed on the last
@@ -43,8 +44,7 @@ from . import steps as tensorflow_steps
 
 #: The plan's attribute on a model split into stages (read by name by the adapter's ``model_shards``).
 PLAN = "_distkeras_pipeline"
-#: The hooks :func:`install` sets.
-_STEPS = ("train_step", "test_step", "predict_step")
+#: The step makers :func:`install` hooks.
 _MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
 
 
@@ -60,8 +60,10 @@ class Plan(object):
                                    name="{}_stage{}".format(model.name, p.index)) for p in parts]
         #: Per stage: the seed-generator state variables of its layers.
         self.seeds = [_seed_states(m) for m in self.models]
-        #: Per stage: the device of its last output, read from TensorFlow (``tensor.device``) after each step.
+        #: Per stage: the device of its last output, read from TensorFlow (``tensor.device``: where it was computed,
+        #: eagerly; the device its op was placed on, traced).
         self.placed = [None] * self.stages
+        self.traced, self.eager = {}, set()  # the traced steps by name, the names run eagerly (see traced())
 
     @property
     def last(self):
@@ -273,14 +275,25 @@ def steps(plan):
     return {"train_step": train_step, "test_step": test_step, "predict_step": predict_step}
 
 
-def _eager_maker(model, name):
-    """Keras' own ``make_*_function`` (which reads ``run_eagerly`` as it makes the function), made eagerly: the
-    step is Python over the stages (the module docstring's **Eager**). ``_run_eagerly`` is the private behind
+def _maker(model, plan, name):
+    """Keras' own ``make_*_function``, made with ``run_eagerly`` on (the loop over a call's batches is Python), its
+    step traced by :func:`traced` unless the user asked for ``run_eagerly``. ``_run_eagerly`` is the private behind
     Keras' ``run_eagerly`` property, set for the making only so the user's setting and compile config stay."""
     keras_make = getattr(type(model), name)
+    attribute, step = name.replace("make_", ""), name.replace("make_", "").replace("function", "step")
 
     def make(force=False):
+        current = getattr(model, attribute)
+        if current is not None and not force:
+            return current
         outer = model._run_eagerly
+        plan.traced.pop(step, None)  # a new function (after compile(): its loss and optimizer): traced again
+        (plan.eager.add if outer else plan.eager.discard)(step)
+        optimizer = getattr(model, "optimizer", None)
+        if name == "make_train_function" and optimizer is not None and not optimizer.built:
+            with tf.init_scope():  # eagerly, before a trace: its slots next to their variables
+                optimizer.build(model.trainable_variables)
+        place(plan)  # what was made since (an optimizer built by Keras' symbolic build) to its stage's device
         model._run_eagerly = True
         try:
             return keras_make(model, force)
@@ -290,6 +303,20 @@ def _eager_maker(model, name):
     return make
 
 
+def traced(plan, name, step):
+    """``step`` run as a ``tf.function`` of its batch's shapes (one trace per batch shape: the micro-batch sizes
+    are ints when it is traced; XLA off, a program over several devices), or eagerly (``run_eagerly=True``)."""
+
+    def run(data):
+        if name in plan.eager:
+            return step(data)
+        if name not in plan.traced:
+            plan.traced[name] = tf.function(step, autograph=False, jit_compile=False, reduce_retracing=False)
+        return plan.traced[name](data)
+
+    return run
+
+
 def install(model, plan):
     """Place the variables and hook the model's steps and step makers (instance attributes, see
     :func:`keras_model.hook`). Keras' random functions draw one device's values for a micro-batch's rows."""
@@ -297,8 +324,8 @@ def install(model, plan):
     tensorflow_steps.draw_like_one_device(tf)
     tensorflow_steps.draw_tf_like_one_device(tf)
     for name, function in steps(plan).items():
-        keras_model.hook(model, name, function)
+        keras_model.hook(model, name, traced(plan, name, function))
     for name in _MAKERS:
-        keras_model.hook(model, name, _eager_maker(model, name))
+        keras_model.hook(model, name, _maker(model, plan, name))
     keras_model.hook(model, PLAN, plan)
     model.train_function = model.test_function = model.predict_function = None
