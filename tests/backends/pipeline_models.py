@@ -1,5 +1,6 @@
 """The models and the comparison of the pipeline tests (tests/backends/test_*_pipeline.py), backend-neutral: a
-Sequential MLP (a regularizer, optionally Dropout) and a functional convnet with a skip connection, their data, and
+Sequential MLP (a regularizer, optionally Dropout), a functional convnet with a skip connection and a functional
+transformer stack (attention with dropout, residuals, LayerNorm), their data, and
 what "trains as one device" means (weights rtol 1e-4 atol 2e-5, History, evaluate, predict). Import it after the
 backend's devices are set up (it imports Keras)."""
 
@@ -38,7 +39,30 @@ def convnet():
     return model
 
 
-MODELS = {"mlp": (mlp, X, Y), "mlp-dropout": (lambda: mlp(0.3), X, Y), "convnet": (convnet, X_IMG, Y_IMG)}
+def transformer():
+    """A functional transformer stack: an embedding, 2 blocks (attention with dropout, residual, LayerNorm, a
+    feed-forward pair, residual, LayerNorm), pooling and a classifier; cuts fall between blocks only."""
+    keras.utils.set_random_seed(3)
+    ids = keras.Input((6,), dtype="int32")
+    x = keras.layers.Embedding(16, 8, name="embed")(ids)
+    for b in range(2):
+        a = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, dropout=0.2, name="attn{}".format(b))(x, x)
+        x = keras.layers.LayerNormalization(name="ln{}a".format(b))(keras.layers.Add(name="res{}a".format(b))([x, a]))
+        h = keras.layers.Dense(16, activation="relu", name="ff{}a".format(b))(x)
+        h = keras.layers.Dense(8, name="ff{}b".format(b))(h)
+        x = keras.layers.LayerNormalization(name="ln{}b".format(b))(keras.layers.Add(name="res{}b".format(b))([x, h]))
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    model = keras.Model(ids, keras.layers.Dense(3, name="head")(x), name="transformer")
+    # SGD, not Adam: the attention's key bias has a gradient of zero up to rounding, which Adam scales to steps of
+    # the learning rate (noise, the same for one device and a pipeline only to rounding).
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+X_TOK, Y_TOK = RNG.integers(0, 16, size=(20, 6)).astype("int32"), RNG.integers(0, 3, size=(20,)).astype("int32")
+MODELS = {"mlp": (mlp, X, Y), "mlp-dropout": (lambda: mlp(0.3), X, Y), "convnet": (convnet, X_IMG, Y_IMG),
+          "transformer": (transformer, X_TOK, Y_TOK)}
 
 
 def assert_same(one, other, atol=2e-5):

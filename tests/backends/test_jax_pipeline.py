@@ -34,7 +34,8 @@ def one_device(name):
 
 
 @pytest.mark.parametrize("name, schedule, stages", [("mlp", "gpipe", 2), ("mlp-dropout", "1f1b", 2),
-                                                    ("convnet", "1f1b", 2), ("convnet", "gpipe", ["skip"])])
+                                                    ("convnet", "1f1b", 2), ("convnet", "gpipe", ["skip"]),
+                                                    ("transformer", "1f1b", 2)])
 def test_two_stages_train_as_one_device(name, schedule, stages, tmp_path):
     one = one_device(name)
     save = str(tmp_path / "model.keras") if name == "convnet" else None

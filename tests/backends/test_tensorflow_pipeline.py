@@ -36,7 +36,7 @@ def one_device(name):
 
 @pytest.mark.parametrize("name, schedule, stages, eager", [
     ("mlp", "gpipe", 2, False), ("mlp-dropout", "1f1b", 2, False), ("mlp-dropout", "gpipe", 2, True),
-    ("convnet", "1f1b", 2, False), ("convnet", "gpipe", ["skip"], True)])
+    ("convnet", "1f1b", 2, False), ("convnet", "gpipe", ["skip"], True), ("transformer", "1f1b", 2, False)])
 def test_two_stages_train_as_one_device(name, schedule, stages, eager, tmp_path):
     """Traced steps (a tf.function per batch shape) and eager ones (run_eagerly=True), where each stage's output
     is read from the device it ran on."""

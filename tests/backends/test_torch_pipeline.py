@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.backends.harness import BACKEND, job, keras
-from tests.backends.pipeline_models import X, X_IMG, Y, Y_IMG, assert_cut_refusals, assert_same, convnet, mlp
+from tests.backends.pipeline_models import MODELS, X, Y, assert_cut_refusals, assert_same, mlp
 
 import distkeras
 import distkeras.callbacks
@@ -20,33 +20,7 @@ from distkeras.errors import OptionError
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="pipeline stages by process groups: PyTorch's adapter")
 
-RNG = np.random.default_rng(0)
 
-
-def transformer():
-    """A functional transformer stack: an embedding, 2 blocks (attention with dropout, residual, LayerNorm, a
-    feed-forward pair, residual, LayerNorm), pooling and a classifier; cuts fall between blocks only."""
-    keras.utils.set_random_seed(3)
-    ids = keras.Input((6,), dtype="int32")
-    x = keras.layers.Embedding(16, 8, name="embed")(ids)
-    for b in range(2):
-        a = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, dropout=0.2, name="attn{}".format(b))(x, x)
-        x = keras.layers.LayerNormalization(name="ln{}a".format(b))(keras.layers.Add(name="res{}a".format(b))([x, a]))
-        h = keras.layers.Dense(16, activation="relu", name="ff{}a".format(b))(x)
-        h = keras.layers.Dense(8, name="ff{}b".format(b))(h)
-        x = keras.layers.LayerNormalization(name="ln{}b".format(b))(keras.layers.Add(name="res{}b".format(b))([x, h]))
-    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
-    model = keras.Model(ids, keras.layers.Dense(3, name="head")(x), name="transformer")
-    # SGD, not Adam: the attention's key bias has a gradient of zero up to rounding, which Adam scales to steps of
-    # the learning rate (noise, the same for one device and a pipeline only to rounding).
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), metrics=["accuracy"],
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
-X_TOK, Y_TOK = RNG.integers(0, 16, size=(20, 6)).astype("int32"), RNG.integers(0, 3, size=(20,)).astype("int32")
-MODELS = {"mlp": (mlp, X, Y), "mlp-dropout": (lambda: mlp(0.3), X, Y), "convnet": (convnet, X_IMG, Y_IMG),
-          "transformer": (transformer, X_TOK, Y_TOK)}
 
 
 def train(name, stages=None, processes=2, save=None, epochs=2, shuffle=True, backup=None, stop_at=None, **options):

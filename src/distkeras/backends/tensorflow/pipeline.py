@@ -212,7 +212,7 @@ class Step(object):
             found = tape.gradient(targets, sources, output_gradients=gradients,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             mine = found[:len(self.variables[s])]
-            self.sums[s] = mine if self.sums[s] is None else [a + b for a, b in zip(self.sums[s], mine)]
+            self.sums[s] = mine if self.sums[s] is None else [_add(tf, a, b) for a, b in zip(self.sums[s], mine)]
         if s > 0:
             self.wire[(pipeline.BACKWARD, s - 1, m)] = found[-1]
 
@@ -329,3 +329,17 @@ def install(model, plan):
         keras_model.hook(model, name, _maker(model, plan, name))
     keras_model.hook(model, PLAN, plan)
     model.train_function = model.test_function = model.predict_function = None
+
+
+def _add(tf, a, b):
+    """Two micro-batches' gradients of one variable summed. An Embedding's are ``IndexedSlices`` (the rows its
+    ids looked up), which ``+`` doesn't add: their rows are concatenated, as one device's gradient over the whole
+    batch lists every looked-up row (the optimizer adds repeated rows); a sparse one meeting a dense one is made
+    dense."""
+    sparse = (isinstance(a, tf.IndexedSlices), isinstance(b, tf.IndexedSlices))
+    if all(sparse):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0),
+                                a.dense_shape)
+    if any(sparse):
+        return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+    return a + b
