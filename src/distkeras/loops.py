@@ -38,7 +38,7 @@ Backend-neutral: this module imports no framework; each backend's primitives are
 import importlib
 import importlib.util
 
-from . import backends
+from . import backends, pipeline
 from .errors import ModelError
 
 
@@ -47,6 +47,11 @@ def _backend_loops(model):
         raise ModelError(
             "Expected a Keras model distributed with distkeras.distribute(). Received: {!r} of type {}".format(
                 model, type(model).__name__))
+    if getattr(model, "__dict__", {}).get(pipeline.PLAN) is not None:
+        raise ModelError(
+            "Hand-written loops (distribute_dataset, distribute_step, attach) don't drive pipeline stages: {!r} is cut "
+            "into stages (pipeline_stages=), each on its own device, and only fit(), evaluate() and predict() run "
+            "them in turn. Use fit(), or distribute the model without pipeline_stages for this loop.".format(model.name))
     name = backends.active_name(model)
     if importlib.util.find_spec("distkeras.backends.{}.loops".format(name)) is None:  # a backend without loops
         raise ModelError("Hand-written loops are supported on TensorFlow, JAX and PyTorch (Keras 3); this model's "

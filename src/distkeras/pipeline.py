@@ -26,6 +26,8 @@ from typing import NamedTuple, Optional, Tuple
 from .errors import OptionError
 
 SCHEDULES = ("gpipe", "1f1b")
+#: The instance attribute of a model cut into stages, on every backend: its backend's plan.
+PLAN = "_distkeras_pipeline"
 FORWARD = "forward"
 BACKWARD = "backward"
 

@@ -16,7 +16,7 @@ from tests.backends.pipeline_models import MODELS, X, Y, assert_cut_refusals, as
 
 import distkeras
 import distkeras.callbacks
-from distkeras.errors import OptionError
+from distkeras.errors import ModelError, OptionError
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="pipeline stages by process groups: PyTorch's adapter")
 
@@ -51,6 +51,10 @@ def train(name, stages=None, processes=2, save=None, epochs=2, shuffle=True, bac
         result["held"] = sorted(v.path for v in model.trainable_variables if v._value.numel())
         result["slots"] = sum(v._value.numel() for v in model.optimizer.variables if len(v.shape))
         result["all_slots"] = sum(int(np.prod(v.shape)) for v in model.optimizer.variables if len(v.shape))
+        try:  # a hand-written loop can't drive the stages: a clear error, not a shape error at its first step
+            distkeras.distribute_step(lambda batch: batch, model)
+        except ModelError as exc:
+            result["loop"] = str(exc)
     if save is not None:
         model.save(save)
     return result
@@ -67,6 +71,7 @@ def test_two_stages_train_as_one_device(name, schedule, microbatches, tmp_path):
         assert outcome.result["describe"]["replicas"] == 1 and outcome.result["describe"]["model_shards"] == 2
     for outcome in outcomes:
         assert outcome.result["grads"] == outcome.result["own"] == outcome.result["held"] and outcome.result["grads"]
+        assert "don't drive pipeline stages" in outcome.result["loop"] and "Use fit()" in outcome.result["loop"]
     assert sum(o.result["slots"] for o in outcomes) == outcomes[0].result["all_slots"]  # split, not copied
     first, second = (o.result["stage"] for o in outcomes)
     assert first and second and not set(first) & set(second)

@@ -45,7 +45,7 @@ from ...errors import OptionError
 from .. import keras_model
 
 #: The plan's attribute on a model split into stages.
-PLAN = "_distkeras_pipeline"
+PLAN = pipeline.PLAN
 
 
 class Plan(object):

@@ -43,7 +43,7 @@ from .. import keras_model
 from . import steps as tensorflow_steps
 
 #: The plan's attribute on a model split into stages (read by name by the adapter's ``model_shards``).
-PLAN = "_distkeras_pipeline"
+PLAN = pipeline.PLAN
 #: The step makers :func:`install` hooks.
 _MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
 

@@ -38,7 +38,7 @@ from .. import keras_model
 from . import random as torch_random
 
 #: The plan's attribute on a model split into stages.
-PLAN = "_distkeras_pipeline"
+PLAN = pipeline.PLAN
 
 
 class Plan(object):
