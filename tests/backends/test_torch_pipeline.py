@@ -23,6 +23,11 @@ pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="pipeline stages by p
 
 
 
+# A LossScaleOptimizer (float32 here): every stage's backward starts from the scaled loss, as Keras' train_step's.
+MODELS = dict(MODELS, **{"mlp-loss-scaled": (lambda: mlp(optimizer=keras.optimizers.LossScaleOptimizer(
+    keras.optimizers.SGD(0.05, momentum=0.9), initial_scale=2.0 ** 10)), MODELS["mlp"][1], MODELS["mlp"][2])})
+
+
 def train(name, stages=None, processes=2, save=None, epochs=2, shuffle=True, backup=None, stop_at=None, **options):
     build, x, y = MODELS[name]
     model = build()
@@ -61,7 +66,8 @@ def train(name, stages=None, processes=2, save=None, epochs=2, shuffle=True, bac
 
 
 @pytest.mark.parametrize("name, schedule, microbatches", [("mlp", "gpipe", 3), ("mlp-dropout", "1f1b", 3),
-                                                          ("convnet", "1f1b", 4), ("transformer", "gpipe", 3)])
+                                                          ("convnet", "1f1b", 4), ("transformer", "gpipe", 3),
+                                                          ("mlp-loss-scaled", "1f1b", 2)])
 def test_two_stages_train_as_one_device(name, schedule, microbatches, tmp_path):
     one = train(name)
     outcomes = job(2).run(train, name, 2, microbatches=microbatches, schedule=schedule,

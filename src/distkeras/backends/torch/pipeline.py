@@ -170,6 +170,9 @@ class TorchStage(pipeline.Stage):
         if self.last:
             self.outputs[m] = output.detach()
         if self.training:
+            optimizer = plan.model.optimizer
+            if loss is not None and optimizer is not None:  # a LossScaleOptimizer's scale, as Keras' train_step
+                loss = optimizer.scale_loss(loss)  # (the gradient the next stage sends back is scaled alike)
             self.saved[m] = (inputs, output, loss)
         return output.detach()
 
