@@ -62,6 +62,12 @@ def four_stages():
     assert four["placed"] == four["expected"], four["placed"]
     assert four["describe"]["replicas"] == 1 and four["describe"]["model_shards"] == 4, four["describe"]
     assert_same(one, four)
+    # The functional transformer stack, balanced by parameters over 4 devices (cuts between blocks only).
+    one = train("transformer")
+    four = train("transformer", 4, devices=4, microbatches=2, schedule="gpipe")
+    assert four["placed"] == four["expected"], four["placed"]
+    assert four["describe"]["model_shards"] == 4 and all(four["stages"]), four["stages"]
+    assert_same(one, four)
 
 
 if __name__ == "__main__":
