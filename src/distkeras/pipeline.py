@@ -391,6 +391,28 @@ def model_inputs(model):
         return model.inputs[0] if len(model.inputs) == 1 else model.inputs
 
 
+def stage_model(model, part):
+    """A Keras ``Model`` over ``part`` of ``model`` (its stage), sharing the original layers and variables: built on
+    the tensor the part receives (Keras clones the graph's nodes from there), or on the model's inputs."""
+    import keras  # here, not at import: this module is imported with distkeras, which imports no framework
+
+    inputs = model_inputs(model) if part.input is None else part.input
+    return keras.Model(inputs, part.output, name="{}_stage{}".format(model.name, part.index))
+
+
+def seed_states(model):
+    """The state variables of the seed generators of ``model``'s layers, nested ones included, each once: what a
+    stage puts back before each micro-batch so that it draws as one device does."""
+    found, seen = [], set()
+    for layer in model._flatten_layers(include_self=False):  # Keras' walk of nested layers (a private)
+        for generator in getattr(layer, "_seed_generators", None) or []:
+            state = getattr(generator, "state", None)
+            if state is not None and id(state) not in seen:
+                seen.add(id(state))
+                found.append(state)
+    return found
+
+
 def interleave(schedules):
     """One order of every stage's actions (``schedules[s]``: stage s's list of (kind, micro-batch)) for a pipeline
     whose stages all run in one process: each action comes after what it needs (a forward after the previous

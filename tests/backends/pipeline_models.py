@@ -7,6 +7,9 @@ backend's devices are set up (it imports Keras)."""
 import keras
 import numpy as np
 
+import distkeras
+from distkeras.errors import OptionError
+
 RNG = np.random.default_rng(0)
 X, Y = RNG.normal(size=(30, 6)).astype("float32"), RNG.normal(size=(30, 2)).astype("float32")
 X_IMG, Y_IMG = RNG.normal(size=(20, 8, 8, 1)).astype("float32"), RNG.integers(0, 3, size=(20,)).astype("int32")
@@ -91,7 +94,18 @@ class Subclassed(keras.Model):
         return self.b(self.a(x))
 
 
-def assert_cut_refusals(refusal):
+def refusal(build, devices=2, **options):
+    """distribute()'s OptionError message for the model ``build()`` makes, on the first ``devices`` devices (None
+    where it distributed)."""
+    model = build()
+    try:
+        distkeras.distribute(model, devices, **options)
+    except OptionError as exc:
+        return str(exc)
+    return None
+
+
+def assert_cut_refusals(refusal=refusal):
     """What no backend can cut, each a clear error: ``refusal(build, **options)`` gives distribute()'s
     OptionError message for the model ``build()`` makes (None where it distributed)."""
     said = refusal(convnet, pipeline_stages=["c2"])
@@ -110,3 +124,5 @@ def assert_cut_refusals(refusal):
     assert "Expected schedule in ('gpipe', '1f1b')" in said
     said = refusal(mlp, microbatches=2)
     assert "apply to pipeline_stages only" in said
+    said = refusal(mlp, pipeline_stages=2, microbatches=0)
+    assert "microbatches as a positive integer" in said

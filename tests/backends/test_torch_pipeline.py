@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from tests.backends.harness import BACKEND, job, keras
-from tests.backends.pipeline_models import MODELS, X, Y, assert_cut_refusals, assert_same, mlp
+from tests.backends.pipeline_models import MODELS, X, Y, assert_cut_refusals, assert_same, mlp, refusal
 
 import distkeras
 import distkeras.callbacks
-from distkeras.errors import ModelError, OptionError
+from distkeras.errors import ModelError
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="pipeline stages by process groups: PyTorch's adapter")
 
@@ -128,17 +128,8 @@ def test_backup_and_restore_resumes_a_pipelined_model_to_the_uninterrupted_run(t
         assert len(outcome.result["history"]["loss"]) == 1  # only the epoch left ran
 
 
-def refusal(build, devices=2, **options):
-    model = build()
-    try:
-        distkeras.distribute(model, devices, **options)
-    except OptionError as exc:
-        return str(exc)
-    return None
-
-
 def test_what_cannot_be_cut_is_a_clear_error_before_any_process_starts():
-    assert_cut_refusals(refusal)
+    assert_cut_refusals()
     said = refusal(mlp, devices=3, pipeline_stages=2)
     assert "doesn't divide the job's 3 processes" in said
     said = refusal(mlp, pipeline_stages=2, shard="all")

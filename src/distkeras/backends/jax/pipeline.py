@@ -55,9 +55,7 @@ class Plan(object):
         self.model, self.parts, self.devices = model, parts, list(devices)
         self.stages = len(parts)
         self.microbatches, self.schedule = microbatches, schedule
-        inputs = pipeline.model_inputs(model)
-        self.models = [keras.Model(inputs if p.input is None else p.input, p.output,
-                                   name="{}_stage{}".format(model.name, p.index)) for p in parts]
+        self.models = [pipeline.stage_model(model, p) for p in parts]
         self.index()
         self.functions = {}  # the jitted stage functions, by kind and stage (see steps())
         self.compiled = None  # the optimizer, compiled loss and metrics they were traced with
@@ -72,7 +70,7 @@ class Plan(object):
         self.trainable = [[trainable[id(v)] for v in m.trainable_variables] for m in self.models]
         self.non_trainable = [[non_trainable[id(v)] for v in m.non_trainable_variables] for m in self.models]
         #: Per stage: the positions, in its non-trainable list, of seed-generator states.
-        self.seeds = [[i for i, v in enumerate(m.non_trainable_variables) if id(v) in _seed_states(m)]
+        self.seeds = [[i for i, v in enumerate(m.non_trainable_variables) if id(v) in {id(state) for state in pipeline.seed_states(m)}]
                       for m in self.models]
         self.stage_of_trainable = {i: s for s, ids in enumerate(self.trainable) for i in ids}
         self.stage_of_non_trainable = {i: s for s, ids in enumerate(self.non_trainable) for i in ids}
@@ -80,16 +78,6 @@ class Plan(object):
     @property
     def last(self):
         return self.stages - 1
-
-
-def _seed_states(model):
-    found = set()
-    for layer in model._flatten_layers(include_self=False):  # Keras' walk of nested layers (a private)
-        for generator in getattr(layer, "_seed_generators", None) or []:
-            state = getattr(generator, "state", None)
-            if state is not None:
-                found.add(id(state))
-    return found
 
 
 # ---------------------------------------------------------------------------------------------- the optimizer

@@ -55,11 +55,9 @@ class Plan(object):
         self.model, self.parts, self.devices = model, parts, list(devices)
         self.stages = len(parts)
         self.microbatches, self.schedule = microbatches, schedule
-        inputs = pipeline.model_inputs(model)
-        self.models = [keras.Model(inputs if p.input is None else p.input, p.output,
-                                   name="{}_stage{}".format(model.name, p.index)) for p in parts]
+        self.models = [pipeline.stage_model(model, p) for p in parts]
         #: Per stage: the seed-generator state variables of its layers.
-        self.seeds = [_seed_states(m) for m in self.models]
+        self.seeds = [pipeline.seed_states(m) for m in self.models]
         #: Per stage: the device of its last output, read from TensorFlow (``tensor.device``: where it was computed,
         #: eagerly; the device its op was placed on, traced).
         self.placed = [None] * self.stages
@@ -68,17 +66,6 @@ class Plan(object):
     @property
     def last(self):
         return self.stages - 1
-
-
-def _seed_states(model):
-    found, seen = [], set()
-    for layer in model._flatten_layers(include_self=False):  # Keras' walk of nested layers (a private)
-        for generator in getattr(layer, "_seed_generators", None) or []:
-            state = getattr(generator, "state", None)
-            if state is not None and id(state) not in seen:
-                seen.add(id(state))
-                found.append(state)
-    return found
 
 
 # ---------------------------------------------------------------------------------------------- placement

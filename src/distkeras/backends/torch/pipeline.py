@@ -53,8 +53,7 @@ class Plan(object):
         self.microbatches, self.schedule = microbatches, schedule
         self.group, self.data_group = group, data_group
         part = parts[self.index]
-        inputs = _model_inputs(model) if part.input is None else part.input
-        self.stage = keras.Model(inputs, part.output, name="{}_stage{}".format(model.name, self.index))
+        self.stage = pipeline.stage_model(model, part)
         self.owned = [_variables(p.layers) for p in parts]
         self.trainable = [v for v in self.owned[self.index] if v.trainable]
 
@@ -65,14 +64,6 @@ class Plan(object):
     @property
     def last(self):
         return self.index == self.stages - 1
-
-
-def _model_inputs(model):
-    """The model's inputs in the structure its call takes (a Functional's ``input``; a Sequential's one input)."""
-    try:
-        return model.input
-    except (AttributeError, ValueError):
-        return model.inputs[0] if len(model.inputs) == 1 else model.inputs
 
 
 def _variables(layers):
@@ -273,17 +264,11 @@ def _seed_states(stage):
     """The seed generators' states of ``stage``'s layers (and Keras' global one), as the step found them."""
     from keras.src.backend.common import global_state  # a Keras private: where the global seed generator lives
 
-    generators = []
-    for layer in stage._flatten_layers(include_self=False):
-        generators.extend(getattr(layer, "_seed_generators", []) or [])
+    states = list(pipeline.seed_states(stage))
     found = global_state.get_global_attribute("global_seed_generator")
-    if found is not None:
-        generators.append(found)
-    states = {}
-    for generator in generators:
-        state = getattr(generator, "state", None)
-        if state is not None and id(state) not in states:
-            states[id(state)] = (state, state.value.detach().clone(), None)
+    if found is not None and all(found.state is not state for state in states):
+        states.append(found.state)
+    states = {id(state): (state, state.value.detach().clone()) for state in states}
     return {"states": states, "torch": _rng_get(), "after": None}
 
 
@@ -291,10 +276,10 @@ def _restore(seeds):
     """Before a micro-batch: the states of the step's start. The states one micro-batch leaves (each micro-batch
     draws once per layer, as one device does per step) are kept to leave at the end (:func:`_advance`)."""
     if seeds["after"] is None and seeds.get("ran"):
-        seeds["after"] = ({key: state.value.detach().clone() for key, (state, _, _) in seeds["states"].items()},
+        seeds["after"] = ({key: state.value.detach().clone() for key, (state, _) in seeds["states"].items()},
                           _rng_get())
     seeds["ran"] = True
-    for state, value, _ in seeds["states"].values():
+    for state, value in seeds["states"].values():
         state.assign(value)
     _rng_set(seeds["torch"])
 
@@ -305,7 +290,7 @@ def _advance(seeds):
     if seeds["after"] is None:  # one micro-batch: its states are the step's end
         return
     values, rng = seeds["after"]
-    for key, (state, _, _) in seeds["states"].items():
+    for key, (state, _) in seeds["states"].items():
         state.assign(values[key])
     _rng_set(rng)
 
