@@ -166,7 +166,7 @@ def _step_clock(keras):
 
 def _job_environment(backend):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_") and k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND=backend)
+    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]), KERAS_BACKEND=backend)
     return env
 
 

@@ -347,7 +347,7 @@ def _command(backend, args, workload, devices, mode):
 def run_setting(backend, args, workload, devices, mode):
     """One setting in fresh processes: ``{"ranks": [...], ...}``, ``{"not_built": reason}`` or ``{"error": ...}``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_") and k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND=backend)
+    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]), KERAS_BACKEND=backend)
     started = time.perf_counter()
     try:
         done = subprocess.run(_command(backend, args, workload, devices, mode), cwd=ROOT, env=env,

@@ -287,7 +287,7 @@ def _forwarded(args):
 
 def _run(command, args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
-    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND="torch")
+    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]), KERAS_BACKEND="torch")
     env.pop("OMP_NUM_THREADS", None)
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     results = [json.loads(line.split(_RESULT, 1)[1]) for line in done.stdout.splitlines() if _RESULT in line]
@@ -308,7 +308,7 @@ def _run_hosts(args, arguments):
     if args.processes % args.hosts:
         raise SystemExit("--processes {} can't be split evenly over --hosts {}".format(args.processes, args.hosts))
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
-    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND="torch")
+    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]), KERAS_BACKEND="torch")
     env.pop("OMP_NUM_THREADS", None)
     with netns.Hosts(args.hosts) as hosts:
         for host in range(args.hosts):

@@ -19,6 +19,9 @@ weights), up to float tolerance, and reads from the framework that the replicas 
 - ``torch-tensor``: the same launch with ``strategy="model"``: the MLP's two Dense layers split column then row over
   the N GPUs (tensor parallelism, NCCL), SGD with momentum so the split optimizer slots count; the gathered weights
   equal one device's.
+- ``torch-pipeline``: the same launch with ``pipeline_stages=N``: one Dense layer per GPU, activations and their
+  gradients sent between the stages (NCCL ``isend``/``recv``) in micro-batches; the gathered weights equal one
+  device's.
 
 TF32 is turned off in every framework, so float32 on the GPU is float32 and the tolerances are the test suite's.
 
@@ -56,6 +59,7 @@ PATHS = {
     "torch-shard": ("torch", 110),
     "torch-compression": ("torch", 110),
     "torch-tensor": ("torch", 110),
+    "torch-pipeline": ("torch", 110),
 }
 VERDICT = "GPU-CHECK-VERDICT "
 #: float32 SGD over 18 steps: replicas add partial sums in another order than one device (test_distribute.py).
@@ -411,7 +415,11 @@ TORCH_VARIANTS = {
     "torch-compression": [("compression=" + c, {"compression": c}, 0.0) for c in ("bf16", "fp16")],
     # Tensor parallelism: the MLP's two Dense layers are a column-then-row pair, split over every process.
     "torch-tensor": [("strategy=model", {"strategy": "model"}, 0.9)],
+    # Pipeline stages: one Dense layer per process, activations and their gradients sent between them.
+    "torch-pipeline": [("pipeline_stages", {"pipeline_stages": 2}, 0.9)],
 }
+#: torch paths whose processes each hold a part of the model: (replicas, model_shards) = (1, processes).
+MODEL_PARALLEL = ("torch-tensor", "torch-pipeline")
 
 
 def check_torch(kind, count, name):
@@ -469,7 +477,7 @@ def check_torch(kind, count, name):
         for variant in info["variants"]:
             want = "cuda:{}".format(rank) if kind == "gpu" else "cpu"
             mesh = (variant["replicas"], variant["model_shards"])
-            wanted = (1, processes) if name == "torch-tensor" else (processes, 1)
+            wanted = (1, processes) if name in MODEL_PARALLEL else (processes, 1)
             if variant["backend"] != engine or variant["device"] != want or mesh != wanted:
                 raise Fail("rank {} {}: torch.distributed backend {}, weights on {}, (replicas, model_shards) {}; "
                            "expected {}, {}, {}".format(rank, variant["name"], variant["backend"], variant["device"],
@@ -533,7 +541,8 @@ def torch_worker(name, out):
     for variant, options, momentum in TORCH_VARIANTS[name]:
         model = distkeras.distribute(build(keras, momentum), **options)
         info = distkeras.describe(model)
-        storage = getattr(model.trainable_weights[0], "_value", None)  # its torch Parameter (read, not gathered)
+        # Its torch Parameter, read, not gathered (a pipeline stage frees the others' storage, keeping the device).
+        storage = getattr(model.trainable_weights[0], "_value", None)
         device = storage.device
         weights, loss = fit(model, world)
         variants.append({"name": variant, "backend": dist.get_backend(), "device": "{}{}".format(

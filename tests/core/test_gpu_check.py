@@ -14,7 +14,8 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PATHS = ["tf-mirrored", "jax", "torch-nccl", "torch-shard", "torch-compression", "torch-tensor"]
+PATHS = ["tf-mirrored", "jax", "torch-nccl", "torch-shard", "torch-compression", "torch-tensor",
+         "torch-pipeline"]
 HAS_GPU = shutil.which("nvidia-smi") is not None or bool(glob.glob("/dev/nvidia[0-9]*"))
 pytestmark = pytest.mark.skipif(HAS_GPU, reason="this machine has an NVIDIA GPU: run bash scripts/gpu-check.sh itself")
 
