@@ -460,12 +460,28 @@ def plan_in_process(model, stages, microbatches, schedule, others, cluster, devi
     parts = plan(model, stages)
     if len(parts) < 2:
         raise OptionError("pipeline_stages={!r} gives one stage: nothing to pipeline. Give 2 or more.".format(stages))
-    if len(parts) != len(devices):
+    if len(devices) % len(parts):
         raise OptionError(
-            "pipeline_stages on {} puts one stage on each device: {} stages need {} devices. Received: {} device(s) "
-            "({}). Replicas of a pipeline (stages x replicas devices) are not supported on {} in this version.".format(
-                backend, len(parts), len(parts), len(devices), ", ".join(str(d) for d in devices), backend))
+            "pipeline_stages on {} puts each stage on one device per replica: {} stages need a multiple of {} devices "
+            "(stages x replicas). Received: {} device(s) ({}). Give {} device(s) for one replica{}.".format(
+                backend, len(parts), len(parts), len(devices), ", ".join(str(d) for d in devices), len(parts),
+                "" if len(devices) < len(parts) else ", or {} for {}".format(
+                    len(parts) * (len(devices) // len(parts)), len(devices) // len(parts))))
     return parts, 2 * len(parts) if microbatches is None else microbatches
+
+
+def stage_devices(devices, stages):
+    """The devices of each stage, one per replica: replica r's stage s is ``devices[r * stages + s]`` (stage-major
+    within a replica, as :func:`stage_of` numbers processes)."""
+    replicas = len(devices) // stages
+    return [[devices[r * stages + s] for r in range(replicas)] for s in range(stages)]
+
+
+def replica_rows(count, replicas):
+    """A micro-batch of ``count`` rows split over a stage's replicas: each replica's row count (as even as can be,
+    the first ones larger; none empty: fewer parts than replicas when ``count`` is smaller)."""
+    parts = min(count, replicas)
+    return [count // parts + (1 if r < count % parts else 0) for r in range(parts)]
 
 
 def stage_of(rank, stages):

@@ -1,6 +1,6 @@
-"""The training run of tests/backends/test_jax_pipeline.py, and, run as a script, its 4-stage case:
-the MLP cut after each Dense on 4 CPU devices (the backend suite's harness gives its process 3), checked against
-one device in that process; it prints "ok" and exits 0, or fails."""
+"""The training run of tests/backends/test_jax_pipeline.py, and, run as a script, its 4-device cases (the backend
+suite's harness gives its process 3): the MLP cut after each Dense and the transformer stack at 4 stages, and both
+at 2 stages x 2 replicas, checked against one device in that process; it prints "ok" and exits 0, or fails."""
 
 import os
 import sys
@@ -39,17 +39,20 @@ def train(name, stages=None, devices=2, save=None, **options):
         cpus = jax.devices("cpu")
         expected, found = [], []
         for s, part in enumerate(plan.parts):
+            # Stage s of replica r is devices[r * stages + s]: a copy of its variables on each.
+            mine = sorted(cpus[r * len(plan.parts) + s].id for r in range(devices // len(plan.parts)))
             for layer in part.layers:
                 for variable in layer.variables:
-                    expected.append((variable.path, [cpus[s].id]))
+                    expected.append((variable.path, mine))
                     found.append((variable.path, devices_of(variable.value)))
                     # The optimizer's slots made from it (Adam's moments, SGD's momentum): on its device too.
                     key = variable.path.replace("/", "_") + "_"
                     for slot in model.optimizer.variables:
                         if slot.name.startswith(key):
-                            expected.append((slot.path, [cpus[s].id]))
+                            expected.append((slot.path, mine))
                             found.append((slot.path, devices_of(slot.value)))
         result["placed"], result["expected"] = found, expected
+        result["ran"] = [sorted(ran) for ran in plan.ran]  # (device ids, rows per device) of each stage's outputs
     if save is not None:
         model.save(save)
     return result
@@ -68,6 +71,17 @@ def four_stages():
     assert four["placed"] == four["expected"], four["placed"]
     assert four["describe"]["model_shards"] == 4 and all(four["stages"]), four["stages"]
     assert_same(one, four)
+    # 2 stages x 2 replicas on the 4 devices: each stage's micro-batches split by rows over its 2 devices.
+    two = train("transformer", 2, devices=4, microbatches=2, schedule="1f1b")
+    assert two["placed"] == two["expected"], two["placed"]
+    assert two["describe"]["replicas"] == 2 and two["describe"]["model_shards"] == 2, two["describe"]
+    assert_same(one, two)
+    one = train("mlp-dropout")
+    two = train("mlp-dropout", ["d2"], devices=4, microbatches=2, schedule="gpipe")
+    assert two["placed"] == two["expected"], two["placed"]
+    for ids, ran in zip([(0, 2), (1, 3)], two["ran"]):  # read from JAX: the outputs' shardings
+        assert (ids, 2) in ran, two["ran"]  # a micro-batch of 4 rows: 2 on each replica's device
+    assert_same(one, two)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""The training run of tests/backends/test_tensorflow_pipeline.py, and, run as a script, its 4-stage case:
-the MLP cut after each Dense on 4 CPU devices (the backend suite's harness gives its process 3), checked against
-one device in that process; it prints "ok" and exits 0, or fails."""
+"""The training run of tests/backends/test_tensorflow_pipeline.py, and, run as a script, its 4-device cases (the
+backend suite's harness gives its process 3): the MLP cut after each Dense and the transformer stack at 4 stages,
+and both at 2 stages x 2 replicas, checked against one device in that process; it prints "ok" and exits 0, or
+fails."""
 
 import os
 import sys
@@ -39,6 +40,7 @@ def train(name, stages=None, devices=2, save=None, eager=False, **options):
     if stages is not None:
         plan = model.__dict__["_distkeras_pipeline"]
         result["outputs"] = [cpu_index(d) for d in plan.placed]  # evaluate()'s last step
+        result["ran"] = [sorted(cpu_index(d) for d in ran) for ran in plan.ran]  # every device a stage's outputs came from
     result["predict"] = model.predict(x[:7], verbose=0)
     if stages is not None:
         result["describe"] = distkeras.describe(model)
@@ -76,6 +78,18 @@ def four_stages():
     assert four["outputs"] == [0, 1, 2, 3], four["outputs"]
     assert four["describe"]["model_shards"] == 4 and all(four["stages"]), four["stages"]
     assert_same(one, four)
+    # 2 stages x 2 replicas on the 4 devices: each micro-batch split by rows over a stage's 2 devices (stage 0 on
+    # CPU:0 and CPU:2, stage 1 on CPU:1 and CPU:3); the variables on each stage's first.
+    two = train("transformer", 2, devices=4, microbatches=2, schedule="1f1b")
+    assert two["placed"] == two["expected"], two["placed"]
+    assert two["ran"] == [[0, 2], [1, 3]], two["ran"]
+    assert two["describe"]["replicas"] == 2 and two["describe"]["model_shards"] == 2, two["describe"]
+    assert_same(one, two)
+    one = train("mlp-dropout")
+    two = train("mlp-dropout", ["d2"], devices=4, microbatches=3, schedule="gpipe")
+    assert two["placed"] == two["expected"], two["placed"]
+    assert two["ran"] == [[0, 2], [1, 3]], two["ran"]
+    assert_same(one, two)
 
 
 if __name__ == "__main__":

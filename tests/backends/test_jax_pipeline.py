@@ -90,7 +90,8 @@ def test_compile_after_distribute_and_batchnorm_per_micro_batch():
 def test_what_cannot_be_done_is_a_clear_error_before_anything_runs():
     assert_cut_refusals()
     said = refusal(mlp, devices=3, pipeline_stages=2)
-    assert "2 stages need 2 devices" in said and "Received: 3 device(s)" in said and "not supported" in said
+    assert "2 stages need a multiple of 2 devices" in said and "Received: 3 device(s)" in said
+    assert "Give 2 device(s) for one replica" in said
     said = refusal(mlp, pipeline_stages=2, shard="all")
     assert "doesn't combine with shard='all'" in said
     said = refusal(mlp, pipeline_stages=2, strategy="model")

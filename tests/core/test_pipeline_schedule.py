@@ -57,3 +57,14 @@ def test_bad_schedule_options_say_what_is_accepted():
     with pytest.raises(OptionError, match="doesn't divide the job's 6 processes"):
         pipeline.check_world(6, 4)
     assert pipeline.groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+
+
+def test_stages_times_replicas_devices_and_each_replicas_rows():
+    # Replica r's stage s is device r * S + s, as stage_of numbers processes: a replica's stages are neighbours.
+    assert pipeline.stage_devices(["d0", "d1", "d2", "d3"], 2) == [["d0", "d2"], ["d1", "d3"]]
+    assert pipeline.stage_devices(list("abcdef"), 3) == [["a", "d"], ["b", "e"], ["c", "f"]]
+    assert [pipeline.stage_of(rank, 2) for rank in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for count, replicas in itertools.product(range(1, 12), range(1, 5)):
+        rows = pipeline.replica_rows(count, replicas)
+        assert sum(rows) == count and min(rows) >= 1 and max(rows) - min(rows) <= 1
+        assert len(rows) == min(count, replicas) and rows == sorted(rows, reverse=True)

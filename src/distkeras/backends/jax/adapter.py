@@ -102,7 +102,7 @@ class JaxAdapter(Adapter):
         "model_shards": "strategy='model': devices on the 'model' mesh axis (default: all); the rest form 'batch'",
         "compression": COMPRESSION_HELP + "; strategy='data' only",
         "pipeline_stages": "pipeline parallelism in this process: the number of stages to cut the model into (balanced "
-        "by parameter count), or the names of the layers to cut after; one device per stage",
+        "by parameter count), or the names of the layers to cut after; one device per stage per replica (devices = stages x replicas)",
         "microbatches": "pipeline_stages: micro-batches per batch (default: 2 x stages)",
         "schedule": "pipeline_stages: 'gpipe' (every forward, then every backward; the default) or '1f1b' (fewer "
         "activations held)",
@@ -366,7 +366,7 @@ class JaxAdapter(Adapter):
 
 def _pipeline(model, devices, cluster, stages, microbatches, schedule, others):
     """Cut ``model`` into pipeline stages over ``devices`` of this process (:mod:`.pipeline`), every option checked
-    first: one device per stage, one process, no other way of splitting."""
+    first: one device per stage and replica (stages x replicas devices), one process, no other way of splitting."""
     from ... import pipeline
     from . import pipeline as jax_pipeline
     from . import shard as jax_shard
@@ -379,7 +379,8 @@ def _pipeline(model, devices, cluster, stages, microbatches, schedule, others):
     keras_model.unhook(model)  # an earlier distribute()'s hooks
     jax_shard.unhook_optimizers(model)
     jax_steps.uninstall(model)
-    plan = jax_pipeline.Plan(model, parts, [by_device[d] for d in devices], microbatches, schedule)
+    plan = jax_pipeline.Plan(model, parts, pipeline.stage_devices([by_device[d] for d in devices], len(parts)),
+                             microbatches, schedule)
     jax_pipeline.install(model, plan)
     policies.rank0_speaks_and_writes(model, cluster.rank)
     return model

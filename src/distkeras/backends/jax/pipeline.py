@@ -1,9 +1,17 @@
 """Pipeline parallelism on JAX, in one process: the stages and schedules of :mod:`distkeras.pipeline` over several
-devices of this process (``distribute(model, ["gpu:0", "gpu:1"], pipeline_stages=2)``).
+devices of this process (``distribute(model, ["gpu:0", "gpu:1"], pipeline_stages=2)``), with replicas of the
+pipeline when there are stages x replicas devices.
 
 Stage ``s`` is a Keras ``Model`` over the original layers (``keras.Model(tensor_in, tensor_out)`` on the model's
-graph, sharing the variables); its variables, and the optimizer slots made from them, live on device ``s``, and its
-computation runs there: every stage's functions are jitted, and JAX runs a jitted function where its arguments are.
+graph, sharing the variables); its variables, and the optimizer slots made from them, live on its devices (one per
+replica: replica ``r``'s stage ``s`` is device ``r * S + s``), and its computation runs there: every stage's
+functions are jitted, and JAX runs a jitted function where its arguments are.
+
+- **Replicas**: a stage's variables are one array with a copy on each of its devices (a replicated
+  ``NamedSharding``) and each micro-batch is split by rows over them (``PartitionSpec("batch")``), so XLA computes
+  each replica's rows on its device and sums the variables' gradients across them (its own all-reduce). A
+  micro-batch whose rows don't divide evenly (the epoch's last, smaller batch) is given whole to every replica
+  of the stage, which compute the same values.
 
 - **Backward primitive**: ``jax.vjp`` of the stage's ``stateless_call``, inside the stage's jitted forward, which
   returns the pull-back (a pytree of residuals, held on the stage's device) with the output. A stage holds the
@@ -39,6 +47,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 
 from ... import pipeline
 from ...errors import OptionError
@@ -49,11 +58,18 @@ PLAN = pipeline.PLAN
 
 
 class Plan(object):
-    """A model cut into ``parts``, one per device of ``devices``: the stage models, and where each variable goes."""
+    """A model cut into ``parts``, one per device list of ``devices`` (a stage's devices, one per replica): the stage
+    models, and where each variable goes."""
 
     def __init__(self, model, parts, devices, microbatches, schedule):
-        self.model, self.parts, self.devices = model, parts, list(devices)
-        self.stages = len(parts)
+        self.model, self.parts, self.devices = model, parts, [list(d) for d in devices]
+        self.stages, self.replicas = len(parts), len(self.devices[0])
+        meshes = [jax.sharding.Mesh(np.array(d), ("batch",)) for d in self.devices]
+        #: Per stage: its variables' sharding (a copy on each of its devices) and its micro-batches' (split by rows).
+        self.replicated = [jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec()) for m in meshes]
+        self.batched = [jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec("batch")) for m in meshes]
+        #: Per stage: (device ids, rows per device) of the outputs it computed, read from JAX (the arrays' shardings).
+        self.ran = [set() for _ in parts]
         self.microbatches, self.schedule = microbatches, schedule
         self.models = [pipeline.stage_model(model, p) for p in parts]
         self.index()
@@ -78,6 +94,18 @@ class Plan(object):
     @property
     def last(self):
         return self.stages - 1
+
+    def put_rows(self, value, s):
+        """Batch arrays (rows first) on stage ``s``'s devices: split by rows over its replicas where the row count
+        divides evenly (XLA then computes each part on its device and sums the variables' gradients over them),
+        else a copy on each (every replica computes every row: the same values, no split)."""
+        def put(t):
+            if t is None:
+                return None
+            rows = int(t.shape[0]) if len(t.shape) else 0
+            return jax.device_put(t, self.batched[s] if rows and rows % self.replicas == 0 else self.replicated[s])
+
+        return keras.tree.map_structure(put, value)
 
 
 # ---------------------------------------------------------------------------------------------- the optimizer
@@ -126,7 +154,7 @@ class Layout(object):
 
     def __init__(self, plan):
         model = self.model = plan.model
-        devices, last = plan.devices, plan.devices[-1]
+        devices, last = plan.replicated, plan.replicated[-1]
         self.trainable = [devices[plan.stage_of_trainable.get(i, 0)] for i in range(len(model.trainable_variables))]
         self.non_trainable = [devices[plan.stage_of_non_trainable.get(i, 0)]
                               for i in range(len(model.non_trainable_variables))]
@@ -158,18 +186,12 @@ def place(plan):
     """Every variable of the model (its optimizer's and metrics' too) on its stage's device; the layout."""
     plan.index()
     layout = Layout(plan)
-    for variables, devices in layout.groups():
-        for variable, device in zip(variables, devices):
+    for variables, shardings in layout.groups():
+        for variable, sharding in zip(variables, shardings):
             value = variable.value
-            if value is not None and _device(value) != device:
-                variable.assign(jax.device_put(value, device))
+            if value is not None and getattr(value, "sharding", None) != sharding:
+                variable.assign(jax.device_put(value, sharding))
     return layout
-
-
-def _device(array):
-    devices = getattr(array, "devices", None)
-    found = devices() if callable(devices) else ()
-    return next(iter(found)) if len(found) == 1 else None
 
 
 def _put(values, devices):
@@ -339,7 +361,7 @@ class Step(object):
 
     def __init__(self, plan, layout, training, x, y, sample_weight, trainable, non_trainable, metrics):
         self.plan, self.layout, self.training = plan, layout, training
-        devices = plan.devices
+        devices = plan.replicated
         self.total = int(next(t for t in keras.tree.flatten(x) if t is not None).shape[0])
         self.sizes = pipeline.microbatch_sizes(self.total, plan.microbatches)
         self.shares = pipeline.weights(self.sizes)
@@ -356,31 +378,35 @@ class Step(object):
         self.held, self.wire, self.outputs, self.losses = {}, {}, {}, []
         self.sums = [None] * plan.stages
 
-    def rows(self, value, m):
+    def rows(self, value, m, s):
+        """Micro-batch ``m``'s rows of ``value``, on stage ``s``'s devices (:meth:`Plan.put_rows`)."""
         start, stop = self.offsets[m], self.offsets[m] + self.sizes[m]
-        return keras.tree.map_structure(lambda t: None if t is None else t[start:stop], value)
+        return self.plan.put_rows(keras.tree.map_structure(lambda t: None if t is None else t[start:stop], value), s)
 
     def forward(self, s, m):
         plan = self.plan
         last = s == plan.last
-        x = self.rows(self.x, m) if s == 0 else self.wire.pop((pipeline.FORWARD, s, m))
+        x = self.rows(self.x, m, s) if s == 0 else self.wire.pop((pipeline.FORWARD, s, m))
         ntv = list(self.non_trainable[s])
         for i in plan.seeds[s]:  # every micro-batch draws from the step's random state
             ntv[i] = self.start[s][i]
         function = _forward_function(plan, s, self.training, self.total if plan.seeds[s] else None)
         metrics = self.metrics if last and self.metrics is not None else []
-        share = jax.device_put(jnp.asarray(self.shares[m], "float32"), plan.devices[s])
-        offset = jax.device_put(jnp.asarray(self.offsets[m], "int32"), plan.devices[s])
+        share = jax.device_put(jnp.asarray(self.shares[m], "float32"), plan.replicated[s])
+        offset = jax.device_put(jnp.asarray(self.offsets[m], "int32"), plan.replicated[s])
         output, loss, ntv, metrics, pullback = function(
-            self.trainable[s], ntv, x, self.rows(self.y, m) if last else None,
-            self.rows(self.sample_weight, m) if last else None, metrics, share, offset)
+            self.trainable[s], ntv, x, self.rows(self.y, m, s) if last else None,
+            self.rows(self.sample_weight, m, s) if last else None, metrics, share, offset)
+        first = keras.tree.flatten(output)[0]
+        plan.ran[s].add((tuple(sorted(d.id for d in first.sharding.device_set)),
+                         int(first.sharding.shard_shape(first.shape)[0])))
         self.non_trainable[s] = ntv
         if last:
             if self.metrics is not None:
                 self.metrics = metrics
             self.outputs[m] = output
         else:
-            self.wire[(pipeline.FORWARD, s + 1, m)] = jax.device_put(output, plan.devices[s + 1])
+            self.wire[(pipeline.FORWARD, s + 1, m)] = plan.put_rows(output, s + 1)
         self.losses.append(loss)
         if self.training:
             self.held[(s, m)] = (pullback, loss)
@@ -390,7 +416,7 @@ class Step(object):
         gradient = None if s == self.plan.last else self.wire.pop((pipeline.BACKWARD, s, m))
         self.sums[s], back = _backward_function(self.plan, s)(pullback, gradient, loss, self.sums[s])
         if s > 0:
-            self.wire[(pipeline.BACKWARD, s - 1, m)] = jax.device_put(back, self.plan.devices[s - 1])
+            self.wire[(pipeline.BACKWARD, s - 1, m)] = self.plan.put_rows(back, s - 1)
 
     def run(self):
         plan, count = self.plan, len(self.sizes)
@@ -402,7 +428,7 @@ class Step(object):
             (self.forward if kind == pipeline.FORWARD else self.backward)(s, m)
 
     def loss(self):
-        last = self.plan.devices[-1]
+        last = self.plan.replicated[-1]
         return functools.reduce(lambda a, b: a + b, [jax.device_put(v, last) for v in self.losses])
 
     def prediction(self):
@@ -442,7 +468,7 @@ def steps(plan):
         optimizer_values = list(optimizer_values)
         shared_new = None
         for s in range(plan.stages):
-            device = plan.devices[s]
+            device = plan.replicated[s]
             slots = layout.slots.get(s, [])
             values, slot_values, shared = _apply_function(plan, s, layout)(
                 step.trainable[s], step.sums[s], _put([optimizer_values[i] for i in slots], [device] * len(slots)),

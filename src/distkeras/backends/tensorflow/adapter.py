@@ -128,7 +128,7 @@ class TensorFlowAdapter(Adapter):
                       "'local': Keras' own average of each replica's results (not one device's for AUC, Precision "
                       "or counts)",
         "pipeline_stages": "pipeline parallelism in this process: the number of stages to cut the model into (balanced "
-                           "by parameters) or the layer names to cut after; one device per stage",
+                           "by parameters) or the layer names to cut after; one device per stage per replica (devices = stages x replicas)",
         "microbatches": "pipeline_stages: micro-batches per batch (default: 2 x stages)",
         "schedule": "pipeline_stages: 'gpipe' (every forward, then every backward; the default) or '1f1b' (fewer "
                     "activations held)",
@@ -346,7 +346,7 @@ class TensorFlowAdapter(Adapter):
 
 def _pipeline(model, devices, cluster, stages, microbatches, schedule, others):
     """Cut ``model`` into pipeline stages over ``devices`` of this process (:mod:`.pipeline`), every option checked
-    first (:func:`distkeras.pipeline.plan_in_process`): one device per stage, one process, no other way of
+    first (:func:`distkeras.pipeline.plan_in_process`): one device per stage and replica, one process, no other way of
     splitting, a Keras 3 model."""
     from ... import pipeline
     from . import pipeline as tensorflow_pipeline
@@ -357,8 +357,8 @@ def _pipeline(model, devices, cluster, stages, microbatches, schedule, others):
     parts, microbatches = pipeline.plan_in_process(model, stages, microbatches, schedule, others, cluster, devices,
                                                    "TensorFlow")
     keras_model.unhook(model)  # an earlier distribute()'s hooks
-    plan = tensorflow_pipeline.Plan(model, parts, ["/device:{}:{}".format(d.kind.upper(), d.index) for d in devices],
-                                    microbatches, schedule)
+    names = ["/device:{}:{}".format(d.kind.upper(), d.index) for d in devices]
+    plan = tensorflow_pipeline.Plan(model, parts, pipeline.stage_devices(names, len(parts)), microbatches, schedule)
     tensorflow_pipeline.install(model, plan)
     policies.rank0_speaks_and_writes(model, cluster.rank)
     return model

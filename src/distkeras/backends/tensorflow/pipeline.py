@@ -1,9 +1,16 @@
 """Pipeline parallelism on TensorFlow, in one process: the stages and schedules of :mod:`distkeras.pipeline` over
-several devices of this process (``distribute(model, ["gpu:0", "gpu:1"], pipeline_stages=2)``).
+several devices of this process (``distribute(model, ["gpu:0", "gpu:1"], pipeline_stages=2)``), with replicas of
+the pipeline when there are stages x replicas devices.
 
 Stage ``s`` is a Keras ``Model`` over the original layers (``keras.Model(tensor_in, tensor_out)`` on the model's
-graph, sharing the variables); its variables live on device ``s`` (their storage re-created there) and its
-forward and backward run under ``tf.device`` of that device.
+graph, sharing the variables); its devices are one per replica (replica ``r``'s stage ``s`` is device
+``r * S + s``), its variables live on the first (their storage re-created there) and its forward and backward run
+under ``tf.device`` of each.
+
+- **Replicas**: each micro-batch is split by rows over the stage's devices (:func:`distkeras.pipeline.replica_rows`);
+  each part's forward and backward run on its device, reading the stage's variables from the first device
+  (TensorFlow copies them), and the parts' gradients are added there, so the step applies one device's gradient.
+  The parts travel to the next stage part by part (replica r's stage s feeds replica r's stage s + 1).
 
 - **Backward primitive**: a ``tf.GradientTape`` per stage and micro-batch, kept from the forward until the
   backward, which is ``tape.gradient([output, stage loss], stage variables + [input], output_gradients=[g, 1])``
@@ -49,18 +56,20 @@ _MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
 
 
 class Plan(object):
-    """A model cut into ``parts``, one per device name of ``devices`` (``"/device:CPU:1"``)."""
+    """A model cut into ``parts``, one per list of ``devices``: a stage's device names (``"/device:CPU:1"``), one
+    per replica; its variables live on the first."""
 
     def __init__(self, model, parts, devices, microbatches, schedule):
-        self.model, self.parts, self.devices = model, parts, list(devices)
-        self.stages = len(parts)
+        self.model, self.parts, self.devices = model, parts, [list(d) for d in devices]
+        self.stages, self.replicas = len(parts), len(self.devices[0])
         self.microbatches, self.schedule = microbatches, schedule
         self.models = [pipeline.stage_model(model, p) for p in parts]
         #: Per stage: the seed-generator state variables of its layers.
         self.seeds = [pipeline.seed_states(m) for m in self.models]
-        #: Per stage: the device of its last output, read from TensorFlow (``tensor.device``: where it was computed,
-        #: eagerly; the device its op was placed on, traced).
+        #: Per stage: the device of its first replica's last output, read from TensorFlow (``tensor.device``: where it
+        #: was computed, eagerly; the device its op was placed on, traced); and every device its outputs came from.
         self.placed = [None] * self.stages
+        self.ran = [set() for _ in parts]
         self.traced, self.eager = {}, set()  # the traced steps by name, the names run eagerly (see traced())
 
     @property
@@ -95,13 +104,13 @@ def place(plan):
         for variable in variables:
             s = owner.get(id(variable))
             storage = getattr(variable, "_value", None)
-            if s is None or storage is None or _same_device(storage.device, plan.devices[s]):
+            if s is None or storage is None or _same_device(storage.device, plan.devices[s][0]):
                 continue
             value = storage.read_value()
             flag = variable.trainable
             variable.trainable = bool(getattr(storage, "trainable", flag))  # as the data-parallel path keeps it
             try:
-                with tf.device(plan.devices[s]):
+                with tf.device(plan.devices[s][0]):
                     variable._initialize(tf.identity(value))
             finally:
                 variable.trainable = flag
@@ -123,40 +132,54 @@ def _rows(value, start, count):
 
 
 class Step(object):
-    """One batch through the stages, eagerly: training (with the backward) or not."""
+    """One batch through the stages, eagerly: training (with the backward) or not. Each micro-batch is split by
+    rows over a stage's replicas (:func:`distkeras.pipeline.replica_rows`), each part computed on its device."""
 
     def __init__(self, plan, training, x, y, sample_weight):
         self.plan, self.training = plan, training
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.total = int(next(t for t in tf.nest.flatten(x) if t is not None).shape[0])
         self.sizes = pipeline.microbatch_sizes(self.total, plan.microbatches)
-        self.shares = pipeline.weights(self.sizes)
         self.offsets = [sum(self.sizes[:m]) for m in range(len(self.sizes))]
+        #: Per micro-batch: (offset in the batch, rows) of each replica's part.
+        self.parts = []
+        for offset, size in zip(self.offsets, self.sizes):
+            rows = pipeline.replica_rows(size, plan.replicas)
+            self.parts.append([(offset + sum(rows[:r]), rows[r]) for r in range(len(rows))])
         self.start = [[s.value.read_value() for s in seeds] for seeds in plan.seeds]  # the states the step found
         self.tapes, self.wire, self.outputs, self.losses = {}, {}, {}, []
         self.variables = [m.trainable_variables for m in plan.models]
         self.sums = [None] * plan.stages
 
     @contextlib.contextmanager
-    def _micro_batch(self, s, m):
-        """Stage ``s`` drawing micro-batch ``m``'s rows of the global batch's draws, from the step's seed states."""
+    def _part(self, s, start, count):
+        """Stage ``s`` drawing the rows ``start:start + count`` of the global batch's draws, from the step's seed
+        states."""
         for state, value in zip(self.plan.seeds[s], self.start[s]):
             state.assign(value)
-        rows = tensorflow_steps.Rows(tf.constant(self.sizes[m], tf.int32), tf.constant(self.offsets[m], tf.int32),
+        rows = tensorflow_steps.Rows(tf.constant(count, tf.int32), tf.constant(start, tf.int32),
                                      tf.constant(self.total, tf.int32), False)
         with tensorflow_steps.holding_rows(rows):
             yield
 
     def forward(self, s, m):
+        plan = self.plan
+        outputs = []
+        for r, (start, count) in enumerate(self.parts[m]):
+            outputs.append(self._forward(s, m, r, start, count))
+        if s == plan.last:
+            self.outputs[m] = outputs
+
+    def _forward(self, s, m, r, start, count):
         plan, model = self.plan, self.plan.model
-        last, start, count = s == plan.last, self.offsets[m], self.sizes[m]
-        with tf.device(plan.devices[s]):
-            x = _rows(self.x, start, count) if s == 0 else tf.identity(self.wire.pop((pipeline.FORWARD, s, m)))
+        last = s == plan.last
+        with tf.device(plan.devices[s][r]):
+            x = _rows(self.x, start, count) if s == 0 else tf.identity(self.wire.pop((pipeline.FORWARD, s, m, r)))
             tape = tf.GradientTape() if self.training else contextlib.nullcontext()
             with tape:
                 if self.training and s > 0:
                     tape.watch(x)
-                with self._micro_batch(s, m):
+                with self._part(s, start, count):
                     output = plan.models[s](x, training=self.training)
                 # Each stage adds its own layers' losses (regularizers), as Trainer.compute_loss adds the model's;
                 # _aggregate_additional_loss is Keras' private for that sum.
@@ -169,28 +192,35 @@ class Step(object):
                                                    _rows(self.sample_weight, start, count))
                     if compiled is not None:
                         parts.append(compiled)
-                loss = self.shares[m] * tf.add_n([tf.cast(p, "float32") for p in parts]) if parts else None
+                # The part's share of the batch: its mean loss weighed so the parts sum to the global batch's.
+                share = count / float(self.total)
+                loss = share * tf.add_n([tf.cast(p, "float32") for p in parts]) if parts else None
                 scaled = None
                 if loss is not None and self.training and model.optimizer is not None:
                     scaled = model.optimizer.scale_loss(loss)
-        plan.placed[s] = output.device
+        if r == 0:
+            plan.placed[s] = output.device
+        plan.ran[s].add(output.device)
         if loss is not None:
             self.losses.append(loss)
-        if last:
-            self.outputs[m] = output
-        else:
-            self.wire[(pipeline.FORWARD, s + 1, m)] = output
+        if not last:
+            self.wire[(pipeline.FORWARD, s + 1, m, r)] = output
         if self.training:
-            self.tapes[(s, m)] = (tape, x, output, scaled)
+            self.tapes[(s, m, r)] = (tape, x, output, scaled)
+        return output
 
     def backward(self, s, m):
+        for r in range(len(self.parts[m])):
+            self._backward(s, m, r)
+
+    def _backward(self, s, m, r):
         plan = self.plan
-        tape, x, output, loss = self.tapes.pop((s, m))
-        with tf.device(plan.devices[s]):
+        tape, x, output, loss = self.tapes.pop((s, m, r))
+        with tf.device(plan.devices[s][r]):
             if s == plan.last:
                 targets, gradients = [loss], None
             else:
-                gradient = tf.identity(self.wire.pop((pipeline.BACKWARD, s, m)))
+                gradient = tf.identity(self.wire.pop((pipeline.BACKWARD, s, m, r)))
                 targets, gradients = [output], [gradient]
                 if loss is not None:
                     targets.append(loss)
@@ -198,10 +228,11 @@ class Step(object):
             sources = list(self.variables[s]) + ([x] if s > 0 else [])
             found = tape.gradient(targets, sources, output_gradients=gradients,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            mine = found[:len(self.variables[s])]
+        mine = found[:len(self.variables[s])]
+        with tf.device(plan.devices[s][0]):  # the replicas' gradients summed where the variables live
             self.sums[s] = mine if self.sums[s] is None else [_add(tf, a, b) for a, b in zip(self.sums[s], mine)]
         if s > 0:
-            self.wire[(pipeline.BACKWARD, s - 1, m)] = found[-1]
+            self.wire[(pipeline.BACKWARD, s - 1, m, r)] = found[-1]
 
     def run(self):
         plan, count = self.plan, len(self.sizes)
@@ -213,12 +244,12 @@ class Step(object):
             (self.forward if kind == pipeline.FORWARD else self.backward)(s, m)
 
     def loss(self):
-        with tf.device(self.plan.devices[-1]):
+        with tf.device(self.plan.devices[-1][0]):
             return tf.add_n([tf.identity(v) for v in self.losses]) if self.losses else tf.zeros((), "float32")
 
     def prediction(self):
-        with tf.device(self.plan.devices[-1]):
-            outputs = [self.outputs[m] for m in range(len(self.sizes))]
+        with tf.device(self.plan.devices[-1][0]):
+            outputs = [part for m in range(len(self.sizes)) for part in self.outputs[m]]
             return outputs[0] if len(outputs) == 1 else tf.nest.map_structure(
                 lambda *parts: tf.concat(parts, 0), *outputs)
 
@@ -228,7 +259,7 @@ def _logs(plan, step, x, y, sample_weight):
     compiled metrics the whole batch's predictions; on the last stage's device."""
     model = plan.model
     prediction = step.prediction()
-    with tf.device(plan.devices[-1]):
+    with tf.device(plan.devices[-1][0]):
         # Keras' Trainer's loss Mean (a private), updated as its TF train_step updates it.
         model._loss_tracker.update_state(step.loss(), sample_weight=step.total)
         return model.compute_metrics(x, y, prediction, sample_weight=sample_weight)
