@@ -4,10 +4,13 @@ transformer stack (attention with dropout, residuals, LayerNorm), their data, an
 what "trains as one device" means (weights rtol 1e-4 atol 2e-5, History, evaluate, predict). Import it after the
 backend's devices are set up (it imports Keras)."""
 
+import os
+
 import keras
 import numpy as np
 
 import distkeras
+import distkeras.callbacks
 from distkeras.errors import OptionError
 
 RNG = np.random.default_rng(0)
@@ -126,3 +129,31 @@ def assert_cut_refusals(refusal=refusal):
     assert "apply to pipeline_stages only" in said
     said = refusal(mlp, pipeline_stages=2, microbatches=0)
     assert "microbatches as a positive integer" in said
+
+
+def assert_backup_resumes(directory, devices=2):
+    """In one process (TensorFlow, JAX): a pipelined MLP stopped at its third epoch and run again with
+    BackupAndRestore resumes from the last epoch's checkpoint to the uninterrupted one-device run (unshuffled: an
+    epoch-end checkpoint keeps no random state, Keras' BackupAndRestore neither)."""
+    one = mlp()
+    one.fit(X, Y, batch_size=8, epochs=3, verbose=0, shuffle=False)
+
+    def stop(epoch, logs):
+        if epoch == 2:
+            raise KeyboardInterrupt
+
+    backup = os.path.join(str(directory), "backup")
+    model = distkeras.distribute(mlp(), devices, pipeline_stages=2, microbatches=3)
+    try:
+        model.fit(X, Y, batch_size=8, epochs=3, verbose=0, shuffle=False, callbacks=[
+            distkeras.callbacks.BackupAndRestore(backup, delete_checkpoint=False),
+            keras.callbacks.LambdaCallback(on_epoch_begin=stop)])
+        raise AssertionError("the stop at epoch 2 didn't stop fit()")
+    except KeyboardInterrupt:
+        pass
+    model = distkeras.distribute(mlp(), devices, pipeline_stages=2, microbatches=3)
+    history = model.fit(X, Y, batch_size=8, epochs=3, verbose=0, shuffle=False, callbacks=[
+        distkeras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)]).history
+    assert len(history["loss"]) == 1, history  # only the epoch left ran
+    for a, b in zip(one.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="pipeline stages over o
 
 if BACKEND == "jax":
     from tests.backends.jax_pipeline_job import train
-    from tests.backends.pipeline_models import MODELS, assert_cut_refusals, assert_same, mlp, refusal
+    from tests.backends.pipeline_models import (MODELS, assert_backup_resumes, assert_cut_refusals, assert_same,
+                                                 mlp, refusal)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _ONE = {}
@@ -98,3 +99,7 @@ def test_what_cannot_be_done_is_a_clear_error_before_anything_runs():
     assert "doesn't combine with strategy='model'" in said
     said = refusal(lambda: mlp(optimizer=keras.optimizers.Adam(global_clipnorm=1.0)), pipeline_stages=2)
     assert "global_clipnorm=1.0" in said and "stage by stage" in said
+
+
+def test_backup_and_restore_resumes_a_pipelined_model_to_the_uninterrupted_run(tmp_path):
+    assert_backup_resumes(tmp_path)

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(BACKEND != "tensorflow",
                                 reason="pipeline stages over one process' devices: TensorFlow's adapter")
 
 if BACKEND == "tensorflow":
-    from tests.backends.pipeline_models import MODELS, X, Y, assert_cut_refusals, assert_same, mlp, refusal
+    from tests.backends.pipeline_models import (MODELS, X, Y, assert_backup_resumes, assert_cut_refusals,
+                                                 assert_same, mlp, refusal)
     from tests.backends.tensorflow_pipeline_job import cpu_index, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -133,3 +134,7 @@ def test_several_workers_are_refused():
     assert worker.is_multi_worker
     with pytest.raises(OptionError, match="one process in this version; this process is worker 1 of 2"):
         TensorFlowAdapter().distribute(mlp(), [Device("cpu", 0), Device("cpu", 1)], worker, pipeline_stages=2)
+
+
+def test_backup_and_restore_resumes_a_pipelined_model_to_the_uninterrupted_run(tmp_path):
+    assert_backup_resumes(tmp_path)
