@@ -28,9 +28,10 @@ functions are jitted, and JAX runs a jitted function where its arguments are.
   the whole batch's predictions.
 - **Optimizer**: built over every variable of the model and applied once per step, stage by stage: each stage's
   apply runs on its device, on its variables and slots, with its own copy of the optimizer's shared scalars (the
-  iteration count, the learning rate), which every stage advances alike. Optimizer features that read every
-  variable at once (``global_clipnorm``, ``use_ema``, ``gradient_accumulation_steps``, a ``LossScaleOptimizer``)
-  are refused in this version.
+  iteration count, the learning rate), which every stage advances alike. ``global_clipnorm``: the stages' parts
+  of the global norm are added up first and each stage's gradients scaled as Keras' ``clip_by_global_norm``
+  scales them. Optimizer features that read every variable at once in other ways (``use_ema``,
+  ``gradient_accumulation_steps``, a ``LossScaleOptimizer``) are refused in this version.
 - **Random draws** (Dropout, GaussianNoise, ``keras.random`` in a layer): one device's. Every micro-batch starts
   from the seed-generator states the step found, draws the global batch's shape and keeps its own rows; the states
   advance once per step, as on one device. A draw is taken for a per-row one when its leading dimension is the
@@ -119,14 +120,14 @@ def check_optimizer(model):
     found = []
     if getattr(optimizer, "inner_optimizer", None) is not None:
         found.append("{} (loss scaling checks every gradient at once)".format(type(optimizer).__name__))
-    for name in ("global_clipnorm", "use_ema", "gradient_accumulation_steps"):
+    for name in ("use_ema", "gradient_accumulation_steps"):
         if getattr(optimizer, name, None):
             found.append("{}={!r}".format(name, getattr(optimizer, name)))
     if found:
         raise OptionError(
             "pipeline_stages on JAX applies the optimizer stage by stage, each on its device's variables, and {}'s "
             "optimizer has {}, which reads every variable at once: not supported with pipeline stages in this version. "
-            "Use clipnorm= (per variable) instead of global_clipnorm=, or train without pipeline_stages.".format(
+            "Train without it, or without pipeline_stages.".format(
                 model.name, ", ".join(found)))
 
 
@@ -322,6 +323,40 @@ def _backward_function(plan, s):
     return function
 
 
+def _square_function(plan, s):
+    """Stage ``s``'s jitted sum of its gradients' squares (for ``global_clipnorm``: the global norm's part)."""
+    key = ("square", s)
+    if key not in plan.functions:
+        plan.functions[key] = jax.jit(lambda gradients: sum(jnp.sum(jnp.square(g)) for g in gradients))
+    return plan.functions[key]
+
+
+def _global_clip_scales(plan, optimizer, sums):
+    """``global_clipnorm``: every stage's gradients' share of the global norm added up on stage 0, and Keras'
+    scale (``clip_by_global_norm``: clip x min(1 / norm, 1 / clip), NaN when the norm isn't finite) copied to each
+    stage; None without ``global_clipnorm``."""
+    clip = getattr(optimizer, "global_clipnorm", None)
+    if not clip or clip <= 0:
+        return None
+    squares = [jax.device_put(_square_function(plan, s)(sums[s]), plan.replicated[0])
+               for s in range(plan.stages) if sums[s]]
+    norm = jnp.sqrt(functools.reduce(lambda a, b: a + b, squares))
+    scale = clip * jnp.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
+    return [jax.device_put(scale, plan.replicated[s]) for s in range(plan.stages)]
+
+
+@contextlib.contextmanager
+def _without_global_clip(optimizer):
+    """The optimizer's own ``global_clipnorm`` off while a stage's apply is traced: the stage's gradients come
+    scaled by the global norm's scale (:func:`_global_clip_scales`), which the stage alone can't compute."""
+    clip = getattr(optimizer, "global_clipnorm", None)
+    optimizer.global_clipnorm = None
+    try:
+        yield
+    finally:
+        optimizer.global_clipnorm = clip
+
+
 def _apply_function(plan, s, layout):
     """Stage ``s``'s jitted optimizer step on its variables, slots and its copy of the shared optimizer state."""
     key = ("apply", s)
@@ -333,9 +368,11 @@ def _apply_function(plan, s, layout):
     slots = [optimizer.variables[i] for i in layout.slots.get(s, [])]
     shared = [optimizer.variables[i] for i in layout.shared]
 
-    def apply(values, gradients, slot_values, shared_values):
+    def apply(values, gradients, slot_values, shared_values, scale):
         mapping = list(zip(variables, values)) + list(zip(slots, slot_values)) + list(zip(shared, shared_values))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        if scale is not None:
+            gradients = [g * scale for g in gradients]
+        with keras.StatelessScope(state_mapping=mapping) as scope, _without_global_clip(optimizer):
             optimizer.apply(gradients, variables)
         return ([_current(scope, v, x) for v, x in zip(variables, values)],
                 [_current(scope, v, x) for v, x in zip(slots, slot_values)],
@@ -467,12 +504,14 @@ def steps(plan):
         step.run()
         optimizer_values = list(optimizer_values)
         shared_new = None
+        scales = _global_clip_scales(plan, model.optimizer, step.sums)
         for s in range(plan.stages):
             device = plan.replicated[s]
             slots = layout.slots.get(s, [])
             values, slot_values, shared = _apply_function(plan, s, layout)(
                 step.trainable[s], step.sums[s], _put([optimizer_values[i] for i in slots], [device] * len(slots)),
-                _put([optimizer_values[i] for i in layout.shared], [device] * len(layout.shared)))
+                _put([optimizer_values[i] for i in layout.shared], [device] * len(layout.shared)),
+                None if scales is None else scales[s])
             step.trainable[s] = values
             for i, value in zip(slots, slot_values):
                 optimizer_values[i] = value
