@@ -1,6 +1,8 @@
 """The adapter interface every backend implements. Part of the Python 3.6-compatible core."""
 
 import abc
+import contextlib
+import difflib
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import cluster as cluster_lib
@@ -37,6 +39,8 @@ _SHARDING_NAMES = "PyTorch and JAX"
 #: The options of model parallelism (``strategy="model"``), and the backends whose adapters take them.
 MODEL_PARALLEL_OPTIONS = ("strategy", "layout_map", "model_shards")
 _MODEL_PARALLEL_NAMES = "PyTorch and JAX"
+#: The options :func:`distkeras.distribute` takes itself, on every backend (suggested for a misspelt name).
+COMMON_OPTIONS = ("devices", "verify", "verify_tolerance")
 
 
 def check_shard(value: object) -> Optional[str]:
@@ -266,9 +270,31 @@ class Adapter(abc.ABC):
             options = {k: v for k, v in options.items() if k not in MODEL_PARALLEL_OPTIONS}
         unknown = sorted(set(options) - set(self.options))
         if unknown:
-            known = ", ".join("{} ({})".format(k, v) for k, v in sorted(self.options.items())) or "none"
-            raise OptionError(
-                "Unknown option(s) {} for the {} backend. Options it accepts: {}.".format(
-                    ", ".join(unknown), self.name, known
-                )
-            )
+            raise OptionError(self.unknown_options_message(unknown))
+
+    def unknown_options_message(self, unknown: Sequence[str]) -> str:
+        """The OptionError's message for option names this adapter doesn't take. Where a name is close to one it
+        does (``compresion``), short: the name and ``did you mean 'compression'?``, then the valid names;
+        otherwise every option with its description."""
+        names = sorted(set(self.options) | set(COMMON_OPTIONS))
+        close = {name: difflib.get_close_matches(name, names, n=1, cutoff=0.6) for name in unknown}
+        if any(close.values()):
+            return "{} The {} backend's options: {}; every backend's: {}.".format(
+                " ".join("{}: did you mean {!r}?".format(name, close[name][0])
+                         if close[name] else "{}: no such option.".format(name) for name in unknown),
+                self.name, ", ".join(sorted(self.options)) or "none", ", ".join(COMMON_OPTIONS))
+        known = ", ".join("{} ({})".format(k, v) for k, v in sorted(self.options.items())) or "none"
+        return "Unknown option(s) {} for the {} backend. Options it accepts: {}.".format(
+            ", ".join(unknown), self.name, known)
+
+
+@contextlib.contextmanager
+def swapped(holder, name, value):
+    """``holder.name`` set to ``value`` for the ``with`` block, then what it was again (a thread-local's slot, an
+    object's attribute)."""
+    outer = getattr(holder, name, None)
+    setattr(holder, name, value)
+    try:
+        yield
+    finally:
+        setattr(holder, name, outer)

@@ -53,6 +53,7 @@ import numpy as np
 from ... import pipeline
 from ...errors import OptionError
 from .. import keras_model
+from ..base import swapped
 
 #: The plan's attribute on a model split into stages.
 PLAN = pipeline.PLAN
@@ -345,16 +346,10 @@ def _global_clip_scales(plan, optimizer, sums):
     return [jax.device_put(scale, plan.replicated[s]) for s in range(plan.stages)]
 
 
-@contextlib.contextmanager
 def _without_global_clip(optimizer):
     """The optimizer's own ``global_clipnorm`` off while a stage's apply is traced: the stage's gradients come
     scaled by the global norm's scale (:func:`_global_clip_scales`), which the stage alone can't compute."""
-    clip = getattr(optimizer, "global_clipnorm", None)
-    optimizer.global_clipnorm = None
-    try:
-        yield
-    finally:
-        optimizer.global_clipnorm = clip
+    return swapped(optimizer, "global_clipnorm", None)
 
 
 def _apply_function(plan, s, layout):

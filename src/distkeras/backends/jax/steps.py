@@ -25,7 +25,6 @@ A batch the devices don't divide is not padded in fit() with compression (the re
 not proven exact on padding); it runs whole on every device (see :mod:`distkeras.backends.jax.adapter`).
 """
 
-import contextlib
 import functools
 import threading
 import time
@@ -33,6 +32,7 @@ import warnings
 
 from ...errors import OptionError
 from .. import batchnorm, keras_model
+from ..base import swapped
 
 #: Wire dtype of each ``compression`` value (JAX's names).
 WIRE = {"bf16": "bfloat16", "fp16": "float16"}
@@ -212,14 +212,8 @@ def uninstall(model):
     batchnorm.unhook(model)
 
 
-@contextlib.contextmanager
 def _sharded(axis):
-    previous = getattr(_tracing, "axis", None)
-    _tracing.axis = axis
-    try:
-        yield
-    finally:
-        _tracing.axis = previous
+    return swapped(_tracing, "axis", axis)
 
 
 def _shard_map():

@@ -108,6 +108,7 @@ import torch
 
 from ...errors import DistKerasError, LaunchError
 from .. import agreement, batchnorm, keras_model, policies
+from ..base import swapped
 from . import buckets as torch_buckets
 from . import collectives
 from . import random as torch_random
@@ -388,14 +389,8 @@ def _gate_sum_reduction():
     loss_module.reduce_values = reduce_values
 
 
-@contextlib.contextmanager
 def _in_step(replica):
-    outer = getattr(_stepping, "replica", None)
-    _stepping.replica = replica
-    try:
-        yield
-    finally:
-        _stepping.replica = outer
+    return swapped(_stepping, "replica", replica)
 
 
 def install(model, replica, sync_batchnorm, overlap, bucket_mb, shard=None, batch_logs="global", steps=None):
