@@ -10,14 +10,17 @@ import signal
 import sys
 import threading
 import weakref
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
 
 from . import backends, sharding
 from . import cluster as cluster_lib
 from . import devices as devices_lib
 from . import verify as verify_lib
-from .devices import CPU_DEVICES_ENV
+from .devices import CPU_DEVICES_ENV, Device
 from .errors import ClusterError, DeviceSpecError, ModelError, ModelTypeError, TooLateError
+
+if TYPE_CHECKING:  # the annotations only: importing distkeras imports no framework
+    import keras
 
 logger = logging.getLogger("distkeras")
 
@@ -258,7 +261,9 @@ def _record(model, adapter, devices, cluster, distributed):
     return info
 
 
-def distribute(model, devices=None, **options):
+def distribute(
+    model: "keras.Model", devices: Union[None, str, int, Sequence[Union[int, str, Device]]] = None, **options: object
+) -> "keras.Model":
     """Make a Keras model train data-parallel on ``devices``, in place.
 
     The model itself is distributed and returned (``distribute(model) is model``): its own variables

@@ -65,7 +65,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         >>> model.fit(x, y, epochs=10, callbacks=[distkeras.callbacks.BackupAndRestore("ckpt")])
     """
 
-    def __init__(self, backup_dir, delete_checkpoint=True, save_before_preemption=True):
+    def __init__(
+        self, backup_dir: "str | os.PathLike", delete_checkpoint: bool = True, save_before_preemption: bool = True
+    ) -> None:
         super().__init__()
         if not backup_dir:
             raise ValueError("Expected a folder for the checkpoints. Received: backup_dir={!r}".format(backup_dir))

@@ -85,7 +85,7 @@ def _apply(data, slicer):
     return slicer(data)
 
 
-def shard(data, rank=None, workers=None, mode="block"):
+def shard(data: object, rank: Optional[int] = None, workers: Optional[int] = None, mode: str = "block") -> object:
     """This worker's shard of ``data``.
 
     Args:
