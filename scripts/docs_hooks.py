@@ -17,6 +17,7 @@ import inspect
 import os
 import re
 import sys
+import textwrap
 
 from mkdocs.structure.files import File
 
@@ -96,6 +97,9 @@ def render_cli(command):
             flags += " (required)"
         default = "" if action.default in (None, False, argparse.SUPPRESS) else "`{}`".format(action.default)
         out.append("| {} | {} | {} |".format(flags, default, _cell(action.help or "")))
+    if sub.epilog:  # launch's examples ("examples:" and indented lines), as `distkeras COMMAND --help` ends
+        title, _, body = sub.epilog.strip().partition("\n")
+        out.append("\n{}\n\n```bash\n{}\n```\n".format(title.capitalize(), textwrap.dedent(body)))
     out.append("")
     return "\n".join(out)
 

@@ -26,9 +26,12 @@ def test_distributed_after_other_than_0_is_refused_with_the_reason(after):
 
 
 def test_unknown_options_name_the_known_ones():
-    with pytest.raises(OptionError, match=r"Unknown option\(s\) num_quantisation_bits for the cntk backend\. Options it "
-                                          r"accepts: compression \(.*\), distributed_after \(.*\), num_quantization_bits \("):
+    with pytest.raises(OptionError, match=r"^num_quantisation_bits: did you mean 'num_quantization_bits'\? The cntk "
+                                          r"backend's options: compression, distributed_after, num_quantization_bits;"):
         CNTKAdapter().check_options({"num_quantisation_bits": 1})
+    with pytest.raises(OptionError, match=r"Unknown option\(s\) bits for the cntk backend\. Options it accepts: "
+                                          r"compression \(.*\), distributed_after \(.*\), num_quantization_bits \("):
+        CNTKAdapter().check_options({"bits": 1})
 
 
 def test_cpu_devices_one_per_process():

@@ -89,6 +89,27 @@ def test_unknown_options_name_the_known_ones():
     _Toy().check_options({"alpha": 1})
 
 
+@pytest.mark.parametrize("name", sorted(backends.REGISTRY))
+def test_a_misspelt_option_says_did_you_mean(name):
+    """``distribute(model, compresion="bf16")``: the name, the closest option, then the valid names, briefly."""
+    adapter = backends.adapter_class(name)()
+    with pytest.raises(OptionError) as info:
+        adapter.check_options({"compresion": "bf16"})
+    message = str(info.value)
+    assert message.startswith("compresion: did you mean 'compression'? The {} backend's options: ".format(name))
+    assert ", ".join(sorted(adapter.options)) in message and len(message) < 400, message
+    with pytest.raises(OptionError, match=r"^verfy: did you mean 'verify'\? zzz: no such option\. The "):
+        adapter.check_options({"verfy": True, "zzz": 1})  # distribute()'s own options are suggested too
+
+
+def test_backend_source(clean_env, monkeypatch):
+    assert backends.active_source() == "the default"
+    (clean_env / "keras.json").write_text(json.dumps({"backend": "jax"}))
+    assert backends.active_source() == "keras.json"
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    assert backends.active_source() == "KERAS_BACKEND"
+
+
 def test_non_keras_model_is_refused():
     with pytest.raises(distkeras.ModelError, match="Expected a Keras model"):
         distkeras.distribute([1, 2, 3])

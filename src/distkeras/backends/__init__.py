@@ -123,6 +123,16 @@ def active_name(model: object = None) -> str:
     return _installed_keras_default()
 
 
+def active_source() -> str:
+    """Where :func:`active_name` (without a model) finds the backend: "keras.backend.backend()" once Keras is
+    imported, else "KERAS_BACKEND", "keras.json", or "the default" (Keras' own, read without importing it)."""
+    if hasattr(sys.modules.get("keras"), "backend"):
+        return "keras.backend.backend()"
+    if os.environ.get("KERAS_BACKEND"):
+        return "KERAS_BACKEND"
+    return "keras.json" if _config_file_backend() else "the default"
+
+
 def loaded():
     """The adapters created so far in this process (those that may have started something to stop)."""
     return list(_adapters.values())
