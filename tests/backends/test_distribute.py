@@ -229,6 +229,14 @@ def test_unknown_option_names_the_known_ones():
         distkeras.distribute(scenarios.build(keras), devices=2, num_quantisation_bits=8)
 
 
+def test_a_misspelt_option_says_did_you_mean():
+    with pytest.raises(distkeras.OptionError) as info:
+        distkeras.distribute(scenarios.build(keras), devices=2, compresion="bf16")
+    message = str(info.value)
+    assert message.startswith("compresion: did you mean 'compression'? The {} backend's options: ".format(BACKEND))
+    assert len(message) < 700, message
+
+
 @pytest.mark.parametrize("wrapped", [False, True], ids=["unbuilt", "wrapper"])
 def test_unbuilt_model_is_distributed_when_it_builds(wrapped):
     expected_weights, expected_history, _ = scenarios.train_unbuilt(1, wrapped)
