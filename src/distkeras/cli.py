@@ -102,12 +102,13 @@ def _launch(args):
     if own is not None:  # the backend's engine starts its workers itself (CNTK: mpiexec)
         commands, envs, ranks = own
         return launch.Launcher(commands, envs, ranks,
-                               stop_timeout=args.stop_timeout or launch.DEFAULT_STOP_TIMEOUT).run()
+                               stop_timeout=args.stop_timeout or launch.DEFAULT_STOP_TIMEOUT, log_dir=args.log_dir,
+                               show=launch.parse_ranks(args.ranks, args.nnodes * args.nproc_per_node)).run()
     return launch.run_job(
         script, args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank, coordinator=args.coordinator,
         backend=backend, hosts=[h.strip() for h in args.hosts.split(",")] if args.hosts else None,
         interface=args.interface, stop_timeout=args.stop_timeout, join_timeout=args.join_timeout,
-        peer_timeout=args.peer_timeout, token_file=args.token_file)
+        peer_timeout=args.peer_timeout, token_file=args.token_file, log_dir=args.log_dir, ranks=args.ranks)
 
 
 def environment_report(environ: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
@@ -214,6 +215,12 @@ def build_parser():
     launch.add_argument("--peer-timeout", type=float, default=None,
                         help="several hosts: seconds of silence after which a host counts as lost and the job ends "
                              "(default 15; also DISTKERAS_PEER_TIMEOUT)")
+    launch.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="also write each rank's whole output to DIR/rank<N>.log (progress bars collapsed to their "
+                             "final state, no colour codes; DIR made if missing)")
+    launch.add_argument("--ranks", default=None, metavar="LIST",
+                        help="show only these ranks' output, comma-separated (e.g. 0 or 0,2; default: every rank); the "
+                             "others still go to --log-dir, and a failing one's last lines are shown")
     launch.add_argument("--token-file", default=None,
                         help="several hosts: a file holding the job's secret, the same on every host; the launchers "
                              "prove to each other that they know it and refuse anyone who doesn't (also "

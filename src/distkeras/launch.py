@@ -9,7 +9,9 @@ them), JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jax.distrib
 (MultiWorkerMirroredStrategy). With the CNTK backend the workers are MPI ranks, started by ``mpiexec``.
 With the MXNet backend the launchers also start MXNet's parameter-server processes (:mod:`distkeras.backends.mxnet.launch`): node 0
 a scheduler, every node one server, all of them and the workers described by the ``DMLC_*`` variables.
-Every output line is prefixed with its rank; SIGINT/SIGTERM are forwarded to every worker; when a
+Every output line is prefixed with its rank (a worker's stdout and stderr, in the order it wrote them, on the
+launcher's stdout; progress bars in place on a terminal, collapsed elsewhere: :mod:`distkeras.relay`), ``--ranks``
+picks the ranks the console shows and ``--log-dir`` keeps each one's output in a file; SIGINT/SIGTERM are forwarded to every worker; when a
 worker fails, the others are stopped within ``--stop-timeout`` seconds and the launcher exits with the
 failing worker's code, saying which rank (or which scheduler or server) died and how. It never waits on a
 dead job. A worker that exits with :data:`EXIT_PREEMPTED` (75) was preempted, not crashed: the others stop
@@ -29,7 +31,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import backends, processes
+from . import backends, processes, relay
 from .backends.base import LaunchJob
 from .errors import LaunchError
 from .network import INTERFACE_ENV, free_port, parse_address  # noqa: F401 (part of this module's API)
@@ -111,15 +113,7 @@ class _Worker(object):
         self.process = process
         self.label = label
         self.ended_at: Optional[float] = None
-        self.pumps: List[threading.Thread] = []
-
-
-def _pump(stream, sink, prefix, lock):
-    for line in iter(stream.readline, ""):
-        with lock:
-            sink.write(prefix + line)
-            sink.flush()
-    stream.close()
+        self.relay: Optional[relay.Relay] = None
 
 
 #: The cgroup's out-of-memory kills when this module was imported (before any worker starts): a worker's SIGKILL
@@ -135,11 +129,17 @@ class Launcher(object):
     """Runs one host's workers to completion; see the module docstring."""
 
     def __init__(self, commands: Sequence[List[str]], envs: Sequence[Dict[str, str]], ranks: Sequence[int], stop_timeout: float = DEFAULT_STOP_TIMEOUT, stdout: object = None, stderr: object = None,
-                 supervisor: object = None, roles: Sequence[Tuple[List[str], Dict[str, str], str]] = ()) -> None:
+                 supervisor: object = None, roles: Sequence[Tuple[List[str], Dict[str, str], str]] = (),
+                 log_dir: Optional[str] = None, show: Optional[Sequence[int]] = None) -> None:
         """``roles``: ``(command, env, label)`` of processes that serve the workers (MXNet's scheduler and
         servers): started first; while any worker runs, one that fails fails the job, and so does one that
         exited with code 0 ``stop_timeout`` seconds before; after the workers they get :data:`ROLE_EXIT_GRACE`
-        seconds to end on their own."""
+        seconds to end on their own.
+
+        ``log_dir``: every process' whole output also goes to ``log_dir/rank<N>.log`` (``scheduler.log``,
+        ``server<N>.log``), collapsed as on a pipe, the folder made if missing. ``show``: the ranks whose output the
+        console shows (default all; a process of no numbered rank always shows): the last lines of one not shown are
+        shown when it fails."""
         self.commands = [r[0] for r in roles] + list(commands)
         self.envs = [r[1] for r in roles] + list(envs)
         self.ranks: List[Optional[int]] = [None] * len(roles) + list(ranks)
@@ -147,34 +147,42 @@ class Launcher(object):
         self.stop_timeout = stop_timeout
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
+        self.console = relay.Console(self.stdout)
+        self.log_dir = log_dir
+        self.show = None if show is None else set(show)
         self.workers: List[_Worker] = []
-        self.lock = threading.Lock()
         self.failure: Optional[Tuple[int, int]] = None
         self.interrupted_at: Optional[float] = None
         self.supervisor = supervisor  # a rendezvous.Supervisor across hosts: the other hosts' news
 
     def _say(self, message):
-        with self.lock:
-            self.stderr.write("distkeras launch: {}\n".format(message))
-            self.stderr.flush()
+        self.console.message(self.stderr, "distkeras launch: {}\n".format(message))
 
     def start(self):
+        if self.log_dir is not None:
+            os.makedirs(self.log_dir, exist_ok=True)
         for command, env, rank, label in zip(self.commands, self.envs, self.ranks, self.labels):
+            log = None
+            if self.log_dir is not None:
+                name = "rank{}.log".format(rank) if rank is not None else "{}.log".format(label.replace(" ", ""))
+                log = open(os.path.join(self.log_dir, name), "w", encoding="utf-8", errors="replace")
+            # One pipe for the worker's stdout and stderr: it keeps their order as the worker wrote them (with
+            # two pipes, two readers race, and a traceback lands before the lines printed ahead of it). Not a pty:
+            # the worker sees a pipe, as it always has (libraries don't switch to terminal output, no line
+            # discipline turns "\n" into "\r\n"), and the relay shows it as a terminal needs (relay.Console).
+            # The cost: a worker's stderr comes out on the launcher's stdout; the launcher's own words stay on stderr.
             process = subprocess.Popen(
                 orphan_proof(command, LAUNCHER_ENV) if LAUNCHER_ENV in env else command,
                 env=env,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                universal_newlines=True,
-                bufsize=1,
+                stderr=subprocess.STDOUT,
+                bufsize=0,  # chunks as they come (relay.Relay reads them)
                 start_new_session=True,  # its own process group: stopping it stops its children too
             )
             worker = _Worker(rank, process, label)
-            prefix = "[{}] ".format(label)
-            for stream, sink in ((process.stdout, self.stdout), (process.stderr, self.stderr)):
-                pump = threading.Thread(target=_pump, args=(stream, sink, prefix, self.lock), daemon=True)
-                pump.start()
-                worker.pumps.append(pump)
+            shown = self.show is None or not isinstance(rank, int) or rank in self.show
+            worker.relay = relay.Relay(self.console, label, shown=shown, log=log)
+            worker.relay.start(process.stdout)
             self.workers.append(worker)
 
     def signal_all(self, signum):
@@ -236,8 +244,7 @@ class Launcher(object):
             time.sleep(0.05)
         self._end_roles()
         for worker in self.workers:
-            for pump in worker.pumps:
-                pump.join(timeout=5)
+            worker.relay.join(timeout=5)
         if self.failure is not None:
             rank, code = self.failure
             if code == EXIT_PREEMPTED:
@@ -265,8 +272,20 @@ class Launcher(object):
                                      processes.oom_kills() if code == -signal.SIGKILL else None)
         if hint:
             self._say("{} died {}".format(worker.label, hint))
+        self._show_tail(worker)
         self.stop_all()
         self._say("all workers stopped {:.1f} s after {} {}".format(time.time() - started, worker.label, how.split(" (")[0]))
+
+    def _show_tail(self, worker):
+        """A failed worker whose output --ranks hides: its last lines (a traceback, most often), now."""
+        if worker.relay is None or worker.relay.shown:
+            return
+        worker.relay.join(timeout=1.0)  # its last words may still be in the pipe
+        lines = list(worker.relay.tail)
+        where = " (all of it in {})".format(os.path.join(self.log_dir, "rank{}.log".format(worker.rank))) \
+            if self.log_dir is not None else ""
+        self._say("{}'s output isn't shown (--ranks); its last {} line(s){}:".format(worker.label, len(lines), where))
+        self.console.lines(worker.relay.key, worker.relay.prefix, lines)
 
     def _end_roles(self):
         """Once the workers are done: give the parameter-server processes time to end, then stop them."""
@@ -397,6 +416,29 @@ def check_counts(script_args: List[str], nproc_per_node: int, nnodes: int, node_
             "full path, or add its folder to PATH.".format(command, os.getcwd()))
 
 
+def parse_ranks(text: Optional[str], world_size: int) -> Optional[List[int]]:
+    """``--ranks``: the comma-separated ranks whose output the console shows; None (every rank) for None.
+
+    Examples:
+        >>> parse_ranks("0,2", 4)
+        [0, 2]
+
+    Raises:
+        LaunchError: something other than ranks of the job (0 .. world_size-1).
+    """
+    if text is None:
+        return None
+    ranks = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) >= world_size:
+            raise LaunchError("Expected --ranks to list ranks of the job, comma-separated, each 0..{} (--nnodes x "
+                              "--nproc-per-node = {} workers). Received: --ranks={}".format(
+                                  world_size - 1, world_size, text))
+        ranks.append(int(item))
+    return sorted(set(ranks))
+
+
 def engine_port(port: int) -> int:
     """Across hosts: the port of the engine's rendezvous, after the launchers' own."""
     return port + 1
@@ -428,7 +470,7 @@ def from_scheduler(nnodes: Optional[int] = None,
 
 def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, coordinator: Optional[str] = None, backend: str = "tensorflow",
             hosts: Optional[List[str]] = None, interface: Optional[str] = None, stop_timeout: Optional[float] = None, join_timeout: Optional[float] = None, peer_timeout: Optional[float] = None, environ: Optional[Dict[str, str]] = None,
-            token_file: Optional[str] = None) -> int:
+            token_file: Optional[str] = None, log_dir: Optional[str] = None, ranks: Optional[str] = None) -> int:
     """``distkeras launch``: on one host, start and watch the workers; across hosts, meet the other hosts'
     launchers first (:mod:`distkeras.rendezvous`), then start this host's workers and watch the whole job.
 
@@ -439,6 +481,9 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
     Across hosts the launchers authenticate each other with the job's secret (``token_file``, else
     DISTKERAS_TOKEN_FILE / DISTKERAS_TOKEN: :func:`distkeras.rendezvous.secret`); the workers don't get it.
 
+    ``log_dir`` and ``ranks`` (``"0,2"``: the ranks the console shows, :func:`parse_ranks`) are
+    :class:`Launcher`'s ``log_dir`` and ``show``.
+
     Returns:
         The exit code: 0, a failed worker's code, or 1 when another host failed or was lost.
     """
@@ -448,6 +493,7 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
     check_counts(script_args, nproc_per_node, nnodes, node_rank)
     adapter = backends.adapter_class(backend)
     stop_timeout = _seconds(stop_timeout, STOP_TIMEOUT_ENV, DEFAULT_STOP_TIMEOUT, "--stop-timeout", env)
+    output = {"log_dir": log_dir, "show": parse_ranks(ranks, nnodes * nproc_per_node)}
     if nnodes == 1:
         if coordinator is not None:
             host, port = parse_address(coordinator)
@@ -455,7 +501,7 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
         commands, envs, ranks = plan(script_args, nproc_per_node, 1, 0, coordinator, backend, environ=env)
         engine = "{}:{}".format(envs[0]["MASTER_ADDR"], envs[0]["MASTER_PORT"])
         roles = adapter.launch_roles(LaunchJob(nproc_per_node, 1, 0, engine, None), env)
-        return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, roles=roles).run()
+        return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, roles=roles, **output).run()
     key = rendezvous.secret(token_file, env)
     for variable in (rendezvous.TOKEN_ENV, rendezvous.TOKEN_FILE_ENV):  # the launchers' secret, not the workers'
         env.pop(variable, None)
@@ -506,7 +552,8 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
                                      environ=env, addresses=addresses, interface=route.interface or route.address)
         job = LaunchJob(nproc_per_node, nnodes, node_rank, "{}:{}".format(host, engine_port(port)), addresses)
         roles = adapter.launch_roles(job, env)
-        return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, supervisor=supervisor, roles=roles).run()
+        return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, supervisor=supervisor, roles=roles,
+                        **output).run()
     finally:
         supervisor.close()
 

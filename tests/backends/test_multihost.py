@@ -148,7 +148,7 @@ def test_a_lost_host_ends_the_job_within_the_bound_naming_its_rank_and_the_job_r
     # JAX naming the task by its number alone).
     named = [r"node rank 1 \({}, rank 1\) is lost".format(re.escape(hosts.addresses[1])),
              r"unhealthy \(stopped sending heartbeats\):\s*(\[rank \d+\] )?(/job:worker/replica:0/task:)?1\b"]
-    assert re.search("|".join(named), err), err[-3000:]
+    assert re.search("|".join(named), err + out), err[-3000:] + out[-3000:]  # the engine's words: a worker's, on stdout
     assert elapsed <= 45 and elapsed <= PEER_TIMEOUT + STOP_TIMEOUT + 5, err[-3000:]
     assert os.path.exists(os.path.join(str(tmp_path), "ckpt", "checkpoint.json"))
     hosts.reconnect(1)

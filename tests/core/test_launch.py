@@ -4,6 +4,7 @@ Everything binds to 127.0.0.1, runs under a hard timeout, and leaves no process 
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,7 +25,8 @@ def distkeras_launch(tmp_path, worker_body, *launch_args, timeout=60, env_extra=
     env = dict(os.environ, PYTHONPATH=SRC, KERAS_HOME=str(tmp_path), **(env_extra or {}))
     env.pop("KERAS_BACKEND", None)
     command = [sys.executable, "-m", "distkeras", "launch", *launch_args, str(script)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, **popen)
+    popen = dict(dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE), **popen)
+    return subprocess.Popen(command, text=True, env=env, cwd=tmp_path, **popen)
 
 
 def finish(process, timeout=60):
@@ -54,7 +56,7 @@ def test_workers_get_their_variables_and_every_line_its_rank(tmp_path):
     """, "--nproc-per-node", "3", "--backend", "tensorflow")
     code, out, err = finish(process)
     assert code == 0, err
-    lines = sorted(out.splitlines())
+    lines = sorted(line for line in out.splitlines() if not line.endswith("] warning on stderr"))
     assert [line.split("] ")[0] for line in lines] == ["[rank 0", "[rank 1", "[rank 2"]
     seen = [json.loads(line.split("] ", 1)[1]) for line in lines]
     ports = {s["MASTER_PORT"] for s in seen}
@@ -66,7 +68,11 @@ def test_workers_get_their_variables_and_every_line_its_rank(tmp_path):
         tf_config = json.loads(s["TF_CONFIG"])
         assert tf_config["task"] == {"type": "worker", "index": rank}
         assert len(tf_config["cluster"]["worker"]) == 3 and all(w.startswith("127.0.0.1:") for w in tf_config["cluster"]["worker"])
-    assert sorted(err.splitlines()) == ["[rank {}] warning on stderr".format(r) for r in range(3)]
+    # A worker's stderr shares its one pipe with its stdout: on the launcher's stdout, after the line printed before.
+    for rank in range(3):
+        mine = [line for line in out.splitlines() if line.startswith("[rank {}] ".format(rank))]
+        assert len(mine) == 2 and mine[1] == "[rank {}] warning on stderr".format(rank), out
+    assert "[rank" not in err
 
 
 def test_a_dying_worker_stops_the_others_and_names_itself(tmp_path):
@@ -403,3 +409,159 @@ def test_a_sigterm_to_the_launcher_reaches_every_worker_and_their_75_is_the_jobs
     assert code == launch.EXIT_PREEMPTED, (out, err)
     assert "got SIGTERM; forwarding it to every worker" in err and "died" not in err
     assert "job preempted: exiting with status 75" in err
+
+
+# ---- output people can read: progress bars, order, --log-dir, --ranks
+
+#: A worker as Keras' progress bar writes: "\b"s and a "\r" before each update, colour codes, the line's end last;
+#: stderr lines between its stdout lines.
+PROGRESS = """
+    import os, sys, time
+    print("before")
+    for step in range(1, 4):
+        sys.stdout.write("\\b" * 12 + "\\r\\x1b[1mstep %d/3\\x1b[0m" % step)
+        sys.stdout.flush()
+        time.sleep(0.15)
+    sys.stdout.write("\\n")
+    for i in range(5):
+        print("out", i)
+        print("err", i, file=sys.stderr)
+    print("after")
+"""
+PROGRESS_LINES = (["before", "step 3/3"] + [line for i in range(5) for line in ("out {}".format(i), "err {}".format(i))]
+                  + ["after"])
+
+
+def on_terminal(tmp_path, worker_body, *launch_args, timeout=60):
+    """``distkeras launch`` with a terminal (a pty, 100 columns) as its stdout: (exit code, what the terminal got,
+    stderr)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
+    try:
+        process = distkeras_launch(tmp_path, worker_body, *launch_args, stdout=slave)
+    finally:
+        os.close(slave)
+    got, deadline = b"", time.time() + timeout
+    try:
+        while time.time() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: every writer of the pty is gone
+                    break
+                if not data:
+                    break
+                got += data
+            elif process.poll() is not None:
+                break
+        code, _, err = finish(process, timeout=max(1, deadline - time.time()))
+    finally:
+        os.close(master)
+    return code, got.decode("utf-8").replace("\r\n", "\n"), err  # the pty's line discipline writes "\n" as "\r\n"
+
+
+def screen(raw):
+    """The rows a terminal shows after ``raw``: "\\r" back to the row's start, text overwrites, ESC[K clears the rest
+    of the row, colour codes take no room."""
+    rows, row, column = [], [], 0
+    for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\r|\n|[^\x1b\r\n]", raw):
+        if token == "\r":
+            column = 0
+        elif token == "\n":
+            rows.append("".join(row))
+            row, column = [], 0
+        elif token == "\x1b[K":
+            del row[column:]
+        elif not token.startswith("\x1b"):
+            row[column:column + 1] = [token]
+            column += 1
+    return rows + (["".join(row)] if row else [])
+
+
+def of_rank(out, rank):
+    prefix = "[rank {}] ".format(rank)
+    return [line[len(prefix):] for line in out.splitlines() if line.startswith(prefix)]
+
+
+def test_in_a_pipe_progress_updates_collapse_to_the_final_line_and_stderr_keeps_its_place(tmp_path):
+    code, out, err = finish(distkeras_launch(tmp_path, PROGRESS, "--nproc-per-node", "2"))
+    assert code == 0, err
+    for rank in (0, 1):
+        assert of_rank(out, rank) == PROGRESS_LINES, out
+    assert "\r" not in out and "\b" not in out and "\x1b" not in out  # no partial lines, no colour codes
+    assert len(out.splitlines()) == 2 * len(PROGRESS_LINES)
+
+
+def test_on_a_terminal_progress_updates_are_rewritten_in_place_in_colour(tmp_path):
+    code, raw, err = on_terminal(tmp_path, PROGRESS, "--nproc-per-node", "2", "--ranks", "0")
+    assert code == 0, err
+    assert screen(raw) == ["[rank 0] " + line for line in PROGRESS_LINES], repr(raw)
+    # Each update went out as it came, on the bar's row: "\r", the prefix, the latest state; never a row of its own.
+    updates = [raw.index("\r[rank 0] \x1b[1mstep {}/3\x1b[0m".format(step)) for step in (1, 2, 3)]
+    assert updates == sorted(updates) and "\n" not in raw[updates[0]:updates[2]], repr(raw)
+    assert "\x1b[1mstep 3/3\x1b[0m\n" in raw  # colour codes kept on a terminal
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_lines_of_different_ranks_never_mix(tmp_path, terminal):
+    """Three ranks write long lines in small pieces at once; each line comes out whole, under its rank, in order."""
+    body = """
+        import os, sys, time
+        rank = os.environ["RANK"]
+        for i in range(15):
+            line = "line {} of rank {} ".format(i, rank) + rank * 60 + "\\n"
+            for start in range(0, len(line), 7):
+                sys.stdout.write(line[start:start + 7])
+                sys.stdout.flush()
+                time.sleep(0.001)
+    """
+    if terminal:
+        code, raw, err = on_terminal(tmp_path, body, "--nproc-per-node", "3")
+        rows = screen(raw)
+    else:
+        code, out, err = finish(distkeras_launch(tmp_path, body, "--nproc-per-node", "3"))
+        rows = out.splitlines()
+    assert code == 0, err
+    assert len(rows) == 45, rows
+    for rank in range(3):
+        expected = ["line {} of rank {} ".format(i, rank) + str(rank) * 60 for i in range(15)]
+        assert of_rank("\n".join(rows), rank) == expected, rows
+
+
+def test_log_dir_keeps_each_ranks_whole_output_and_ranks_picks_what_the_console_shows(tmp_path):
+    logs = tmp_path / "logs" / "run1"  # made, parents too
+    code, out, err = finish(distkeras_launch(tmp_path, PROGRESS, "--nproc-per-node", "3", "--ranks", "0,2",
+                                             "--log-dir", str(logs)))
+    assert code == 0, err
+    assert of_rank(out, 0) == of_rank(out, 2) == PROGRESS_LINES and of_rank(out, 1) == []
+    assert len(out.splitlines()) == 2 * len(PROGRESS_LINES)
+    assert sorted(os.listdir(logs)) == ["rank0.log", "rank1.log", "rank2.log"]
+    for rank in range(3):  # no prefix, no partial lines, no colour codes: what a pipe shows
+        assert (logs / "rank{}.log".format(rank)).read_text() == "".join(line + "\n" for line in PROGRESS_LINES)
+
+
+def test_a_failing_rank_that_ranks_hides_has_its_last_lines_shown(tmp_path):
+    code, out, err = finish(distkeras_launch(tmp_path, """
+        import os, time
+        if os.environ["RANK"] == "1":
+            print("rank 1 was here")
+            raise RuntimeError("rank 1 fails")
+        time.sleep(600)
+    """, "--nproc-per-node", "2", "--ranks", "0", "--stop-timeout", "5"))
+    assert code == 1
+    assert "rank 1 died (exit code 1)" in err and "rank 1's output isn't shown (--ranks); its last" in err, err
+    assert "[rank 1] rank 1 was here" in out and "[rank 1] RuntimeError: rank 1 fails" in out, out
+
+
+@pytest.mark.parametrize("ranks", ["2", "0,x", "-1", ""])
+def test_ranks_of_no_worker_are_refused_before_any_starts(tmp_path, ranks):
+    code, out, err = finish(distkeras_launch(tmp_path, "print('started')", "--nproc-per-node", "2", "--ranks", ranks))
+    assert code == 2 and "started" not in out
+    assert "Expected --ranks to list ranks of the job, comma-separated, each 0..1" in err, err
+    assert launch.parse_ranks("1, 0,1", 2) == [0, 1] and launch.parse_ranks(None, 2) is None
