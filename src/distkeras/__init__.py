@@ -30,6 +30,7 @@ from .errors import (
     VerifyError,
 )
 from .loops import attach, distribute_dataset, distribute_step
+from .ranks import is_main_process, print0
 from .sharding import shard, shard_bounds
 
 __version__ = "0.1.0"
@@ -59,6 +60,8 @@ __all__ = [
     "distribute_dataset",
     "distribute_step",
     "global_batch_size",
+    "is_main_process",
+    "print0",
     "shard",
     "shard_bounds",
     "shutdown",

@@ -372,6 +372,32 @@ def test_plain_script_launches_its_own_workers(tmp_path):
     assert stderr.count("distkeras: torch backend, 2 replica(s)") == 1
 
 
+_PRINTS = """
+import os, sys
+import keras
+import distkeras
+from tests.backends import scenarios
+
+distkeras.print0("print0 before distribute")
+model = distkeras.distribute(scenarios.build(keras), devices=2)
+rank = os.environ["RANK"]
+print("plain print of rank", rank)
+print("stderr of rank", rank, file=sys.stderr)
+distkeras.print0("print0 of rank", rank, distkeras.is_main_process())
+"""
+
+
+def test_the_process_a_plain_script_starts_has_its_lines_prefixed(tmp_path):
+    code, stdout, stderr = run_script(tmp_path, _PRINTS)
+    assert code == 0, stderr[-3000:]
+    lines = stdout.splitlines()
+    assert "plain print of rank 0" in lines and "[rank 1] plain print of rank 1" in lines, stdout
+    assert "[rank 1] stderr of rank 1" in lines  # rank 1's stderr comes through its one pipe, on rank 0's stdout
+    assert "stderr of rank 0" in stderr.splitlines()  # rank 0's own streams are the user's, untouched
+    assert [line for line in lines if "rank 1" in line and not line.startswith("[rank 1] ")] == [], stdout
+    assert [line for line in lines if "print0" in line] == ["print0 before distribute", "print0 of rank 0 True"]
+
+
 _CHILD_DIES = """
 import os
 import keras

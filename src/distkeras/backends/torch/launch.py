@@ -4,7 +4,8 @@ The process becomes rank 0 and re-runs its own command line once per other devic
 subprocess launcher does the same), each child with RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE /
 MASTER_ADDR=127.0.0.1 / MASTER_PORT in its environment, so the child's own call of ``distribute()``
 joins the job instead of launching again. Rank 0 binds the rendezvous port (127.0.0.1 only) before the
-children start, so the port can't be taken in between.
+children start, so the port can't be taken in between. A child's stdout and stderr reach rank 0 through one pipe
+and come out on rank 0's stdout, each line prefixed ``[rank N] `` as ``distkeras launch`` does (:mod:`distkeras.relay`).
 
 The lifetimes are tied both ways, within bounded time:
 
@@ -32,6 +33,7 @@ import sys
 import threading
 import time
 
+from ... import relay
 from ...errors import LaunchError
 from ...processes import EXIT_PREEMPTED, describe_exit, memory_hint, oom_kills, orphan_proof
 
@@ -98,18 +100,25 @@ def start_workers(count, timeout):
         "WORLD_SIZE": str(count),
         "LOCAL_WORLD_SIZE": str(count),
     }
-    children = {}
+    children, relays = {}, []
+    # This process' own output is the user's, unprefixed; each child's stdout and stderr come through one pipe (in
+    # the order it wrote them, as under distkeras launch) and are written here, "[rank N] " before each line, on
+    # file descriptor 1 itself: a line lands between this process' writes, never inside one of its print()s.
+    console = relay.Console(relay.FdStream(1), shared=True)
     for rank in range(1, count):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), **shared)
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), PYTHONUNBUFFERED="1", **shared)
         env[PARENT_ENV] = str(os.getpid())
         try:
-            children[rank] = subprocess.Popen(orphan_proof(command, PARENT_ENV), env=env)
+            children[rank] = subprocess.Popen(orphan_proof(command, PARENT_ENV), env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, bufsize=0)
         except OSError as exc:
             _stop(children)
             listener.close()
             raise LaunchError("Could not start worker rank {} ({}): {}".format(rank, " ".join(command), exc))
+        relays.append(relay.Relay(console, "rank {}".format(rank)))
+        relays[-1].start(children[rank].stdout)
     os.environ.update(shared, RANK="0", LOCAL_RANK="0")
-    watcher = Watcher(children, timeout)
+    watcher = Watcher(children, timeout, relays)
     watcher.start()
     atexit.register(watcher.finish)
     return from_env(), listener, watcher
@@ -138,10 +147,11 @@ def _describe_exit(rank, child, code, oom_kills_before=None):
 class Watcher(threading.Thread):
     """Watches rank 0's children: the first failure ends the job, with a message naming the rank."""
 
-    def __init__(self, children, timeout):
+    def __init__(self, children, timeout, relays=()):
         super().__init__(name="distkeras-watcher", daemon=True)
         self.children = children
         self.timeout = timeout
+        self.relays = list(relays)  # the children's output: written out before this process ends
         self._failure = None
         self._failed = threading.Event()
         self._finishing = False
@@ -162,14 +172,23 @@ class Watcher(threading.Thread):
     def _fail(self, rank, code):
         self._failure = "{}; the job is stopped.".format(_describe_exit(rank, self.children[rank], code, self._oom_kills))
         self._failed.set()
+        self._drain(1.0)  # the failed child's last words (its traceback) before the news of its failure
         sys.stderr.write("distkeras: error: {}\n".format(self._failure))
         sys.stderr.flush()
         _stop(self.children)
         time.sleep(GRACE)  # the main thread normally fails first, and the interpreter ends this thread
         if not self._finishing:
             sys.stderr.write("distkeras: error: rank 0 did not stop within {:.0f} s; ending it.\n".format(GRACE))
+            self._drain(1.0)
+            sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
+
+    def _drain(self, timeout):
+        """Wait (at most ``timeout`` seconds in all) until the children's output is written out."""
+        deadline = time.monotonic() + timeout
+        for each in self.relays:
+            each.join(max(0.0, deadline - time.monotonic()))
 
     def failure(self, wait=0.0):
         """The message of a child's failure, waiting up to ``wait`` seconds for one; None if none."""
@@ -191,6 +210,7 @@ class Watcher(threading.Thread):
             if code not in (0, EXIT_PREEMPTED):
                 problems.append(_describe_exit(rank, child, code, self._oom_kills))
         _stop(self.children)
+        self._drain(5.0)
         if problems and not self._failure:  # a failure the watcher saw is reported already
             sys.stderr.write("distkeras: error: {}\n".format("; ".join(problems)))
         if problems or self._failure:
