@@ -6,9 +6,9 @@ changes from the single-device script; the rest runs unchanged on TensorFlow, JA
 
 By default the backbone is a tiny BERT built from its config (random weights, nothing downloaded), standing in
 for a pretrained one; `--preset` loads a KerasHub preset instead (downloaded from Kaggle or Hugging Face on first
-use). The data is generated token ids (a review is positive when it holds more "good" word ids than "bad" ones);
-with a preset, feed the task raw strings and its preprocessor tokenizes them. Needs keras-hub
-(`pip install keras-hub`).
+use). The data is generated token ids (a review is positive when it holds more "good" word ids than "bad" ones),
+the features a BERT preprocessor makes; with a preset, leave out `preprocessor=None` to give fit() raw strings,
+which the preset's own preprocessor tokenizes. Needs keras-hub (`pip install keras-hub`).
 """
 
 import argparse

@@ -10,6 +10,8 @@ distkeras.environments.ray.prepare_jax() (Ray's JaxTrainer starts no jax.distrib
 the rest from the variables Ray sets in each worker. Every worker gets all the data and the same global batch; a
 failed worker restarts the group (FailureConfig) and BackupAndRestore resumes it from the last epoch, in a folder
 every node sees (--storage). Needs `pip install "ray[train]"`. The data is scikit-learn's digits (shipped with it).
+On PyTorch, Ray forms the process group before distkeras runs: on hosts whose name resolves to a loopback address
+(stock Debian and Ubuntu), add "GLOO_SOCKET_IFNAME": "eth0" (your interface) to the env_vars below.
 """
 
 import argparse

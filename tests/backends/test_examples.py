@@ -11,6 +11,7 @@ the Slurm batch script are checked by tests/core/test_examples.py.
 """
 
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -57,10 +58,12 @@ def run_example(name, args, tmp_path, env=None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
     full_env.update(KERAS_BACKEND=BACKEND, PYTHONPATH=os.path.join(ROOT, "src"), DISTKERAS_CPU_DEVICES="2",
                     **(env or {}))
-    started = time.monotonic()
+    started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name)] + args, capture_output=True,
                           text=True, env=full_env, cwd=str(tmp_path), timeout=TIMEOUT)
-    print("examples/{} on {}: {:.1f} s".format(name, BACKEND, time.monotonic() - started))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    print("examples/{} on {}: {:.1f} s, {:.1f} s of CPU".format(name, BACKEND, time.monotonic() - started, cpu))
     return done
 
 
