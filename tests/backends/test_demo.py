@@ -71,6 +71,10 @@ def session_processes(session):
     return found
 
 
+@pytest.mark.skipif(not FULL and BACKEND == "jax", reason=(
+    "full run only (DISTKERAS_FULL_TESTS=1): the default run runs the README's demo command on TensorFlow (the "
+    "README's backend: one process over its devices, as JAX's demo is) and on PyTorch (a job of a process per "
+    "device); about 90 s a backend"))
 def test_the_readme_demo_command_runs_and_exits(tmp_path):
     """The README's command, run as a user runs it (from the repository, in a shell with no launcher
     variables): it ends by itself within the time limit, says "demo OK" once, leaves no process behind, and
@@ -113,7 +117,7 @@ def test_the_readme_demo_command_runs_and_exits(tmp_path):
 @pytest.mark.skipif(not FULL and BACKEND != "tensorflow", reason=(
     "full run only (DISTKERAS_FULL_TESTS=1): the example is the same backend-neutral script on every backend; the "
     "default run runs it on TensorFlow, and the README demo command (the same model through `distkeras demo`) on "
-    "every backend"))
+    "TensorFlow and PyTorch"))
 def test_example_script_runs_unchanged(tmp_path):
     done = run([os.path.join(ROOT, "examples", "digits_mlp.py"), "--epochs", "20"], tmp_path, DISTKERAS_CPU_DEVICES="2")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
