@@ -1,11 +1,13 @@
-"""Every ```python block in docs/ and README.md runs, or says why it can't.
+"""Every ```python block in docs/ and README.md runs as written, or says why it can't.
 
-A block runs as a script of its own, in a fresh process and a temporary folder, after a small prelude that stands
-for the user's own code (``build_and_compile_my_model()``, ``build_model()``, ``x``, ``y``). The line right before a
-block may say ``<!-- not run: REASON -->`` (skipped; the reason is required) or ``<!-- run: NAME=value ... -->``
-(its environment). Defaults: ``KERAS_BACKEND=jax``, ``DISTKERAS_CPU_DEVICES=2``, a ``KERAS_HOME`` of its own. The
-convention is documented in docs/contributing.md. This pytest process imports no framework: only the blocks'
-processes do.
+A block runs as a script of its own, in a fresh process and a temporary folder, with nothing defined before it:
+what it uses, it defines or imports (a reader pastes it as it stands). The line right before a block may say
+``<!-- not run: REASON -->`` (skipped; the reason is required) or ``<!-- run: NAME=value ... -->`` (its
+environment). Two keys of a run marker are no environment variables: ``id=NAME`` names a block (a page's setup),
+and ``after=NAME`` runs the named block, from earlier on the same page, first, in the same script, with its
+environment (the block's own variables win). Defaults: ``KERAS_BACKEND=jax``, ``DISTKERAS_CPU_DEVICES=2``, a
+``KERAS_HOME`` of its own. The convention is documented in docs/contributing.md. This pytest process imports no
+framework: only the blocks' processes do.
 """
 
 import concurrent.futures
@@ -25,30 +27,8 @@ NOT_RUN = re.compile(r"^<!-- not run: (.*\S)\s*-->$")
 RUN = re.compile(r"^<!-- run:((?:\s+\w+=\S+)+)\s*-->$")
 DEFAULT_ENV = {"KERAS_BACKEND": "jax", "DISTKERAS_CPU_DEVICES": "2"}
 
-#: What a user's script would have defined: a tiny compiled model and data.
-PRELUDE = '''
-import numpy as _np
-
-
-def build_and_compile_my_model():
-    import keras
-
-    model = keras.Sequential([
-        keras.Input((8,)),
-        keras.layers.Dense(16, activation="relu", name="hidden"),
-        keras.layers.Dense(1, name="out"),
-    ])
-    model.compile(optimizer="sgd", loss="mse")
-    return model
-
-
-build_model = build_and_compile_my_model
-_rng = _np.random.default_rng(0)
-x = _rng.normal(size=(256, 8)).astype("float32")
-y = _rng.normal(size=(256, 1)).astype("float32")
-del _rng
-# ---- the block ----
-'''
+#: Keys of a run marker that are no environment variables: the name of a block, and the named block a block runs after.
+BLOCK_ID, AFTER = "id", "after"
 
 
 def doc_files():
@@ -77,35 +57,51 @@ def python_blocks(path):
     return blocks
 
 
-def plan():
-    """(where, environment or None, reason or None, code) for every block; identical runs are kept once."""
-    entries, seen = [], set()
-    for path in doc_files():
+def plan(files=None):
+    """(where, environment or None, reason or None, code) for every block; identical runs are kept once.
+
+    A block marked ``after=NAME`` is run with the code of the block marked ``id=NAME`` (earlier on its page) before
+    its own, in one script, and with that block's environment under its own; the named block then isn't run alone
+    as well (its code runs at the start of every block that runs after it)."""
+    entries, seen, used = [], set(), set()
+    for path in doc_files() if files is None else files:
+        named = {}  # id -> (code as run, environment) on this page
         for line, marker, code in python_blocks(path):
             where = "{}:{}".format(os.path.relpath(path, ROOT), line)
             skip = NOT_RUN.match(marker)
             if skip:
-                entries.append((where, None, skip.group(1), code))
+                entries.append((where, None, skip.group(1), code, None))
                 continue
             assert not marker.startswith("<!--") or RUN.match(marker), (
                 "{}: a marker before a python block is `<!-- not run: REASON -->` or `<!-- run: NAME=value -->`; "
                 "found {!r}".format(where, marker))
             env = dict(DEFAULT_ENV)
             run = RUN.match(marker)
-            if run:
-                env.update(item.split("=", 1) for item in run.group(1).split())
+            items = dict(item.split("=", 1) for item in run.group(1).split()) if run else {}
+            block_id, after = items.pop(BLOCK_ID, None), items.pop(AFTER, None)
+            if after is not None:
+                assert after in named, "{}: after={} names no block marked id={} earlier on this page".format(
+                    where, after, after)
+                setup_code, setup_env = named[after]
+                used.add((path, after))
+                code = setup_code + code
+                env.update(setup_env)
+            env.update(items)
+            if block_id is not None:
+                assert block_id not in named, "{}: id={} is used twice on this page".format(where, block_id)
+                named[block_id] = (code, env)
             key = (code, tuple(sorted(env.items())))
             if key not in seen:
                 seen.add(key)
-                entries.append((where, env, None, code))
-    return entries
+                entries.append((where, env, None, code, (path, block_id)))
+    return [entry[:4] for entry in entries if entry[4] not in used]
 
 
 def run_block(where, env, code):
     with tempfile.TemporaryDirectory(prefix="distkeras-doc-") as folder:
         script = os.path.join(folder, "block.py")
         with open(script, "w") as f:
-            f.write(PRELUDE + code)
+            f.write(code)
         full = {k: v for k, v in os.environ.items()
                 if not k.startswith(("DISTKERAS_", "KERAS_", "PYTEST_")) and k not in ("RANK", "WORLD_SIZE", "TF_CONFIG")}
         full.update(env)
@@ -152,6 +148,26 @@ def test_markers_are_read():
     ]
     assert NOT_RUN.match(blocks[0][1]).group(1) == "needs two hosts"
     assert RUN.match(blocks[1][1]).group(1).split() == ["KERAS_BACKEND=torch", "A=1"]
+
+
+def test_setup_blocks_run_first():
+    """A block marked after=NAME runs the block marked id=NAME first, in one script, with its environment under
+    its own; a name that no earlier block on the page has is an error."""
+    with tempfile.TemporaryDirectory() as folder:
+        page = os.path.join(folder, "page.md")
+        with open(page, "w") as f:
+            f.write("<!-- run: id=setup KERAS_BACKEND=torch A=1 -->\n```python\nx = 1\n```\n"
+                    "<!-- run: after=setup A=2 -->\n```python\nprint(x)\n```\n")
+        [(_, env, _, code)] = plan([page])  # the setup runs as the start of the later block, not alone as well
+        assert (code, env) == ("x = 1\nprint(x)\n", dict(DEFAULT_ENV, KERAS_BACKEND="torch", A="2"))
+        with open(page, "w") as f:
+            f.write("<!-- run: id=setup KERAS_BACKEND=torch A=1 -->\n```python\nx = 1\n```\n")
+        [(_, env, _, code)] = plan([page])  # used by no later block: run alone
+        assert (code, env) == ("x = 1\n", dict(DEFAULT_ENV, KERAS_BACKEND="torch", A="1"))
+        with open(page, "w") as f:
+            f.write("<!-- run: after=setup -->\n```python\nprint(x)\n```\n")
+        with pytest.raises(AssertionError, match="after=setup names no block"):
+            plan([page])
 
 
 @pytest.mark.parametrize("name", ["keras", "tensorflow", "jax", "torch"])
