@@ -38,6 +38,13 @@ EXAMPLES = {
                             "sharded_training.keras"),
 }
 TIMEOUT = 300
+#: (script, backend) -> why it fails there today: a strict xfail, so the fix shows (remove the entry then).
+KNOWN_FAILURES = {
+    ("keras_hub_finetune.py", "torch"): (
+        "distkeras' torch trainer reads fit()'s verbose and callbacks from fit's signature (backends/torch/trainer.py, "
+        "entry()), and a KerasHub Task's fit(x, y, batch_size, ..., **kwargs) takes them in **kwargs: KeyError: "
+        "'verbose'"),
+}
 
 
 def cases():
@@ -50,14 +57,21 @@ def cases():
                    "its cheapest backend".format(", ".join(default)))
         else:
             why = None
-        params.append(pytest.param(name, marks=pytest.mark.skip(reason=why) if why else (), id=name))
+        if why:
+            marks = pytest.mark.skip(reason=why)
+        elif (name, BACKEND) in KNOWN_FAILURES:
+            marks = pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[name, BACKEND])
+        else:
+            marks = ()
+        params.append(pytest.param(name, marks=marks, id=name))
     return params
 
 
-def run_example(name, args, tmp_path, env=None):
+def run_example(name, args, tmp_path, env=None, cpu_devices=2):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}
-    full_env.update(KERAS_BACKEND=BACKEND, PYTHONPATH=os.path.join(ROOT, "src"), DISTKERAS_CPU_DEVICES="2",
-                    **(env or {}))
+    full_env.update(KERAS_BACKEND=BACKEND, PYTHONPATH=os.path.join(ROOT, "src"), **(env or {}))
+    if cpu_devices:
+        full_env["DISTKERAS_CPU_DEVICES"] = str(cpu_devices)
     started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name)] + args, capture_output=True,
                           text=True, env=full_env, cwd=str(tmp_path), timeout=TIMEOUT)
@@ -80,13 +94,13 @@ def test_example_runs_on_two_replicas(name, tmp_path):
 
 @pytest.mark.skipif(not FULL or BACKEND != "torch", reason=(
     "full run only (DISTKERAS_FULL_TESTS=1), on PyTorch: examples/ray_train.py starts a local Ray instance and 2 "
-    "workers (about 2 minutes on 2 cores); in the default run tests/clusters/test_ray.py runs train loops of the same "
+    "workers (30 s to 2 minutes on 2 cores, with the load); in the default run tests/clusters/test_ray.py runs train loops of the same "
     "shape (TorchTrainer, TensorflowTrainer, a JAX DataParallelTrainer with prepare_jax) on a two-node Ray cluster"))
 def test_ray_example_trains_under_ray_train(tmp_path):
     pytest.importorskip("ray.train", reason="ray[train] is not installed")
     store = str(tmp_path / "store")
     done = run_example("ray_train.py", ["--epochs", "1", "--storage", store], tmp_path,
-                       env={"RAY_USAGE_STATS_ENABLED": "0", "DISTKERAS_CPU_DEVICES": ""})
+                       env={"RAY_USAGE_STATS_ENABLED": "0"}, cpu_devices=None)  # a Ray worker is one device
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     assert "trained on 2 worker(s)" in done.stdout + done.stderr
     assert os.path.exists(os.path.join(store, "model.keras"))
