@@ -16,6 +16,7 @@ import os
 import re
 import select
 import threading
+import time
 from typing import List, Optional
 
 #: ANSI escape sequences: CSI (colours, cursor moves, ``ESC[K``), OSC (window titles, links), and the two-character
@@ -29,6 +30,8 @@ _RESET = "\x1b[0m"
 _CHUNK = 65536
 #: Lines kept of a process whose output isn't shown, for the report of its failure.
 TAIL = 20
+#: Seconds after which text continuing a progress bar's row without a ``\r`` is taken for another line (:class:`Lines`).
+PAUSE = 0.02
 #: Seconds a line still being written (``print(..., end="")``, a prompt) waits for its end before a terminal shows
 #: it unfinished: a print() of several arguments writes each separately, and would flicker. A progress bar's
 #: update (after a ``\r``) shows at once.
@@ -85,6 +88,11 @@ class Lines(object):
     (a spinner) and means nothing before a ``\\r`` (Keras writes a row of them before each update). UTF-8 is decoded
     across chunk boundaries, bad bytes replaced.
 
+    A progress bar left unfinished, then continued :data:`PAUSE` seconds or more later by text that starts with no
+    ``\\r``, was left by its writer: the continuation is another line (a warning on stderr or a log message, which
+    share the pipe), and the bar's last state is finished as a line of its own, where a terminal would show the two
+    glued on one row. The pieces of one ``print()`` come microseconds apart and stay together.
+
     Examples:
         >>> lines = Lines()
         >>> lines.feed(b"Epoch 1/2\\n 1/3 \\x1b[1m.\\x1b[0m\\r 2/3 ..")
@@ -103,11 +111,20 @@ class Lines(object):
         self.rewritten = False
         self._restart = False  # a \r was seen: the next text starts the line over
         self._back = 0  # \b seen since the last text
+        self._when = 0.0  # when the last chunk came
 
-    def feed(self, data: bytes, final: bool = False) -> List[str]:
-        """The lines ``data`` finishes; with ``final`` (the stream's end) the unfinished one too."""
+    def feed(self, data: bytes, final: bool = False, now: Optional[float] = None) -> List[str]:
+        """The lines ``data`` finishes; with ``final`` (the stream's end) the unfinished one too. ``now``: when
+        ``data`` was read (default: ``time.monotonic()``)."""
         done = []
-        for piece in _CONTROL.split(self._decode(data, final)):
+        text = self._decode(data, final)
+        now = time.monotonic() if now is None else now
+        if (self.rewritten and self.current and not self._restart and not self._back and text[:1].strip()
+                and text[0] not in "\b\x1b" and now - self._when >= PAUSE):
+            done.append(self.current)  # the bar as it was left; the text starts a line of its own
+            self.current, self.rewritten = "", False
+        self._when = now
+        for piece in _CONTROL.split(text):
             if piece == "\n":
                 done.append(self.current)
                 self.current, self.rewritten, self._restart, self._back = "", False, False, 0

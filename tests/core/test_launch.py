@@ -414,7 +414,7 @@ def test_a_sigterm_to_the_launcher_reaches_every_worker_and_their_75_is_the_jobs
 # ---- output people can read: progress bars, order, --log-dir, --ranks
 
 #: A worker as Keras' progress bar writes: "\b"s and a "\r" before each update, colour codes, the line's end last;
-#: stderr lines between its stdout lines.
+#: a warning on stderr while the bar is mid-row; stderr lines between its stdout lines.
 PROGRESS = """
     import os, sys, time
     print("before")
@@ -422,13 +422,15 @@ PROGRESS = """
         sys.stdout.write("\\b" * 12 + "\\r\\x1b[1mstep %d/3\\x1b[0m" % step)
         sys.stdout.flush()
         time.sleep(0.15)
+        if step == 2:
+            print("a warning mid-bar", file=sys.stderr)
     sys.stdout.write("\\n")
     for i in range(5):
         print("out", i)
         print("err", i, file=sys.stderr)
     print("after")
 """
-PROGRESS_LINES = (["before", "step 3/3"] + [line for i in range(5) for line in ("out {}".format(i), "err {}".format(i))]
+PROGRESS_LINES = (["before", "step 2/3", "a warning mid-bar", "step 3/3"] + [line for i in range(5) for line in ("out {}".format(i), "err {}".format(i))]
                   + ["after"])
 
 
@@ -504,7 +506,7 @@ def test_on_a_terminal_progress_updates_are_rewritten_in_place_in_colour(tmp_pat
     assert screen(raw) == ["[rank 0] " + line for line in PROGRESS_LINES], repr(raw)
     # Each update went out as it came, on the bar's row: "\r", the prefix, the latest state; never a row of its own.
     updates = [raw.index("\r[rank 0] \x1b[1mstep {}/3\x1b[0m".format(step)) for step in (1, 2, 3)]
-    assert updates == sorted(updates) and "\n" not in raw[updates[0]:updates[2]], repr(raw)
+    assert updates == sorted(updates) and "\n" not in raw[updates[0]:updates[1]], repr(raw)
     assert "\x1b[1mstep 3/3\x1b[0m\n" in raw  # colour codes kept on a terminal
 
 

@@ -24,6 +24,17 @@ def test_lines_keep_what_a_terminal_ends_up_showing():
     assert lines.feed(b"no end, bad byte \xff") == [] and lines.feed(b"", final=True) == ["no end, bad byte \ufffd"]
 
 
+def test_a_bar_left_unfinished_and_continued_later_without_a_return_ends_before_the_continuation():
+    """rank 0's stderr and stdout share a pipe: a warning written while Keras' bar is mid-row gets a row of its own."""
+    lines = relay.Lines()
+    assert lines.feed(b"\r 1/9 bar", now=10.0) == []
+    assert lines.feed(b"\b\b\r 2/9 bar", now=10.5) == [] and lines.current == " 2/9 bar"  # an update: "\b", "\r"
+    assert lines.feed(b"distkeras: preempted\n", now=11.0) == [" 2/9 bar", "distkeras: preempted"]
+    assert lines.feed(b"\r 3/9", now=12.0) == [] and lines.feed(b" bar\n", now=12.0) == [" 3/9 bar"]  # one print()
+    assert lines.feed(b"\r 4/9", now=13.0) == [] and lines.feed(b"\x1b[0m\n", now=14.0) == [" 4/9\x1b[0m"]
+    assert lines.feed(b"no bar", now=15.0) == [] and lines.feed(b" continued\n", now=16.0) == ["no bar continued"]
+
+
 def test_escape_sequences_are_stripped_and_a_long_row_is_cut_by_what_shows():
     assert relay.strip_escapes("\x1b[1m3/71\x1b[0m \x1b[32m\u2501\x1b[0m\x1b[K \x1b]0;title\x07x") == "3/71 \u2501 x"
     coloured = "\x1b[1m12345\x1b[0m67890"
