@@ -39,12 +39,7 @@ EXAMPLES = {
 }
 TIMEOUT = 300
 #: (script, backend) -> why it fails there today: a strict xfail, so the fix shows (remove the entry then).
-KNOWN_FAILURES = {
-    ("keras_hub_finetune.py", "torch"): (
-        "distkeras' torch trainer reads fit()'s verbose and callbacks from fit's signature (backends/torch/trainer.py, "
-        "entry()), and a KerasHub Task's fit(x, y, batch_size, ..., **kwargs) takes them in **kwargs: KeyError: "
-        "'verbose'"),
-}
+KNOWN_FAILURES = {}
 
 
 def cases():

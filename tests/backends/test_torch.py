@@ -35,8 +35,19 @@ def max_difference(expected, actual):
 # ---- bodies run on every rank of a job
 
 
-def fit_verbose(devices):
-    model = distkeras.distribute(scenarios.build(keras), devices=devices)
+def _passing_kwargs(own):
+    def passing(x=None, y=None, **kwargs):
+        return own(x, y, **kwargs) if y is not None else own(x, **kwargs)
+
+    return passing
+
+
+def fit_verbose(devices, kwargs_fit=False):
+    model = scenarios.build(keras)
+    if kwargs_fit:  # as a KerasHub task's: fit(x, y, ..., **kwargs) passes verbose and callbacks on in **kwargs
+        for name in ("fit", "evaluate", "predict"):
+            setattr(model, name, _passing_kwargs(getattr(model, name)))
+    model = distkeras.distribute(model, devices=devices)
     x, y = scenarios.data(48)
     model.fit(x, y, batch_size=12, epochs=2, verbose=1, validation_split=0.25)
     model.evaluate(x, y, batch_size=12)
@@ -207,8 +218,9 @@ def test_every_rank_ends_with_identical_weights():
         assert other_history == history
 
 
-def test_only_rank0_prints():
-    outcomes = job(2).run(fit_verbose, 2, timeout=TIMEOUT)
+@pytest.mark.parametrize("kwargs_fit", [False, True], ids=["keras-fit", "fit-with-kwargs"])
+def test_only_rank0_prints(kwargs_fit):
+    outcomes = job(2).run(fit_verbose, 2, kwargs_fit, timeout=TIMEOUT)
     assert "Epoch 2/2" in outcomes[0].stdout and "val_loss" in outcomes[0].stdout
     assert "distkeras: torch backend, 2 replica(s)" in outcomes[0].stderr
     assert outcomes[1].stdout == ""

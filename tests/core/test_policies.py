@@ -346,3 +346,28 @@ def test_a_real_full_disk_is_a_clear_checkpoint_error(tmp_path):
         assert "0 bytes free on that file system" in str(info.value)
         assert (small / "checkpoint.json").read_text() == '{"epoch": 1}'
         assert sorted(p.name for p in small.iterdir()) == ["checkpoint.json"]
+
+
+def test_arguments_reach_a_name_a_method_takes_in_its_kwargs():
+    """keras_model.Arguments: a KerasHub task's fit(x, y, ..., **kwargs) takes verbose and callbacks in **kwargs;
+    read and set by name they reach the call (BoundArguments.arguments would drop a name the signature lacks)."""
+    import inspect
+
+    from distkeras.backends.keras_model import Arguments
+
+    def keras_fit(x=None, y=None, verbose="auto", callbacks=None, shuffle=True):
+        return locals()
+
+    def hub_fit(x=None, y=None, batch_size=None, **kwargs):
+        return keras_fit(x, y, **kwargs)
+
+    for fit in (keras_fit, hub_fit):
+        bound = Arguments(inspect.signature(fit), (1, 2), {"callbacks": ["mine"]})
+        assert bound.get("verbose", "auto") == "auto" and bound.get("callbacks") == ["mine"]
+        assert bound.get("shuffle", True) is True
+        bound.set("verbose", 0)
+        bound.set("callbacks", ["ours"] + bound.get("callbacks"))
+        called = fit(*bound.args, **bound.kwargs)
+        assert (called["verbose"], called["callbacks"], called["x"], called["y"]) == (0, ["ours", "mine"], 1, 2)
+    bound = Arguments(inspect.signature(keras_fit), (), {"shuffle": False})
+    assert bound.get("shuffle", True) is False

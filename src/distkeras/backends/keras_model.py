@@ -11,6 +11,7 @@ second ``distribute()`` replaces the first one's hooks instead of stacking on th
 
 import contextlib
 import importlib
+import inspect
 import weakref
 
 from ..errors import ModelError
@@ -266,3 +267,37 @@ def _is_scalar(values):
         return len(shape) == 0
     except (TypeError, ValueError):  # a tensor of unknown rank
         return False
+
+
+class Arguments(object):
+    """A call's arguments by name, whether the method names them or takes them in ``**kwargs``: a KerasHub task's
+    ``fit(x, y, ..., **kwargs)`` passes ``verbose`` and ``callbacks`` on to Keras' own, so reading or setting them
+    in ``BoundArguments.arguments`` (where a name the signature lacks is silently dropped) would miss them.
+    ``get``/``set`` by name, then call with ``*args``, ``**kwargs``."""
+
+    def __init__(self, signature, args, kwargs):
+        self.bound = signature.bind(*args, **kwargs)
+        self.named = signature.parameters
+        self.rest = next((name for name, p in self.named.items() if p.kind is p.VAR_KEYWORD), None)
+
+    def _where(self, name):
+        if name in self.named or self.rest is None:
+            return self.bound.arguments, self.named[name].default if name in self.named else None
+        return self.bound.arguments.setdefault(self.rest, {}), None
+
+    def get(self, name, default=None):
+        where, declared = self._where(name)
+        found = where.get(name, declared)
+        return default if found is None or found is inspect.Parameter.empty else found
+
+    def set(self, name, value):
+        where, _ = self._where(name)
+        where[name] = value
+
+    @property
+    def args(self):
+        return self.bound.args
+
+    @property
+    def kwargs(self):
+        return self.bound.kwargs

@@ -217,8 +217,8 @@ def rank0_speaks_and_writes(model, rank):
                 signature = inspect.signature(getattr(type(model), name).__get__(model))
 
             def quiet(*args, _method=method, _signature=signature, **kwargs):
-                bound = _signature.bind(*args, **kwargs)
-                bound.arguments["verbose"] = 0
+                bound = keras_model.Arguments(_signature, args, kwargs)
+                bound.set("verbose", 0)
                 return _method(*bound.args, **bound.kwargs)
 
             keras_model.hook(model, name, functools.wraps(method)(quiet))

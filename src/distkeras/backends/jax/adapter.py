@@ -401,15 +401,15 @@ def _same_random_state_every_epoch(model):
 
     @functools.wraps(fit)
     def same_shuffle_fit(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
+        bound = keras_model.Arguments(signature, args, kwargs)
         callback = policies.every_epoch(keras_model.keras_module(model).callbacks.Callback, _broadcast_bytes)
-        callbacks = policies.with_callback(bound.arguments.get("callbacks"), callback)
+        callbacks = policies.with_callback(bound.get("callbacks"), callback)
         if callbacks is None:
             logger.warning("fit() was given a CallbackList: its callbacks run as given, and the processes take "
                            "rank 0's random state at no epoch's start, so a shuffle differs between processes "
                            "unless they are seeded alike. Pass a list of callbacks instead.")
         else:
-            bound.arguments["callbacks"] = callbacks
+            bound.set("callbacks", callbacks)
         return fit(*bound.args, **bound.kwargs)
 
     keras_model.hook(model, "fit", same_shuffle_fit)

@@ -931,11 +931,11 @@ def _same_shuffle_on_every_worker(model, tf, strategy, rank):
 
     @functools.wraps(fit)
     def same_shuffle_fit(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        callbacks = policies.with_callback(bound.arguments.get("callbacks"), policies.every_epoch(callback_class, broadcast))
+        bound = keras_model.Arguments(signature, args, kwargs)
+        callbacks = policies.with_callback(bound.get("callbacks"), policies.every_epoch(callback_class, broadcast))
         if callbacks is not None:
-            bound.arguments["callbacks"] = callbacks
-        if bound.arguments.get("shuffle", True) and (not reached or callbacks is None):
+            bound.set("callbacks", callbacks)
+        if bound.get("shuffle", True) and (not reached or callbacks is None):
             logger.warning(
                 "fit(shuffle=True) across workers: %s, so the workers' shuffles of arrays differ unless every worker "
                 "sets the same seed (keras.utils.set_random_seed) before fit().",

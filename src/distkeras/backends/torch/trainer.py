@@ -740,20 +740,19 @@ def _entry(method, replica, sync_random=False, sharded=False, logs=None):
 
     @functools.wraps(method)
     def entry(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
+        bound = keras_model.Arguments(signature, args, kwargs)
         outer = replica.batch_logs
         if logs is not None and replica.batch_logs_mode == "global":
-            verbose = bound.arguments.get("verbose", signature.parameters["verbose"].default)
-            reads = _batch_logs_read(bound.arguments.get("callbacks"), verbose, logs == "train")
+            reads = _batch_logs_read(bound.get("callbacks"), bound.get("verbose", "auto"), logs == "train")
             replica.batch_logs = collectives.any_rank(reads)  # every rank alike, or the steps' collectives differ
         if replica.process != 0:
-            bound.arguments["verbose"] = 0
+            bound.set("verbose", 0)
         try:
             if sync_random:
                 collectives.sync_random_state()
-                callbacks = bound.arguments.get("callbacks")
+                callbacks = bound.get("callbacks")
                 if callbacks is None or isinstance(callbacks, (list, tuple)):
-                    bound.arguments["callbacks"] = [_SyncRandomState()] + list(callbacks or [])
+                    bound.set("callbacks", [_SyncRandomState()] + list(callbacks or []))
             if not sharded:
                 return method(*bound.args, **bound.kwargs)
             with sharded_batches(replica):
