@@ -78,7 +78,7 @@ def count(junit_path):
 
 
 #: Seconds each suite took in the last full run (two lanes at once on a 2-core CPU machine), to balance the lanes.
-EXPECTED_S = {"core": 245, "tensorflow": 2165, "jax": 1360, "torch": 975, "mxnet": 80, "cntk": 270, "clusters": 370}
+EXPECTED_S = {"core": 290, "tensorflow": 1950, "jax": 1630, "torch": 1190, "mxnet": 115, "cntk": 175, "clusters": 710}
 
 
 def lanes(names, count):

@@ -114,10 +114,8 @@ def test_the_readme_demo_command_runs_and_exits(tmp_path):
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("distkeras")) == [os.path.basename(saved)]
 
 
-@pytest.mark.skipif(not FULL and BACKEND != "tensorflow", reason=(
-    "full run only (DISTKERAS_FULL_TESTS=1): the example is the same backend-neutral script on every backend; the "
-    "default run runs it on TensorFlow, and the README demo command (the same model through `distkeras demo`) on "
-    "TensorFlow and PyTorch"))
+@only_in_full("the example is the backend-neutral script of the README demo command's model, which the default run "
+              "runs on TensorFlow and PyTorch through `distkeras demo`; the gallery's examples run in test_examples.py")
 def test_example_script_runs_unchanged(tmp_path):
     done = run([os.path.join(ROOT, "examples", "digits_mlp.py"), "--epochs", "20"], tmp_path, DISTKERAS_CPU_DEVICES="2")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

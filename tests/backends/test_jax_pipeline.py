@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.backends.harness import BACKEND, keras
+from tests.full import only_in_full
 
 import distkeras
 
@@ -33,9 +34,11 @@ def one_device(name):
     return _ONE[name]
 
 
-@pytest.mark.parametrize("name, schedule, stages", [("mlp", "gpipe", 2), ("mlp-dropout", "1f1b", 2),
-                                                    ("convnet", "1f1b", 2), ("convnet", "gpipe", ["skip"]),
-                                                    ("transformer", "1f1b", 2)])
+@pytest.mark.parametrize("name, schedule, stages", [
+    ("mlp", "gpipe", 2), ("mlp-dropout", "1f1b", 2), ("convnet", "1f1b", 2), ("convnet", "gpipe", ["skip"]),
+    pytest.param("transformer", "1f1b", 2, marks=only_in_full(
+        "the transformer stack trains at 4 stages and at 2 stages x 2 replicas in the default run "
+        "(test_four_stages_on_four_devices_train_as_one_device); about a minute"))])
 def test_two_stages_train_as_one_device(name, schedule, stages, tmp_path):
     one = one_device(name)
     save = str(tmp_path / "model.keras") if name == "convnet" else None

@@ -100,6 +100,8 @@ def test_shard_all_trains_under_the_same_cap(tmp_path, monkeypatch):
     if "NOT-BUILT" in stdout:
         pytest.skip("shard='all' is not built on PyTorch yet: " + stdout.split("NOT-BUILT", 1)[1].strip())
     assert code == 0, (code, stats, stderr[-3000:])
-    # Each process' line is one write to the stdout they share (print() wrote pieces, which interleaved).
-    assert sorted(re.findall(r"^TRAINED rank (\d+)$", stdout, re.M)) == ["0", "1", "2", "3"], stdout[-2000:]
+    # Each process' line is one write to the stdout they share (print() wrote pieces, which interleaved); the
+    # processes distribute() started carry the launcher's "[rank N] " prefix.
+    assert sorted(re.findall(r"^(?:\[rank \d\] )?TRAINED rank (\d+)$", stdout, re.M)) == ["0", "1", "2", "3"], \
+        stdout[-2000:]
     assert all(s["oom_kills"] == 0 and s["max_usage_bytes"] <= s["limit_bytes"] for s in stats), stats
