@@ -134,6 +134,9 @@ def test_what_cannot_be_cut_is_a_clear_error_before_any_process_starts():
     assert "doesn't divide the job's 3 processes" in said
     said = refusal(mlp, pipeline_stages=2, shard="all")
     assert "doesn't combine with shard='all'" in said
+    # Each stage applies the optimizer to its own variables: a global norm would be each stage's norm.
+    said = refusal(lambda: mlp(optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0)), pipeline_stages=2)
+    assert "global_clipnorm=1.0" in said and "each stage's norm" in said
 
 
 def test_the_keras_privates_the_pipeline_reads_are_there():

@@ -270,6 +270,9 @@ def _check_pipeline(stages, microbatches, schedule, strategy, shard, compression
             raise OptionError("pipeline_stages runs each stage's layers whole on one process and doesn't combine "
                               "with {}={!r} in this version. Received: pipeline_stages={!r}, {}={!r}".format(
                                   name, value, stages, name, value))
+    from . import pipeline as torch_pipeline
+
+    torch_pipeline.check_optimizer(model)
     parts = pipeline.plan(model, stages)
     processes = cluster.world_size if cluster.is_multi_worker else len(devices)
     if len(parts) < 2:

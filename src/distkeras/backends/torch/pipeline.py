@@ -298,12 +298,27 @@ def _advance(seeds):
 # ---------------------------------------------------------------------------------------------- the steps
 
 
+def check_optimizer(model):
+    """An OptionError where the model's optimizer clips by the global norm: each stage applies it to its own
+    variables, so it would clip by each stage's norm, not the model's (not one device's step)."""
+    optimizer = getattr(model, "optimizer", None)
+    clip = getattr(optimizer, "global_clipnorm", None)
+    if clip:
+        raise OptionError(
+            "pipeline_stages on PyTorch applies the optimizer stage by stage, each process to its own stage's "
+            "variables, and {}'s optimizer has global_clipnorm={!r}, which needs the norm over every stage: not "
+            "supported with pipeline stages on PyTorch in this version (it would clip by each stage's norm). Use "
+            "clipnorm= (per variable), or pipeline stages on JAX or TensorFlow, which clip by the global norm.".format(
+                model.name, clip))
+
+
 def steps(plan):
     """Keras' ``train_step``, ``test_step`` and ``predict_step`` of a model cut into stages, for this process."""
     model = plan.model
 
     def train_step(data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        check_optimizer(model)  # compile() after distribute() may bring one
         for variable in plan.trainable:
             variable.value.grad = None
         stage = TorchStage(plan, x, y, sample_weight, training=True)
