@@ -149,7 +149,10 @@ def test_backup_and_restore_resumes_a_split_model_to_the_uninterrupted_run(tmp_p
 
 def refused(options, model="mlp"):
     try:
-        distkeras.distribute(MODELS[model][0]() if model in MODELS else block(0.1), 2, strategy="model", **options)
+        built = MODELS[model.replace("-clipped", "")][0]() if model.replace("-clipped", "") in MODELS else block(0.1)
+        if model.endswith("-clipped"):
+            built.compile(optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0), loss="mse")
+        distkeras.distribute(built, 2, strategy="model", **options)
     except distkeras.DistKerasError as exc:
         return type(exc).__name__, str(exc)
     return None
@@ -162,7 +165,8 @@ def refused(options, model="mlp"):
      "Expected 2 axes for head/kernel"),
     ({"layout_map": {"up/kernel": ("rows", None)}}, "mlp", "Expected layout_map['up/kernel'] to be axes"),
     ({"layout_map": {"attn/query/kernel": (None, "model", None)}}, "dropout", "with dropout=0.1"),
-], ids=["model_shards", "shard", "rank", "axes", "attention dropout"])
+    ({}, "mlp-clipped", "has global_clipnorm=1.0, a norm over whole gradients"),
+], ids=["model_shards", "shard", "rank", "axes", "attention dropout", "global_clipnorm"])
 def test_what_cant_be_split_is_a_clear_error(options, model, expected):
     kind, message = job(2).run(refused, options, model)[0].result
     assert kind == "OptionError" and expected in message, message

@@ -336,6 +336,14 @@ def _check_strategy(strategy, layout_map, model_shards, shard, compression, mode
         if value is not None:
             raise OptionError("{} applies to strategy='data' on PyTorch (replicas' state and gradients). Received: "
                               "strategy='model', {}={!r}".format(name, name, value))
+    clips = [(name, getattr(getattr(model, "optimizer", None), name, None)) for name in ("global_clipnorm", "clipnorm")]
+    clips = ["{}={!r}".format(name, value) for name, value in clips if value]
+    if clips:  # each process holds part of a split variable's gradient: a norm of it would be a norm of a part
+        raise OptionError(
+            "strategy='model' on PyTorch splits variables over the processes, and {}'s optimizer has {}, a norm "
+            "over whole gradients: not supported with strategy='model' on PyTorch in this version (it would clip "
+            "by the norm of each process' part). Use clipvalue=, or strategy='data' (with shard= for memory)."
+            .format(model.name, ", ".join(clips)))
     processes = cluster.world_size if cluster.is_multi_worker else len(devices)
     layouts.mesh(processes, model_shards)
     if layout_map is not None:
