@@ -37,7 +37,7 @@ optimizer = keras.optimizers.Adam(learning_rate=1e-3)
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 train_acc_metric = keras.metrics.SparseCategoricalAccuracy()
 distkeras.attach(model, optimizer, train_acc_metric)  # distkeras: the job's optimizer and metric
-chief = distkeras.describe(model)["rank"] == 0  # distkeras: one process prints (PyTorch runs one per device)
+chief = distkeras.is_main_process()  # distkeras: one process prints (PyTorch runs one per device)
 
 if keras.backend.backend() == "tensorflow":
     import tensorflow as tf

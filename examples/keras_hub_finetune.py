@@ -59,6 +59,6 @@ batch_size = distkeras.global_batch_size(16, classifier)  # distkeras: 16 review
 
 classifier.fit(x_train, y_train, batch_size=batch_size, epochs=args.epochs, verbose=2)
 loss, accuracy = classifier.evaluate(x_test, y_test, batch_size=batch_size, verbose=0)
-if distkeras.describe(classifier)["rank"] == 0:  # distkeras: one process prints and writes
+if distkeras.is_main_process():  # distkeras: one process prints and writes
     print("test accuracy: {:.4f}".format(accuracy))
     classifier.save(args.out)  # a plain KerasHub task: keras.saving.load_model() needs no distkeras

@@ -42,6 +42,6 @@ batch_size = distkeras.global_batch_size(32, model)  # distkeras: 32 samples per
 model.fit(x_train, y_train, batch_size=batch_size, epochs=args.epochs, verbose=2)
 loss, accuracy = model.evaluate(x_test, y_test, batch_size=batch_size, verbose=0)
 model.save(args.out)  # distkeras: with shard=, every process calls save() (it gathers the state); rank 0 writes
-if distkeras.describe(model)["rank"] == 0:
+if distkeras.is_main_process():
     print(distkeras.describe(model))
     print("test accuracy: {:.4f}".format(accuracy))

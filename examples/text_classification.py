@@ -89,6 +89,6 @@ batch_size = distkeras.global_batch_size(32, model)  # distkeras: 32 reviews per
 
 model.fit(x_train, y_train, batch_size=batch_size, epochs=args.epochs, verbose=2)
 loss, accuracy = model.evaluate(x_test, y_test, batch_size=batch_size, verbose=0)
-if distkeras.describe(model)["rank"] == 0:  # distkeras: one process prints and writes (PyTorch runs one per device)
+if distkeras.is_main_process():  # distkeras: one process prints and writes (PyTorch runs one per device)
     print("test accuracy: {:.4f}".format(accuracy))
     model.save(args.out)  # a plain Keras model: keras.saving.load_model() needs no distkeras
