@@ -11,7 +11,7 @@ Suites run in two lanes at once (DISTKERAS_TEST_LANES, default 2; 1 runs them on
 suite at a time, each suite's output printed whole when it ends. Prints one closing line, "tests: N passed,
 N failed, N skipped in S s", and exits non-zero if any suite failed or errored. Extra arguments go to every pytest run (e.g. -k, -x). DISTKERAS_SUITES=a,b runs only the named
 suites; DISTKERAS_TESTS=path,path (test files or folders) runs only those, each in the suites whose paths hold
-it, and skips the suites that hold none.
+it, and skips the suites that hold none. DISTKERAS_JUNIT_DIR=dir keeps each suite's JUnit XML (every test's time) there.
 """
 
 import os
@@ -158,6 +158,8 @@ def main(argv):
                     failed_suites.append(name)
 
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = os.environ.get("DISTKERAS_JUNIT_DIR") or tmp
+        os.makedirs(tmp, exist_ok=True)
         dealt = lanes(list(chosen), count_lanes)
         if len(dealt) > 1:
             print("running {} lanes at once: {}".format(len(dealt), "; ".join(", ".join(lane) for lane in dealt)),
