@@ -126,6 +126,11 @@ def test_two_hosts_train_as_one_process(hosts, tmp_path, nproc):
         assert "'rank': {}, 'workers': {}".format(rank, world) in out
 
 
+@pytest.mark.skipif(not FULL and BACKEND != "tensorflow", reason=(
+    "full run only (DISTKERAS_FULL_TESTS=1): the launchers end the job on a silent host whatever the backend (the "
+    "peer timeout: tests/core/test_rendezvous.py, with no framework), each engine's ending on a lost worker is "
+    "test_multiworker's (every backend) and the resume from a checkpoint is test_preemption's on every backend; the default run "
+    "keeps this one on TensorFlow (its collectives wait the longest for a peer)"))
 def test_a_lost_host_ends_the_job_within_the_bound_naming_its_rank_and_the_job_resumes(hosts, tmp_path):
     lines = commands(hosts, 1, tmp_path, "stall")
     began = time.time()
