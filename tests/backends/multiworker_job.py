@@ -14,7 +14,9 @@ rank 1 writes its pid to OUT_DIR/ready and waits for OUT_DIR/sent: the test SIGT
 keras.utils.set_random_seed(SHUFFLE_SEED + rank): each rank's own random state). Every
 worker is given the whole data set; every rank writes its final weights to OUT_DIR/rank{R}.npz and prints how
 many replicas the framework itself counts ("framework replicas N"). "shard" (like train, with shard="all"; every
-rank saves OUT_DIR/model.keras, which rank 0 writes).
+rank saves OUT_DIR/model.keras, which rank 0 writes). MODE may name several modes, comma-separated: the same
+worker processes then run each in turn on a fresh model, into OUT_DIR/MODE, each preceded by a line "== MODE"
+(tests share one job instead of starting a job of processes per mode).
 """
 
 import os
@@ -152,4 +154,10 @@ def main(out_dir, mode):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if "," not in sys.argv[2]:
+        main(sys.argv[1], sys.argv[2])
+    else:
+        for each in sys.argv[2].split(","):
+            print("==", each, flush=True)
+            os.makedirs(os.path.join(sys.argv[1], each), exist_ok=True)
+            main(os.path.join(sys.argv[1], each), each)

@@ -4,6 +4,7 @@ worker ends the job in bounded time, naming its rank, and leaves its last checkp
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,33 @@ def launch(out_dir, mode, timeout=600):
     return done, time.time() - started
 
 
+#: Modes that share one job of 2 worker processes (tests.backends.multiworker_job runs them in turn, each on a fresh
+#: model): starting a job (processes, framework imports, the engine's set-up) costs more than its training here.
+SHARED = ("tf.data", "PyDataset", "bf16") + (("uneven",) if BACKEND in ("tensorflow", "jax") else ())
+
+
+@pytest.fixture(scope="module")
+def shared_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shared")
+    done, _ = launch(out, ",".join(SHARED))
+    return out, done
+
+
+def part(shared_job, mode):
+    """``(out_dir, output)`` of ``mode`` in the shared job: its folder, and the lines each rank wrote while it ran
+    (the launcher's ``[rank R] `` prefix kept)."""
+    out, done = shared_job
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines, current = [], {}
+    for line in done.stdout.splitlines():
+        found = re.match(r"\[rank (\d+)\] (?:== (\S+)$)?", line)
+        if found and found.group(2):
+            current[found.group(1)] = found.group(2)
+        elif found and current.get(found.group(1)) == mode:
+            lines.append(line)
+    return os.path.join(str(out), mode), "\n".join(lines)
+
+
 def single_process_weights(batch_size=12):
     model = scenarios.build(keras)
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
@@ -53,9 +81,13 @@ def assert_close(expected, actual):
     pytest.param("train", marks=only_in_full("arrays across processes train as one process in test_multihost's 2 hosts "
                                              "x 2 (the same job); tf.data and PyDataset here check one voice and describe")),
     "tf.data", "PyDataset"])
-def test_two_workers_train_as_one_process(tmp_path, data):
-    done, _ = launch(tmp_path, data)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def test_two_workers_train_as_one_process(tmp_path, data, request):
+    if data in SHARED:
+        tmp_path, out = part(request.getfixturevalue("shared_job"), data)
+    else:
+        done, _ = launch(tmp_path, data)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        out = done.stdout + done.stderr
     # Every worker is given the whole data set; each batch (arrays' batch_size, a tf.data batch, a
     # PyDataset item) is a global batch, split over the workers.
     expected = single_process_weights()
@@ -63,19 +95,18 @@ def test_two_workers_train_as_one_process(tmp_path, data):
     for a, b in zip(r0, r1):
         np.testing.assert_array_equal(a, b)  # identical on every rank, not just close
     assert_close(expected, r0)
-    out = done.stdout + done.stderr
     # One voice: rank 0 shows Keras' progress, rank 1 shows none.
     assert "[rank 0] Epoch 4/4" in out and "[rank 1] Epoch" not in out
-    assert "[rank 1] describe {'backend': '" + BACKEND in done.stdout
+    assert "[rank 1] describe {'backend': '" + BACKEND in out
     # Two worker processes, one device each: two replicas in all, on every backend; this is rank 1.
-    assert "'replicas': 2, 'model_shards': 1, 'rank': 1, 'workers': 2, 'distributed': True" in done.stdout
+    assert "'replicas': 2, 'model_shards': 1, 'rank': 1, 'workers': 2, 'distributed': True" in out
 
 
-def test_two_workers_with_bf16_gradients_stay_equal_and_close_to_one_process(tmp_path):
+def test_two_workers_with_bf16_gradients_stay_equal_and_close_to_one_process(shared_job):
     """compression='bf16' across processes, on the backend's own engine: the 16-bit all-reduce gives every
-    rank the same sum, so the ranks stay bit-equal; 32 SGD steps land near exact training, not on it."""
-    done, _ = launch(tmp_path, "bf16")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rank the same sum, so the ranks stay bit-equal; 32 SGD steps land near exact training, not on it. (In the
+    shared job it follows two uncompressed fits in the same processes: a later distribute() takes its options.)"""
+    tmp_path, out = part(shared_job, "bf16")
     r0, r1 = rank_weights(tmp_path, 0), rank_weights(tmp_path, 1)
     for a, b in zip(r0, r1):
         np.testing.assert_array_equal(a, b)
@@ -83,18 +114,17 @@ def test_two_workers_with_bf16_gradients_stay_equal_and_close_to_one_process(tmp
     for e, a in zip(expected, r0):
         np.testing.assert_allclose(a, e, rtol=2e-2, atol=2e-2)
     assert max(float(np.abs(e - a).max()) for e, a in zip(expected, r0)) > 1e-7, "not compressed"
-    assert "framework replicas 2" in done.stdout
+    assert "framework replicas 2" in out
 
 
 @pytest.mark.skipif(BACKEND not in ("tensorflow", "jax"), reason="TensorFlow's exact loss scaling across workers, "
                     "JAX's padding of a batch the workers don't divide")
-def test_two_workers_weigh_an_uneven_split_by_batch_share(tmp_path):
+def test_two_workers_weigh_an_uneven_split_by_batch_share(shared_job):
     # Global batch 11: 6+5 over the workers, then 1+0. Each worker's replicas only see their own batches,
     # so the global batch comes from an all-reduce there. On JAX every process pads the global batch alike
     # (to 12, and 1 to 2) and it is split, not run whole on every process.
-    done, _ = launch(tmp_path, "uneven")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "doesn't split evenly" not in done.stdout + done.stderr
+    tmp_path, out = part(shared_job, "uneven")
+    assert "doesn't split evenly" not in out + shared_job[1].stderr
     assert_close(single_process_weights(batch_size=11), rank_weights(tmp_path, 0))
     assert_close(rank_weights(tmp_path, 0), rank_weights(tmp_path, 1))
 
