@@ -111,6 +111,12 @@ def verified(out_dir, rank):
 
 
 if __name__ == "__main__":
-    out, mode = sys.argv[1], sys.argv[2]
-    {"unseeded": unseeded, "save": saves, "alone": alone, "verify": verified}[mode](
-        out, distkeras.cluster.from_env().rank)
+    # Several comma-separated modes run in turn in the same processes, each into OUT/MODE after a line "== MODE".
+    out, modes = sys.argv[1], sys.argv[2].split(",")
+    for mode in modes:
+        folder = out if len(modes) == 1 else os.path.join(out, mode)
+        if len(modes) > 1:
+            print("==", mode, flush=True)
+            os.makedirs(folder, exist_ok=True)
+        {"unseeded": unseeded, "save": saves, "alone": alone, "verify": verified}[mode](
+            folder, distkeras.cluster.from_env().rank)

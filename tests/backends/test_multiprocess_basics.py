@@ -34,6 +34,32 @@ def launch(out_dir, mode):
     return done, time.time() - started
 
 
+#: Modes that share one job of 2 workers, run in turn in the same processes (the job's start costs more than they do).
+SHARED = ("unseeded", "save") + (("verify",) if BACKEND == "jax" else ())
+
+
+@pytest.fixture(scope="module")
+def shared_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shared")
+    done, _ = launch(out, ",".join(SHARED))
+    return out, done
+
+
+def part(shared_job, mode):
+    """``(folder, done, output)``: ``mode``'s folder in the shared job, the job, and the lines each rank wrote while
+    ``mode`` ran (the launcher's ``[rank R] `` prefix kept)."""
+    out, done = shared_job
+    assert done.returncode == 0, shown(done)
+    lines, current = [], {}
+    for line in done.stdout.splitlines():
+        found = re.match(r"\[rank (\d+)\] (?:== (\S+)$)?", line)
+        if found and found.group(2):
+            current[found.group(1)] = found.group(2)
+        elif found and current.get(found.group(1)) == mode:
+            lines.append(line)
+    return os.path.join(str(out), mode), done, "\n".join(lines)
+
+
 def shown(done):
     return done.stdout[-4000:] + done.stderr[-4000:]
 
@@ -43,12 +69,11 @@ def weights(path):
     return [saved["arr_{}".format(i)] for i in range(len(saved.files))]
 
 
-def test_ranks_built_from_different_seeds_train_from_rank_0s_values(tmp_path):
+def test_ranks_built_from_different_seeds_train_from_rank_0s_values(shared_job):
     """Each rank builds its model from its own seed (as a script that seeds nothing does). JAX refused such a
     model in distribute() (device_put's "not the same on each process", printing the arrays); now every backend
     takes rank 0's values, and both ranks end where one device ends from rank 0's initial weights."""
-    done, _ = launch(tmp_path, "unseeded")
-    assert done.returncode == 0, shown(done)
+    tmp_path, done, _ = part(shared_job, "unseeded")
     assert "not the same on each process" not in done.stdout + done.stderr
     model = scenarios.build(keras)
     model.set_weights(weights(os.path.join(str(tmp_path), "init.npz")))
@@ -61,14 +86,13 @@ def test_ranks_built_from_different_seeds_train_from_rank_0s_values(tmp_path):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_every_rank_loads_what_it_just_saved(tmp_path):
+def test_every_rank_loads_what_it_just_saved(shared_job):
     """save()+load_model(), save_weights()+load_weights() and ModelCheckpoint(save_best_only=True) followed by
     load_model() of the best, on every rank, several times each: rank 1 returned from save() before rank 0 had
     written the file ("File not found" in 2 jobs of 3 with a single save)."""
-    done, _ = launch(tmp_path, "save")
-    assert done.returncode == 0, shown(done)
+    tmp_path, done, out = part(shared_job, "save")
     files = 3 * basics_job.ROUNDS
-    assert "[rank 0] loaded {}".format(files) in done.stdout and "[rank 1] loaded {}".format(files) in done.stdout
+    assert "[rank 0] loaded {}".format(files) in out and "[rank 1] loaded {}".format(files) in out, shown(done)
     assert not [name for name in os.listdir(str(tmp_path)) if name.startswith(".tmp-")]
 
 
@@ -94,10 +118,9 @@ def test_predict_and_evaluate_on_one_rank_only_end_within_seconds_saying_what_to
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's processes gather the global batch for the check (PyTorch's "
                                               "are tested in test_verify.py; TensorFlow's multi-worker check is off)")
-def test_the_one_device_check_runs_across_jax_processes(tmp_path):
+def test_the_one_device_check_runs_across_jax_processes(shared_job):
     """Every process gathers the global batch (its rows are on the other process too) and replays the step on a
     device of its own: the check ran on both ranks and found nothing, where it used to switch itself off."""
-    done, _ = launch(tmp_path, "verify")
-    assert done.returncode == 0, shown(done)
+    _, done, out = part(shared_job, "verify")
     for rank in (0, 1):
-        assert "[rank {}] checked 1 found 0 skipped None".format(rank) in done.stdout, shown(done)
+        assert "[rank {}] checked 1 found 0 skipped None".format(rank) in out, shown(done)
