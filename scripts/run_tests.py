@@ -78,7 +78,7 @@ def count(junit_path):
 
 
 #: Seconds each suite took in the last full run (two lanes at once on a 2-core CPU machine), to balance the lanes.
-EXPECTED_S = {"core": 320, "tensorflow": 1850, "jax": 1610, "torch": 1110, "mxnet": 90, "cntk": 140, "clusters": 640}
+EXPECTED_S = {"core": 225, "tensorflow": 1715, "jax": 1130, "torch": 745, "mxnet": 70, "cntk": 240, "clusters": 345}
 
 
 def lanes(names, count):
