@@ -111,12 +111,7 @@ def verified(out_dir, rank):
 
 
 if __name__ == "__main__":
-    # Several comma-separated modes run in turn in the same processes, each into OUT/MODE after a line "== MODE".
-    out, modes = sys.argv[1], sys.argv[2].split(",")
-    for mode in modes:
-        folder = out if len(modes) == 1 else os.path.join(out, mode)
-        if len(modes) > 1:
-            print("==", mode, flush=True)
-            os.makedirs(folder, exist_ok=True)
-        {"unseeded": unseeded, "save": saves, "alone": alone, "verify": verified}[mode](
-            folder, distkeras.cluster.from_env().rank)
+    from tests.backends.multiworker_job import run_modes
+
+    modes = {"unseeded": unseeded, "save": saves, "alone": alone, "verify": verified}
+    run_modes(sys.argv[1], sys.argv[2], lambda folder, mode: modes[mode](folder, distkeras.cluster.from_env().rank))

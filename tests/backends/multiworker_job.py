@@ -153,11 +153,17 @@ def main(out_dir, mode):
     print("framework replicas", framework_replicas(model))
 
 
+def run_modes(out_dir, modes, run):
+    """``run(folder, mode)`` for each of the comma-separated ``modes``: one mode into ``out_dir`` itself; several in
+    turn, each into ``out_dir/MODE`` after a line "== MODE" (which ``test_multiworker.mode_output`` reads)."""
+    modes = modes.split(",")
+    for mode in modes:
+        folder = out_dir if len(modes) == 1 else os.path.join(out_dir, mode)
+        if len(modes) > 1:
+            print("==", mode, flush=True)
+            os.makedirs(folder, exist_ok=True)
+        run(folder, mode)
+
+
 if __name__ == "__main__":
-    if "," not in sys.argv[2]:
-        main(sys.argv[1], sys.argv[2])
-    else:
-        for each in sys.argv[2].split(","):
-            print("==", each, flush=True)
-            os.makedirs(os.path.join(sys.argv[1], each), exist_ok=True)
-            main(os.path.join(sys.argv[1], each), each)
+    run_modes(sys.argv[1], sys.argv[2], main)

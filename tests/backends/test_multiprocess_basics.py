@@ -14,6 +14,7 @@ import pytest
 
 from tests.backends import basics_job, scenarios
 from tests.backends.harness import BACKEND, keras
+from tests.backends.test_multiworker import mode_output
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Seconds every rank has to join predict()/evaluate() in these jobs (DISTKERAS_JOIN_TIMEOUT; default 60).
@@ -46,18 +47,10 @@ def shared_job(tmp_path_factory):
 
 
 def part(shared_job, mode):
-    """``(folder, done, output)``: ``mode``'s folder in the shared job, the job, and the lines each rank wrote while
-    ``mode`` ran (the launcher's ``[rank R] `` prefix kept)."""
+    """``(folder, done, output)``: ``mode``'s folder in the shared job, the job, and its lines (``mode_output``)."""
     out, done = shared_job
     assert done.returncode == 0, shown(done)
-    lines, current = [], {}
-    for line in done.stdout.splitlines():
-        found = re.match(r"\[rank (\d+)\] (?:== (\S+)$)?", line)
-        if found and found.group(2):
-            current[found.group(1)] = found.group(2)
-        elif found and current.get(found.group(1)) == mode:
-            lines.append(line)
-    return os.path.join(str(out), mode), done, "\n".join(lines)
+    return os.path.join(str(out), mode), done, mode_output(done.stdout, mode)
 
 
 def shown(done):

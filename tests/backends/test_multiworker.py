@@ -44,19 +44,24 @@ def shared_job(tmp_path_factory):
     return out, done
 
 
-def part(shared_job, mode):
-    """``(out_dir, output)`` of ``mode`` in the shared job: its folder, and the lines each rank wrote while it ran
-    (the launcher's ``[rank R] `` prefix kept)."""
-    out, done = shared_job
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def mode_output(stdout, mode):
+    """The lines each rank wrote while ``mode`` ran, in a job of several modes (``multiworker_job.run_modes``),
+    the launcher's ``[rank R] `` prefix kept."""
     lines, current = [], {}
-    for line in done.stdout.splitlines():
+    for line in stdout.splitlines():
         found = re.match(r"\[rank (\d+)\] (?:== (\S+)$)?", line)
         if found and found.group(2):
             current[found.group(1)] = found.group(2)
         elif found and current.get(found.group(1)) == mode:
             lines.append(line)
-    return os.path.join(str(out), mode), "\n".join(lines)
+    return "\n".join(lines)
+
+
+def part(shared_job, mode):
+    """``(out_dir, output)`` of ``mode`` in the shared job: its folder and its lines (:func:`mode_output`)."""
+    out, done = shared_job
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return os.path.join(str(out), mode), mode_output(done.stdout, mode)
 
 
 def single_process_weights(batch_size=12):
