@@ -3,7 +3,8 @@ wrote it; a progress bar's ``\\r`` updates shown in place on a terminal and coll
 anywhere else (a pipe, a log file), where colour codes are dropped too.
 
 Used by ``distkeras launch`` (:mod:`distkeras.launch`) and by PyTorch's self-launch (the processes a plain
-``python script.py`` starts). Part of the Python 3.6-compatible core: standard library only.
+``python script.py`` starts), where rank 0 prints too and shares its ``sys.stdout`` with the relay
+(:class:`SharedStream`). Part of the Python 3.6-compatible core: standard library only.
 
     console = Console(sys.stdout)                       # a terminal? in place : collapsed, no colour codes
     relay = Relay(console, "rank 1", log=open("rank1.log", "w"))
@@ -15,6 +16,7 @@ import collections
 import os
 import re
 import select
+import sys
 import threading
 import time
 from typing import List, Optional
@@ -57,9 +59,8 @@ def is_terminal(stream: object) -> bool:
 
 
 class FdStream(object):
-    """A text stream straight onto a file descriptor (``os.write``, UTF-8), beneath whatever buffers the process'
-    own ``sys.stdout`` keeps: a relay in a process that prints too writes whole lines of its own between that
-    process' writes, never inside a ``print()`` (which writes its arguments and its ``\n`` one by one)."""
+    """A text stream straight onto a file descriptor (``os.write``, UTF-8): where a process has no ``sys.stdout``
+    (``pythonw``, a closed stream) to share with its relay (:class:`SharedStream`)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -78,6 +79,105 @@ class FdStream(object):
 
     def isatty(self) -> bool:
         return os.isatty(self.fd)
+
+
+#: Seconds at most a relay's lines wait for the end of the line its own process is writing (:class:`SharedStream`).
+WAIT = 1.0
+
+
+class SharedStream(object):
+    """A process' own text stream (its ``sys.stdout``) that a relay in the same process writes to as well: the
+    relay's lines go between the process' lines, never inside one.
+
+    ``print()`` writes its arguments, their separators and its ``"\\n"`` one by one; unbuffered (``python -u``,
+    ``PYTHONUNBUFFERED``, as ``distkeras launch`` and many containers run Python) each piece reaches the file at once,
+    so a line written beneath the process' stream at any moment could land inside a ``print()``. So the process
+    writes through :attr:`own` (put in place of ``sys.stdout`` by :meth:`install`), and the relay's :meth:`write`
+    waits until the process' last write ended its line, or wrote nothing for :data:`PAUSE` seconds (a progress bar's
+    update, a prompt: the line stays open), or :data:`WAIT` seconds passed; then it writes through the same stream,
+    in order with the process' own buffered text.
+
+    Examples:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> shared = SharedStream(out)
+        >>> shared.own.write("rank 0 says")
+        11
+        >>> shared.own.write("\\n"); shared.write("[rank 1] hello\\n")
+        1
+        >>> out.getvalue()
+        'rank 0 says\\n[rank 1] hello\\n'
+    """
+
+    def __init__(self, stream: object) -> None:
+        self.stream = stream
+        self.encoding = getattr(stream, "encoding", None)
+        self._turn = threading.Condition()  # reentrant: a signal handler in the middle of a write may print too
+        self._open = False  # the process' last write left its line unfinished
+        self._when = 0.0  # when it wrote last
+        self.own = _Own(self)
+
+    @classmethod
+    def install(cls) -> object:
+        """Share this process' ``sys.stdout`` with a relay: returns the stream the relay's console writes to (an
+        :class:`FdStream` onto file descriptor 1 where there is no ``sys.stdout``)."""
+        if sys.stdout is None:
+            return FdStream(1)
+        if isinstance(sys.stdout, _Own):
+            return sys.stdout.shared
+        shared = cls(sys.stdout)
+        sys.stdout = shared.own
+        return shared
+
+    def _own_write(self, text: str) -> int:
+        with self._turn:
+            written = self.stream.write(text)  # type: ignore
+            if text:
+                self._open = not text.endswith("\n")
+                self._when = time.monotonic()
+                if not self._open:
+                    self._turn.notify_all()
+            return written
+
+    def write(self, text: str) -> None:
+        """Write the relay's ``text`` (whole lines) at the end of the process' current line."""
+        deadline = time.monotonic() + WAIT
+        with self._turn:
+            while self._open:
+                now = time.monotonic()
+                quiet = self._when + PAUSE
+                if now >= quiet or now >= deadline:
+                    break
+                self._turn.wait(min(quiet, deadline) - now)
+            self.stream.write(text)  # type: ignore
+            self.stream.flush()  # type: ignore
+
+    def flush(self) -> None:
+        self.stream.flush()  # type: ignore
+
+    def fileno(self) -> int:
+        return self.stream.fileno()  # type: ignore
+
+    def isatty(self) -> bool:
+        return is_terminal(self.stream)
+
+
+class _Own(object):
+    """The process' side of a :class:`SharedStream`, in place of ``sys.stdout``: its writes mark where its line
+    stands; everything else is the stream's own (``isatty``, ``fileno``, ``encoding``, ``buffer``)."""
+
+    def __init__(self, shared: SharedStream) -> None:
+        self.shared = shared
+
+    def write(self, text: str) -> int:
+        return self.shared._own_write(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.shared.stream, name)
 
 
 class Lines(object):

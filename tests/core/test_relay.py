@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from distkeras import relay
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
@@ -106,25 +108,40 @@ def test_a_relay_whose_console_fails_still_drains_the_pipe():
     assert not gone.thread.is_alive()
 
 
-def test_a_relay_in_a_process_that_prints_writes_between_its_prints(tmp_path):
-    """PyTorch's self-launch: rank 0 prints while its relay writes rank 1's lines; print() writes its arguments and
-    its "\\n" one by one, so the relay writes beneath sys.stdout (FdStream): whole lines between rank 0's."""
+@pytest.mark.parametrize("unbuffered", ["1", ""], ids=["unbuffered", "buffered"])
+def test_a_relay_in_a_process_that_prints_writes_between_its_prints(tmp_path, unbuffered):
+    """PyTorch's self-launch: rank 0 prints while its relay writes rank 1's lines. print() writes its arguments and
+    its "\\n" one by one, each straight to the file when unbuffered (python -u, PYTHONUNBUFFERED): the relay's lines
+    must still land whole between rank 0's, and in a buffered process (no flush) in order with what it buffered."""
     code = """if True:
         import subprocess, sys
         from distkeras import relay
         child = subprocess.Popen([sys.executable, "-c", "for i in range(2000): print('child', i, 'x' * 40)"],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0)
-        relayed = relay.Relay(relay.Console(relay.FdStream(1), shared=True), "rank 1")
+        relayed = relay.Relay(relay.Console(relay.SharedStream.install(), shared=True), "rank 1")
         relayed.start(child.stdout)
         for i in range(2000):
-            print("parent", i, "y" * 40, flush=True)
+            print("parent", i, "y" * 40)
         child.wait()
         relayed.join(30)
     """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+    env.pop("PYTHONUNBUFFERED", None)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert [line for line in lines if line.startswith("parent")] == ["parent {} {}".format(i, "y" * 40) for i in range(2000)]
     assert [line for line in lines if not line.startswith("parent")] == [
         "[rank 1] child {} {}".format(i, "x" * 40) for i in range(2000)]
+
+
+def test_a_shared_stream_waits_for_the_line_only_so_long():
+    """A progress bar's update or a prompt leaves rank 0's line open: the relay's line waits PAUSE, not for ever."""
+    out = io.StringIO()
+    shared = relay.SharedStream(out)
+    shared.own.write("Continue? ")
+    shared.write("[rank 1] hello\n")
+    assert out.getvalue() == "Continue? [rank 1] hello\n"
+    assert shared.own.isatty() is False and shared.own.getvalue() == out.getvalue()  # the rest is the stream's

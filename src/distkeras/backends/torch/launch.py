@@ -103,8 +103,9 @@ def start_workers(count, timeout):
     children, relays = {}, []
     # This process' own output is the user's, unprefixed; each child's stdout and stderr come through one pipe (in
     # the order it wrote them, as under distkeras launch) and are written here, "[rank N] " before each line, on
-    # file descriptor 1 itself: a line lands between this process' writes, never inside one of its print()s.
-    console = relay.Console(relay.FdStream(1), shared=True)
+    # this process' sys.stdout, shared (relay.SharedStream): a line lands between this process' lines, never inside
+    # one of its print()s, which write their pieces one by one.
+    console = relay.Console(relay.SharedStream.install(), shared=True)
     for rank in range(1, count):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), PYTHONUNBUFFERED="1", **shared)
         env[PARENT_ENV] = str(os.getpid())
