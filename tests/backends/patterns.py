@@ -241,6 +241,18 @@ def steps_per_execution(keras):
     return model, x, y, {"batch_size": 10}
 
 
+def stateful_lstm(keras):
+    """An LSTM that carries its state from batch to batch for a fixed batch (batch_shape): JAX runs each global
+    batch as one program; TensorFlow and PyTorch cut it per replica, and distkeras refuses it there (NOT_ON)."""
+    model = keras.Sequential(
+        [keras.Input(batch_shape=(BATCH, 5, 4)), keras.layers.LSTM(6, stateful=True, name="stateful_lstm"),
+         keras.layers.Dense(3)]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = np.random.default_rng(4).normal(size=(SAMPLES, 5, 4)).astype("float32")
+    return model, x, _data()[1], {}
+
+
 #: name -> (build, weight tolerance). float16 and bfloat16 compute rounds at 1e-4 and 1e-3 (measured: max |ΔW| 1.2e-4
 #: and 6.4e-4 on TF and JAX); everything else agrees to float32 rounding.
 PATTERNS = {
@@ -266,12 +278,15 @@ PATTERNS = {
     "class_weights": (class_weights, 1e-5),
     "trained_before_distribute": (trained_before_distribute, 1e-5),
     "steps_per_execution": (steps_per_execution, 1e-5),
+    "stateful_lstm": (stateful_lstm, 1e-5),
 }
 
 #: Patterns a backend's Keras itself can't run: torch refuses steps_per_execution > 1 ("must be 1 with the
 #: PyTorch backend"), and Keras 3.15's TensorFlow trainer fails with it under any MirroredStrategy, plain Keras
-#: too (InvalidArgumentError at a placeholder in its step loop; checked without distkeras).
-NOT_ON = {"steps_per_execution": ("torch", "tensorflow")}
+#: too (InvalidArgumentError at a placeholder in its step loop; checked without distkeras). A stateful RNN keeps its
+#: state for the whole batch, which TensorFlow's and PyTorch's replicas each run a share of: distkeras refuses it
+#: there (test_compat.test_a_stateful_rnn_is_refused_where_replicas_cut_the_batch).
+NOT_ON = {"steps_per_execution": ("torch", "tensorflow"), "stateful_lstm": ("torch", "tensorflow")}
 
 
 def names(backend):

@@ -48,3 +48,28 @@ def test_pattern_trains_as_on_one_device(name, devices):
     moved = max(float(np.abs(a - b).max()) for a, b in zip(expected["initial"], got["weights"]))
     assert moved > 10 * atol, "the weights did not move: the test could not tell training from none"
     assert got["replicas"] == (devices, devices)
+
+
+def _refusal(name, devices):
+    """distribute()'s ModelError for pattern ``name``, as text; None where it trains."""
+    import distkeras
+
+    build, _ = patterns.PATTERNS[name]
+    keras.utils.set_random_seed(0)
+    model = build(keras)[0]
+    try:
+        distkeras.distribute(model, devices=devices)
+    except distkeras.ModelError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.skipif(BACKEND not in patterns.NOT_ON["stateful_lstm"], reason="{} trains a stateful RNN as one device "
+                    "(test_pattern_trains_as_on_one_device[stateful_lstm-N])".format(BACKEND))
+def test_a_stateful_rnn_is_refused_where_replicas_cut_the_batch():
+    """Keras itself would fail inside fit() with "Expected batch size: 12 - Received batch size: 6", a batch size
+    the user never gave: distribute() says which layer, why, and what to do instead."""
+    message = replicated(2, _refusal, "stateful_lstm", 2)
+    assert message is not None, "a stateful LSTM was distributed over 2 replicas that each run half of its batch"
+    assert "LSTM 'stateful_lstm' is stateful" in message and "each of the 2" in message, message
+    assert "stateful=False" in message and "KERAS_BACKEND=jax" in message, message

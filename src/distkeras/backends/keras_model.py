@@ -301,3 +301,26 @@ class Arguments(object):
     @property
     def kwargs(self):
         return self.bound.kwargs
+
+
+def refuse_stateful_rnns(model, parts, backend, how):
+    """Raise a ModelError where ``model`` holds a stateful recurrent layer and each batch is cut into ``parts`` (> 1).
+
+    A stateful layer (``LSTM(stateful=True)``) keeps its state for a fixed batch (its input's ``batch_shape``) from
+    one batch to the next. Where parts of a batch run on their own (``how``: "each of the 2 replicas runs its own
+    share of every batch"), each part has fewer rows than the state, and Keras fails inside ``fit()`` naming a
+    batch size the user never gave. ``backend``: the backend's name in the message.
+    """
+    if parts <= 1:
+        return
+    stateful = [layer for layer in layers_of(model)
+                if getattr(layer, "stateful", False) is True and not hasattr(layer, "layers")]  # not models: RNNs
+    if not stateful:
+        return
+    names = ", ".join("{} '{}'".format(type(layer).__name__, layer.name) for layer in stateful)
+    raise ModelError(
+        "The model's {} {} stateful: it carries its state from one batch to the next for a fixed number of rows "
+        "(its input's batch_shape). With {}, {}, with fewer rows than the state holds. Train this model on one "
+        "device, make the layer stateful=False, or use the JAX backend (KERAS_BACKEND=jax), which runs each "
+        "global batch as one program.".format(names, "is" if len(stateful) == 1 else "are", backend, how)
+    )
