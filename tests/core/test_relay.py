@@ -109,7 +109,7 @@ def test_a_relay_whose_console_fails_still_drains_the_pipe():
 
 
 @pytest.mark.parametrize("unbuffered", ["1", ""], ids=["unbuffered", "buffered"])
-def test_a_relay_in_a_process_that_prints_writes_between_its_prints(tmp_path, unbuffered):
+def test_a_relay_in_a_process_that_prints_writes_between_its_prints(unbuffered):
     """PyTorch's self-launch: rank 0 prints while its relay writes rank 1's lines. print() writes its arguments and
     its "\\n" one by one, each straight to the file when unbuffered (python -u, PYTHONUNBUFFERED): the relay's lines
     must still land whole between rank 0's, and in a buffered process (no flush) in order with what it buffered."""

@@ -303,16 +303,14 @@ class Arguments(object):
         return self.bound.kwargs
 
 
-def refuse_stateful_rnns(model, parts, backend, how):
-    """Raise a ModelError where ``model`` holds a stateful recurrent layer and each batch is cut into ``parts`` (> 1).
+def refuse_stateful_rnns(model, backend, how):
+    """Raise a ModelError where ``model`` holds a stateful recurrent layer: the caller cuts each batch into parts.
 
     A stateful layer (``LSTM(stateful=True)``) keeps its state for a fixed batch (its input's ``batch_shape``) from
     one batch to the next. Where parts of a batch run on their own (``how``: "each of the 2 replicas runs its own
     share of every batch"), each part has fewer rows than the state, and Keras fails inside ``fit()`` naming a
     batch size the user never gave. ``backend``: the backend's name in the message.
     """
-    if parts <= 1:
-        return
     stateful = [layer for layer in layers_of(model)
                 if getattr(layer, "stateful", False) is True and not hasattr(layer, "layers")]  # not models: RNNs
     if not stateful:

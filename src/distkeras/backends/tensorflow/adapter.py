@@ -247,7 +247,7 @@ class TensorFlowAdapter(Adapter):
         import tensorflow as tf
 
         if pipeline_stages is not None or microbatches is not None or schedule != "gpipe":
-            keras_model.refuse_stateful_rnns(model, 2, "TensorFlow", "pipeline stages run every batch in microbatches")
+            keras_model.refuse_stateful_rnns(model, "TensorFlow", "pipeline stages run every batch in microbatches")
             return _pipeline(model, devices, cluster, pipeline_stages, microbatches, schedule, dict(
                 cross_device_ops=(cross_device_ops, None), compression=(compression, None)))
         compression = check_compression(compression)
@@ -258,8 +258,9 @@ class TensorFlowAdapter(Adapter):
                 exact_loss_scaling))
         sync_batchnorm = batchnorm.check_option(sync_batchnorm)
         replicas = self.replicas(devices, cluster)
-        keras_model.refuse_stateful_rnns(
-            model, replicas, "TensorFlow", "each of the {} replicas runs its own share of every batch".format(replicas))
+        if replicas > 1:
+            keras_model.refuse_stateful_rnns(
+                model, "TensorFlow", "each of the {} replicas runs its own share of every batch".format(replicas))
         if cluster.is_multi_worker:
             strategy = self._multi_worker_strategy(tf, cluster, devices)
         else:

@@ -196,12 +196,12 @@ class TorchAdapter(Adapter):
         _check_pipeline(pipeline_stages, microbatches, schedule, strategy, shard, compression, model, cluster, devices)
         if batch_logs not in _BATCH_LOGS:
             raise OptionError("Expected batch_logs in {}. Received: batch_logs={!r}".format(_BATCH_LOGS, batch_logs))
+        replicas = self.replicas(devices, cluster)
         if pipeline_stages is not None or microbatches is not None:
-            keras_model.refuse_stateful_rnns(model, 2, "PyTorch", "pipeline stages run every batch in microbatches")
-        elif strategy == "data":
-            replicas = self.replicas(devices, cluster)
+            keras_model.refuse_stateful_rnns(model, "PyTorch", "pipeline stages run every batch in microbatches")
+        elif strategy == "data" and replicas > 1:
             keras_model.refuse_stateful_rnns(
-                model, replicas, "PyTorch", "each of the {} processes runs its own share of every batch".format(replicas))
+                model, "PyTorch", "each of the {} processes runs its own share of every batch".format(replicas))
         if len({d.kind for d in devices}) > 1:
             raise DeviceSpecError(
                 "Expected devices of one kind: with PyTorch every replica is a process, and the processes of a job "
