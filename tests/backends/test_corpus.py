@@ -6,6 +6,11 @@ weights, optimizer state, History, evaluate() and predict() to its tolerance, wi
 framework. On PyTorch the program runs on both ranks of a 2-process job (``harness.replicated``), rank 0's
 result compared.
 
+The check must leave no trace: where :func:`checks_no_trace` says so (every program on one of its backends by
+default, on every backend in the full run), the program runs distributed a second time with the check off, and
+every weight, optimizer variable, epoch and batch log, evaluate() and predict() must be bit for bit the run's
+with the check on.
+
 A program known not to match one device is a strict xfail with the measured difference: it fails the suite the
 day it starts to match, so its entry gets updated. Fast programs run by default, slow ones in the full run
 (DISTKERAS_FULL_TESTS=1). Programs whose keras-io source is TensorFlow-only run on TensorFlow only.
@@ -82,7 +87,50 @@ def _params():
     return params
 
 
-_single = {}
+def checks_no_trace(name):
+    """Whether the check-off run (:func:`traces`) runs for ``name`` here: on every backend in the full run; by
+    default on one of the program's backends, taken in turn along the sorted names (about a third of the corpus a
+    backend: the check's replay is the same code for every program, the programs' steps are what differ)."""
+    if FULL:
+        return True
+    backends = corpus.PROGRAMS[name].backends
+    return backends[sorted(corpus.PROGRAMS).index(name) % len(backends)] == BACKEND
+
+
+def traces(off, on):
+    """``"what: how"`` for everything the check changed: each weight, optimizer variable, epoch log, batch log,
+    evaluate() and predict() of the run with the check on (``on``) that is not exactly the check-off run's."""
+    out = []
+
+    def check(what, a, b):
+        a, b = np.asarray(a, dtype="float64"), np.asarray(b, dtype="float64")
+        if a.shape != b.shape:
+            out.append("{}: shape {} with the check, {} without".format(what, b.shape, a.shape))
+        elif not np.array_equal(a, b, equal_nan=True):
+            out.append("{}: {!r} with the check, {!r} without".format(what, b.ravel()[:3].tolist(), a.ravel()[:3].tolist()))
+
+    def same_keys(what, a, b):
+        if sorted(a) != sorted(b):
+            out.append("{}: keys {} with the check, {} without".format(what, sorted(b), sorted(a)))
+        return sorted(set(a) & set(b))
+
+    for what in ("weights", "optimizer"):
+        for path, a, b in zip(off["paths" if what == "weights" else "optimizer_paths"], off[what], on[what]):
+            check(path, a, b)
+    for key in same_keys("history", off["history"], on["history"]):
+        check("history " + key, off["history"][key], on["history"][key])
+    for kind in ("train", "test"):
+        a, b = off["batches"][kind], on["batches"][kind]
+        if len(a) != len(b):
+            out.append("{} batches: {} with the check, {} without".format(kind, len(b), len(a)))
+        for i, (logs_a, logs_b) in enumerate(zip(a, b)):
+            for key in same_keys("{} batch {}".format(kind, i), logs_a, logs_b):
+                check("{} batch {} {}".format(kind, i, key), logs_a[key], logs_b[key])
+    for key in same_keys("evaluate", off["evaluate"] or {}, on["evaluate"] or {}):
+        check("evaluate " + key, off["evaluate"][key], on["evaluate"][key])
+    if off["predict"] is not None or on["predict"] is not None:
+        check("predict", off["predict"], on["predict"])
+    return out
 
 
 @pytest.mark.parametrize("name", _params())
@@ -92,6 +140,12 @@ def test_program_runs_as_on_one_device(name, monkeypatch):
     monkeypatch.setenv("DISTKERAS_VERIFY", "raise")
     got = replicated(2, corpus.run, name, 2)
     assert got["replicas"] == (2, 2)
+    assert got["batches"]["train"], "no train batch's logs were recorded (corpus.RecordedBatches)"
+    if checks_no_trace(name):
+        monkeypatch.setenv("DISTKERAS_VERIFY", "0")
+        off = replicated(2, corpus.run, name, 2, verify="0")
+        left = traces(off, got)
+        assert not left, "{}: the one-device check left a trace in training: {}".format(name, "; ".join(left[:12]))
     got = without_noise_steps(expected, got, program.tolerance)
     differ = differences(expected, got, program.tolerance)
     assert not differ, "{} differs from one device: {}".format(name, "; ".join(differ))

@@ -144,7 +144,7 @@ def compared(model, variables, got, want, numpy):
 
 
 def checked_in_place(model, check, numpy, distributed_step, one_device_step, random_state=None, reduce=None,
-                     storage=contextlib.nullcontext, compare_logs=True):
+                     storage=contextlib.nullcontext, compare_logs=True, exact=None):
     """The check for backends that train variables in place: ``distributed_step()`` (returns its logs) from the
     current state, then ``one_device_step()`` from the same state, compared; the distributed result stays.
 
@@ -154,7 +154,9 @@ def checked_in_place(model, check, numpy, distributed_step, one_device_step, ran
     ``storage``: a context manager under which the variables are held as one device holds them, for the
     one-device step and the read of its result (TensorFlow's plain ``tf.Variable`` in place of mirrored ones).
     ``compare_logs=False``: the step's logs are not one device's by choice (``batch_logs="local"``); the metrics
-    are still compared, by their results.
+    are still compared, by their results. ``exact``: ``(snapshot, restore)`` of the named variables' storage as
+    it is held (TensorFlow's per-replica parts of a sync-on-read metric total), for putting the distributed
+    result back bit for bit; by default the values :class:`State` reads and writes.
     """
     state = State(model, numpy)
     before = state.read()
@@ -166,6 +168,7 @@ def checked_in_place(model, check, numpy, distributed_step, one_device_step, ran
         check.defer("the first step built variables (an optimizer's slots)")
         return logs
     after = state.read()
+    held = exact[0](state.named) if exact else None
     got = reduce(after) if reduce else after
     got_logs = logs_of(logs, numpy)
     drawn_after = random_state[0]() if random_state else None
@@ -178,7 +181,10 @@ def checked_in_place(model, check, numpy, distributed_step, one_device_step, ran
                 want_logs = logs_of(one_device_step(), numpy)
             reference = state.read()
     finally:
-        state.write(after)
+        if exact:
+            exact[1](state.named, held)
+        else:
+            state.write(after)
         if random_state:
             random_state[1](drawn_after)
     variables = [variable for _, _, variable in state.named]

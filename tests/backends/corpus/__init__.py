@@ -40,14 +40,68 @@ for _area, _module in AREAS.items():
         PROGRAMS[_name] = Program(_area, _name, _entry)
 
 
+class RecordedBatches:
+    """Every train and test batch's logs, as callbacks see them, for the ``with`` block, in the order of the batches:
+    read where Keras' ``CallbackList.on_train_batch_end``/``on_test_batch_end`` take them, before JAX's and
+    torch's trainers hand them to a thread pool (which may call the callbacks out of order). The test asserts
+    that some were seen, so a Keras that stops calling these fails loudly."""
+
+    def __init__(self):
+        self.train, self.test = [], []
+
+    def __enter__(self):
+        from keras.callbacks import CallbackList
+
+        self._saved = CallbackList.on_train_batch_end, CallbackList.on_test_batch_end
+        train, test = self._saved
+
+        def on_train(callbacks, batch, logs=None):
+            self.train.append(_plain(logs))
+            return train(callbacks, batch, logs)
+
+        def on_test(callbacks, batch, logs=None):
+            self.test.append(_plain(logs))
+            return test(callbacks, batch, logs)
+
+        CallbackList.on_train_batch_end, CallbackList.on_test_batch_end = on_train, on_test
+        return self
+
+    def __exit__(self, *exc):
+        from keras.callbacks import CallbackList
+
+        CallbackList.on_train_batch_end, CallbackList.on_test_batch_end = self._saved
+
+
+def _plain(logs):
+    import keras
+    import numpy as np
+
+    out = {}
+    for key, value in sorted((logs or {}).items()):
+        try:
+            out[key] = np.asarray(keras.ops.convert_to_numpy(value), dtype="float64")
+        except Exception:  # noqa: BLE001 - a log that is no number: not compared
+            pass
+    return out
+
+
 def run(name, devices, verify="raise"):
-    """Run program ``name`` on ``devices`` (1: plain Keras); its result. A distributed run sets
-    ``DISTKERAS_VERIFY`` (the one-device check) to ``verify`` where it runs, worker processes included."""
+    """Run program ``name`` on ``devices`` (1: plain Keras); its result, with every batch's logs (``"batches"``:
+    ``{"train": [...], "test": [...]}``). A distributed run sets ``DISTKERAS_VERIFY`` (the one-device check) to
+    ``verify`` where it runs, worker processes included (``"0"``: off)."""
+    return recorded(PROGRAMS[name].fn, devices, verify)
+
+
+def recorded(fn, devices, verify="raise"):
+    """:func:`run` for any program ``fn(devices)`` that returns :func:`tests.backends.realcode.result`."""
     previous = os.environ.get("DISTKERAS_VERIFY")
     if devices > 1 and verify:
         os.environ["DISTKERAS_VERIFY"] = verify
     try:
-        return PROGRAMS[name].fn(devices)
+        with RecordedBatches() as batches:
+            out = fn(devices)
+        out["batches"] = {"train": batches.train, "test": batches.test}
+        return out
     finally:
         if previous is None:
             os.environ.pop("DISTKERAS_VERIFY", None)

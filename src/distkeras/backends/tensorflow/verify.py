@@ -2,8 +2,9 @@
 
 Keras' TensorFlow step function takes an iterator, or a Python iterable of batches, which it runs one step each
 (``keras/src/backend/tensorflow/trainer.py``, ``_make_function``). The checked step takes the first element of
-the distributed iterator itself, eagerly, and hands Keras a one-element list holding it: the step trains on it as
-it would have, and no batch of the user's pipeline is drawn that training doesn't use. The global batch is the
+the distributed iterator itself, eagerly, and hands Keras a one-element distributed iterator holding it, of the
+element spec the user's iterator has (:func:`one_element_iterator`): the step trains on it as it would have, traced
+as the user's iterator traces it, and no batch of the user's pipeline is drawn that training doesn't use. The global batch is the
 replicas' parts of that element, concatenated in replica order (MirroredStrategy splits a batch into contiguous
 parts). The one-device step is the model class' own ``train_step``, called eagerly outside the strategy's scope
 with every distkeras hook off: Keras' TensorFlow optimizer then updates each mirrored variable as one variable.
@@ -28,6 +29,57 @@ def global_batch(strategy, element):
         return tf.concat(list(parts), axis=0)
 
     return tf.nest.map_structure(whole, element)
+
+
+def one_element_iterator(strategy, iterator, element):
+    """A distributed iterator of one element, ``element`` (the one ``next(iterator)`` returned), whose element spec
+    is ``iterator``'s: each replica's part as it was, its static shape relaxed to the spec's (a batch dimension
+    of None, as the user's pipeline has it).
+
+    Keras' TensorFlow step function traces the step for the shapes it is handed. A list of the eager element
+    traces it for the concrete batch: ``tree.flatten(y_pred)[0].shape[0]`` is then a number, where the user's
+    iterator traces None, and Keras' per-output loss trackers (``CompileLoss``) weigh the checked step by its
+    rows and every other step by 1: the epoch's ``box_loss`` is not the one fit() logs with the check off. A
+    one-element iterator of the same spec runs the step as fit() runs every other one. None where the element
+    and the spec don't line up (no replica parts): the caller hands Keras a list then.
+    """
+    import tensorflow as tf
+
+    replicas = strategy.num_replicas_in_sync
+    spec = getattr(iterator, "element_spec", None)
+    if spec is None or replicas < 2:
+        return None
+    try:
+        tf.nest.assert_same_structure(element, spec)
+        parts = [tf.nest.map_structure(lambda value, r=r: strategy.experimental_local_results(value)[r], element)
+                 for r in range(replicas)]
+        # A PerReplicaSpec's components are its replicas' TensorSpecs, in replica order.
+        specs = [tf.nest.map_structure(lambda leaf, r=r: tf.nest.flatten(leaf, expand_composites=True)[r], spec)
+                 for r in range(replicas)]
+        relaxed = [tf.nest.map_structure(lambda value, leaf: leaf.is_compatible_with(value), part, leaf_specs)
+                   for part, leaf_specs in zip(parts, specs)]
+    except (TypeError, ValueError, IndexError):
+        return None
+    if not all(tf.nest.flatten(ok) for ok in relaxed):
+        return None
+
+    def replica_dataset(part, leaf_specs):
+        def build(_):
+            # The part as constants of the dataset's graph, each of the spec's shape (PlaceholderWithDefault is
+            # TensorFlow's op for a value of a less specific static shape than its input's).
+            return tf.nest.map_structure(
+                lambda value, leaf: tf.raw_ops.PlaceholderWithDefault(input=value, shape=leaf.shape), part, leaf_specs)
+
+        return tf.data.Dataset.range(1).map(build)
+
+    def dataset_fn(_context):
+        # One worker: its replicas dequeue one element each, in replica order.
+        dataset = replica_dataset(parts[0], specs[0])
+        for part, leaf_specs in zip(parts[1:], specs[1:]):
+            dataset = dataset.concatenate(replica_dataset(part, leaf_specs))
+        return dataset
+
+    return iter(strategy.distribute_datasets_from_function(dataset_fn))
 
 
 def plain_variables(model):
@@ -76,6 +128,27 @@ def plain_variables(model):
     return plain
 
 
+def held_state(strategy):
+    """``(snapshot, restore)`` for :func:`verifying.checked_in_place`: every variable's storage part by part, as
+    the strategy holds it (``experimental_local_results``: a mirrored variable's copies, a sync-on-read metric
+    variable's per-replica totals). Assigning a sync-on-read SUM variable its summed value splits the value evenly
+    over the replicas, which rounds every later sum differently from the run without the check."""
+    import numpy as np
+
+    def parts(variable):
+        return strategy.experimental_local_results(getattr(variable, "_value", variable))
+
+    def snapshot(named):
+        return [[np.array(part.numpy()) for part in parts(variable)] for _, _, variable in named]
+
+    def restore(named, held):
+        for (_, _, variable), values in zip(named, held):
+            for part, value in zip(parts(variable), values):
+                part.assign(value)
+
+    return snapshot, restore
+
+
 def _local_logs(model):
     """Whether Keras' own train_step returns each replica's averaged results here (``batch_logs="local"``)."""
     from .. import keras_model
@@ -100,9 +173,10 @@ def wrap(model, check):
             if int(getattr(model, "steps_per_execution", 1) or 1) > 1:
                 check.skip("steps_per_execution > 1 runs several steps at once; the check compares one step")
                 return function(itertools.chain([element], iterator))
+            single = one_element_iterator(strategy, iterator, element)
             return verifying.checked_in_place(
-                model, check, verifying.numpy, lambda: function([element]), lambda: type(model).train_step(model, batch),
-                storage=plain_variables(model), compare_logs=not _local_logs(model))
+                model, check, verifying.numpy, lambda: function(single if single is not None else [element]), lambda: type(model).train_step(model, batch),
+                storage=plain_variables(model), compare_logs=not _local_logs(model), exact=held_state(strategy))
 
         return train_function
 

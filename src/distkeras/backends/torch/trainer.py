@@ -149,6 +149,7 @@ class Replica(object):
         self.last_count = None  # samples of the last train or test step
         self.batch_logs = True  # whether train and test steps return the global logs (one all-reduce)
         self.batch_logs_mode = "global"  # distribute()'s batch_logs: "global" or "local" (never global)
+        self.checked_logs = None  # the checked step's global logs, where the step hands Keras its local ones
         self.applied = 0  # calls of the averaging optimizer.apply() in the train step in flight
         self.buckets = None  # the overlapping all-reduce (torch_buckets.Buckets), when on
         self.shard = None  # the sharded training state (torch_shard.Sharding), with distribute(shard=...)
@@ -629,9 +630,14 @@ def _train_step(model, step, replica, global_state, global_logs):
                 )
             )
         # The one-device check (distribute(verify=...), its Check held as "_distkeras_check") compares the logs of
-        # the step it checks with one device's, so they are global there too; "due" is alike on every rank.
+        # the step it checks with one device's, so it reads them global ("due" is alike on every rank); Keras is
+        # handed what it is handed without the check (the rank's own where nothing reads a batch's logs), so
+        # the check leaves no trace in them.
         checked = getattr(model.__dict__.get("_distkeras_check"), "due", False)
-        return global_logs(logs) if replica.batch_logs or checked else logs
+        if checked and not replica.batch_logs:
+            replica.checked_logs = global_logs(logs)
+            return logs
+        return global_logs(logs) if replica.batch_logs else logs
 
     return train_step
 

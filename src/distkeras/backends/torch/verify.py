@@ -82,9 +82,20 @@ def wrap(model, check, replica):
                 check.skip("a sharded model (shard=...) is whole on no one device")
                 return function(data)
             batch = global_batch(replica, data[0])
-            return verifying.checked_in_place(
-                model, check, verifying.numpy, lambda: function(data), lambda: type(model).train_step(model, batch),
+            handed = []
+
+            def distributed():
+                # The step's logs for Keras as without the check (the rank's own where nothing reads them); the
+                # global ones the step read for the check (trainer._train_step) are what is compared.
+                replica.checked_logs = None
+                handed.append(function(data))
+                logs, replica.checked_logs = replica.checked_logs, None
+                return handed[0] if logs is None else logs
+
+            verifying.checked_in_place(
+                model, check, verifying.numpy, distributed, lambda: type(model).train_step(model, batch),
                 random_state=_rng(), reduce=summed_metrics)
+            return handed[0]
 
         return train_function
 
