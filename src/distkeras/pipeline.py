@@ -316,6 +316,73 @@ def weights(sizes):
     return [size / total for size in sizes]
 
 
+#: What a compiled loss of each Keras reduction is over a batch, and so how its micro-batches' values add up.
+LOSS_RULES = {"sum_over_batch_size": "mean", "mean": "mean", "sum": "sum", "mean_with_sample_weight": "weighted"}
+
+
+def loss_rule(reductions, model_name="the model"):
+    """``"mean"``, ``"sum"`` or ``"weighted"``: the one rule the compiled losses' Keras ``reduction``s (one per
+    output: a ``Loss`` object's, ``"sum_over_batch_size"`` for a name or a function) follow.
+
+    Raises:
+        OptionError: a reduction whose value over a batch isn't made of its micro-batches' (``"none"`` or None:
+            the loss reduces itself, to a mean or a sum distkeras can't tell apart), or outputs whose losses reduce
+            by different rules (one factor per micro-batch weighs the whole compiled loss).
+    """
+    rules = set()
+    for reduction in reductions:
+        rule = LOSS_RULES.get(reduction)
+        if rule is None:
+            raise OptionError(
+                "pipeline stages split each batch into micro-batches and add up their losses, weighed as Keras "
+                "reduces the loss over the batch; {}'s compiled loss has reduction={!r}, which hands back the loss "
+                "as its function computes it, a mean or a sum that distkeras can't tell apart. Expected a reduction "
+                "of {}. Give the loss reduction='sum_over_batch_size' (the default: the function returns one value "
+                "per sample) or 'sum', or train without pipeline stages.".format(
+                    model_name, reduction, ", ".join(repr(r) for r in LOSS_RULES)))
+        rules.add(rule)
+    if len(rules) > 1:
+        raise OptionError(
+            "pipeline stages weigh each micro-batch's compiled loss by one factor; {}'s outputs' losses reduce by "
+            "different rules ({}). Expected one reduction for every output's loss. Received: {}".format(
+                model_name, ", ".join(sorted(rules)), ", ".join(repr(r) for r in reductions)))
+    return rules.pop() if rules else "mean"
+
+
+def refuse_weights_per_output(nested, model_name):
+    """Raise where ``"weighted"`` losses were given sample weights per output (``nested``): one factor per
+    micro-batch can't weigh each output's rows by its own weights.
+
+    Raises:
+        OptionError: ``nested`` is true.
+    """
+    if nested:
+        raise OptionError(
+            "pipeline stages weigh each micro-batch's compiled loss by one factor; {}'s losses reduce by "
+            "'mean_with_sample_weight' and fit() was given sample weights per output, which weigh each output's "
+            "micro-batches differently. Expected one sample_weight array for every output, or another reduction "
+            "('sum_over_batch_size', 'sum').".format(model_name))
+
+
+def loss_factors(rule, sizes, weight_sums=None):
+    """The factor of each micro-batch's compiled loss: the micro-batches' values times these add up to the loss
+    one device computes over the whole batch.
+
+    ``"mean"`` (a sum over the rows divided by their count): the micro-batch's rows over the batch's. ``"sum"``:
+    1. ``"weighted"`` (a sum over the rows divided by the sum of their sample weights): the micro-batch's sum of
+    sample weights (``weight_sums``) over the batch's; by rows where there are no sample weights (or all are 0).
+
+    >>> loss_factors("mean", [3, 1]), loss_factors("sum", [3, 1]), loss_factors("weighted", [3, 1], [1.0, 3.0])
+    ([0.75, 0.25], [1.0, 1.0], [0.25, 0.75])
+    """
+    if rule == "sum":
+        return [1.0] * len(sizes)
+    if rule == "weighted" and weight_sums is not None and float(sum(weight_sums)) > 0:
+        total = float(sum(weight_sums))
+        return [float(w) / total for w in weight_sums]
+    return weights(sizes)
+
+
 # ---------------------------------------------------------------------------------------------- the loop
 
 

@@ -157,3 +157,33 @@ def assert_backup_resumes(directory, devices=2):
     assert len(history["loss"]) == 1, history  # only the epoch left ran
     for a, b in zip(one.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+
+
+#: Sample weights of X's rows (the reduction tests): uneven, so a loss weighed by rows is not one weighed by weight.
+SW = np.random.default_rng(5).uniform(0.25, 2.0, size=(30,)).astype("float32")
+
+
+def reduction_mlp(reduction):
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["mae"],
+                  loss=keras.losses.MeanSquaredError(reduction=reduction))
+    return model
+
+
+def train_reduction(reduction, devices=None, **options):
+    """The MLP with an MSE of ``reduction``, fit with sample weights (batch 8 of 30 rows, unshuffled); one device
+    where ``devices`` is None. What :func:`assert_same` compares."""
+    model = reduction_mlp(reduction)
+    if devices is not None:
+        model = distkeras.distribute(model, devices, **options)
+    history = model.fit(X, Y, sample_weight=SW, batch_size=8, epochs=2, verbose=0, shuffle=False).history
+    return {"weights": model.get_weights(), "history": history,
+            "evaluate": model.evaluate(X, Y, sample_weight=SW, batch_size=8, verbose=0),
+            "predict": model.predict(X[:7], verbose=0)}
+
+
+def assert_reduction_refusals(refusal=refusal):
+    """A loss that reduces itself (reduction None or "none") is refused with the reason and what to do."""
+    for reduction in (None, "none"):
+        said = refusal(lambda r=reduction: reduction_mlp(r), pipeline_stages=2, microbatches=2)
+        assert said is not None and "reduction={!r}".format(reduction) in said and "'sum'" in said, said

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="pipeline stages over o
 
 if BACKEND == "jax":
     from tests.backends.jax_pipeline_job import train
-    from tests.backends.pipeline_models import (MODELS, assert_backup_resumes, assert_cut_refusals, assert_same,
-                                                 mlp, refusal)
+    from tests.backends.pipeline_models import (MODELS, assert_backup_resumes, assert_cut_refusals,
+                                                 assert_reduction_refusals, assert_same, mlp, refusal,
+                                                 train_reduction)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _ONE = {}
@@ -91,7 +92,16 @@ def test_compile_after_distribute_and_batchnorm_per_micro_batch():
     assert moving.value.devices() == {jax.devices("cpu")[1]} and np.abs(np.asarray(moving.value)).sum() > 0
 
 
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"])
+def test_every_loss_reduction_trains_as_one_device(reduction):
+    """A sum's micro-batches add up as they are, a mean_with_sample_weight's by their sample weights (uneven here):
+    before, every reduction was weighed as a mean (a sum trained 1/M of one device's gradient)."""
+    one = train_reduction(reduction)
+    assert_same(one, train_reduction(reduction, 2, pipeline_stages=2, microbatches=3))
+
+
 def test_what_cannot_be_done_is_a_clear_error_before_anything_runs():
+    assert_reduction_refusals()
     assert_cut_refusals()
     said = refusal(mlp, devices=3, pipeline_stages=2)
     assert "2 stages need a multiple of 2 devices" in said and "Received: 3 device(s)" in said

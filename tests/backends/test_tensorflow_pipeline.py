@@ -21,8 +21,9 @@ pytestmark = pytest.mark.skipif(BACKEND != "tensorflow",
                                 reason="pipeline stages over one process' devices: TensorFlow's adapter")
 
 if BACKEND == "tensorflow":
-    from tests.backends.pipeline_models import (MODELS, X, Y, assert_backup_resumes, assert_cut_refusals,
-                                                 assert_same, mlp, refusal)
+    from tests.backends.pipeline_models import (MODELS, X, Y, assert_backup_resumes,
+                                                 assert_cut_refusals, assert_reduction_refusals, assert_same, mlp,
+                                                 refusal, train_reduction)
     from tests.backends.tensorflow_pipeline_job import cpu_index, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,6 +62,14 @@ def test_two_stages_train_as_one_device(name, schedule, stages, eager, tmp_path)
         subprocess.run([sys.executable, "-c", script, save, str(tmp_path / "p.npy"), str(tmp_path / "x.npy")],
                        check=True, env=dict(os.environ, KERAS_BACKEND="tensorflow"), timeout=120)
         np.testing.assert_allclose(np.load(tmp_path / "p.npy"), one["predict"], rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"])
+def test_every_loss_reduction_trains_as_one_device(reduction):
+    """A sum's micro-batches add up as they are, a mean_with_sample_weight's by their sample weights (uneven here):
+    before, every reduction was weighed as a mean (a sum trained 1/M of one device's gradient)."""
+    one = train_reduction(reduction)
+    assert_same(one, train_reduction(reduction, 2, pipeline_stages=2, microbatches=3))
 
 
 def test_four_stages_on_four_devices_train_as_one_device():
@@ -111,6 +120,7 @@ def test_compile_after_distribute_global_clipnorm_and_save_weights(tmp_path):
 
 
 def test_what_cannot_be_done_is_a_clear_error_before_anything_runs():
+    assert_reduction_refusals()
     assert_cut_refusals()
     said = refusal(mlp, devices=3, pipeline_stages=2)
     assert "2 stages need a multiple of 2 devices" in said and "Received: 3 device(s)" in said

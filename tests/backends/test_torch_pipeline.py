@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from tests.backends.harness import BACKEND, job, keras
-from tests.backends.pipeline_models import MODELS, X, Y, assert_cut_refusals, assert_same, mlp, refusal
+from tests.backends.pipeline_models import (MODELS, X, Y, assert_cut_refusals, assert_reduction_refusals,
+                                             assert_same, mlp, refusal, train_reduction)
 
 import distkeras
 import distkeras.callbacks
@@ -128,7 +129,20 @@ def test_backup_and_restore_resumes_a_pipelined_model_to_the_uninterrupted_run(t
         assert len(outcome.result["history"]["loss"]) == 1  # only the epoch left ran
 
 
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"])
+def test_every_loss_reduction_trains_as_one_device(reduction):
+    """A sum's micro-batches add up as they are, a mean_with_sample_weight's by their sample weights (uneven here):
+    before, every reduction was weighed as a mean (a sum trained 1/M of one device's gradient). 2 stages, and 2
+    stages x 2 replicas (each replica's share of the global batch weighed as the data-parallel gradient is)."""
+    one = train_reduction(reduction)
+    for outcome in job(2).run(train_reduction, reduction, 2, pipeline_stages=2, microbatches=3):
+        assert_same(one, outcome.result)
+    for outcome in job(4, local_size=2).run(train_reduction, reduction, 2, pipeline_stages=2, microbatches=2):
+        assert_same(one, outcome.result)
+
+
 def test_what_cannot_be_cut_is_a_clear_error_before_any_process_starts():
+    assert_reduction_refusals()
     assert_cut_refusals()
     said = refusal(mlp, devices=3, pipeline_stages=2)
     assert "doesn't divide the job's 3 processes" in said

@@ -322,3 +322,35 @@ def refuse_stateful_rnns(model, backend, how):
         "device, make the layer stateful=False, or use the JAX backend (KERAS_BACKEND=jax), which runs each "
         "global batch as one program.".format(names, "is" if len(stateful) == 1 else "are", backend, how)
     )
+
+
+def compiled_loss_reductions(model):
+    """The Keras ``reduction`` of each compiled loss of ``model`` (one per output given a loss), from what
+    ``compile()`` was given: a ``Loss`` object's own, ``"sum_over_batch_size"`` for a name or a function (Keras wraps
+    them in a ``LossFunctionWrapper`` with that default). Read from ``CompileLoss._user_loss`` (a Keras private:
+    the losses as given, before the first step builds them); pinned by the pipeline reduction tests."""
+    compiled = getattr(model, "_compile_loss", None)
+    if compiled is None:
+        return []
+    keras = keras_module(model)
+    reductions = []
+    for loss in keras.tree.flatten(getattr(compiled, "_user_loss", None)):
+        if loss is None:
+            continue
+        if isinstance(loss, keras.losses.Loss):
+            reductions.append(loss.reduction)
+        else:
+            reductions.append("sum_over_batch_size")
+    return reductions
+
+
+def pipeline_loss_rule(model):
+    """The rule by which ``model``'s compiled loss adds up over micro-batches (:func:`distkeras.pipeline.loss_rule`);
+    asked at ``distribute()`` and at every pipelined step (a ``compile()`` after ``distribute()``).
+
+    Raises:
+        OptionError: a reduction no micro-batches add up to, or outputs that reduce by different rules.
+    """
+    from .. import pipeline
+
+    return pipeline.loss_rule(compiled_loss_reductions(model), getattr(model, "name", "the model"))

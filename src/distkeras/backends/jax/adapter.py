@@ -270,6 +270,7 @@ class JaxAdapter(Adapter):
 
         compression = check_compression(compression)
         if pipeline_stages is not None or microbatches is not None or schedule != "gpipe":
+            keras_model.pipeline_loss_rule(model)
             return _pipeline(model, devices, cluster, pipeline_stages, microbatches, schedule, dict(
                 strategy=(strategy, "data"), layout_map=(layout_map, None), model_shards=(model_shards, None),
                 compression=(compression, None), shard=(shard, None)))

@@ -277,9 +277,12 @@ def _forward_function(plan, s, training, total):
                 # called as Trainer.compute_loss calls it.
                 compiled = model._compile_loss(y, output, sample_weight)
             metrics = [_current(scope, v, value) for v, value in mapping]
-            if compiled is not None:
-                parts.append(compiled)
-        loss = share * sum(parts) if parts else jnp.zeros((), "float32")
+        else:
+            compiled = None
+        # share: (the micro-batch's rows over the batch's, its compiled loss' factor): the layers' losses weighed
+        # by rows, the compiled loss by its reduction's factor (pipeline.loss_factors).
+        weighed = ([share[0] * sum(parts)] if parts else []) + ([share[1] * compiled] if compiled is not None else [])
+        loss = sum(weighed) if weighed else jnp.zeros((), "float32")
         # The last stage's output is no other stage's input: only its loss is differentiated.
         return (loss if last else (output, loss)), (output, ntv, metrics)
 
@@ -398,6 +401,15 @@ class Step(object):
         self.sizes = pipeline.microbatch_sizes(self.total, plan.microbatches)
         self.shares = pipeline.weights(self.sizes)
         self.offsets = [sum(self.sizes[:m]) for m in range(len(self.sizes))]
+        self.factors = self.shares
+        if y is not None:  # the compiled loss' factors follow its reduction (pipeline.loss_rule)
+            rule = keras_model.pipeline_loss_rule(plan.model)
+            sums = None
+            if rule == "weighted" and sample_weight is not None:
+                pipeline.refuse_weights_per_output(keras.tree.is_nested(sample_weight), plan.model.name)
+                weights = np.asarray(sample_weight, "float64")
+                sums = [float(weights[o:o + n].sum()) for o, n in zip(self.offsets, self.sizes)]
+            self.factors = pipeline.loss_factors(rule, self.sizes, sums)
         self.x = jax.device_put(x, devices[0])
         self.y = None if y is None else jax.device_put(y, devices[-1])
         self.sample_weight = None if sample_weight is None else jax.device_put(sample_weight, devices[-1])
@@ -424,7 +436,7 @@ class Step(object):
             ntv[i] = self.start[s][i]
         function = _forward_function(plan, s, self.training, self.total if plan.seeds[s] else None)
         metrics = self.metrics if last and self.metrics is not None else []
-        share = jax.device_put(jnp.asarray(self.shares[m], "float32"), plan.replicated[s])
+        share = jax.device_put(jnp.asarray([self.shares[m], self.factors[m]], "float32"), plan.replicated[s])
         offset = jax.device_put(jnp.asarray(self.offsets[m], "int32"), plan.replicated[s])
         output, loss, ntv, metrics, pullback = function(
             self.trainable[s], ntv, x, self.rows(self.y, m, s) if last else None,

@@ -248,6 +248,7 @@ class TensorFlowAdapter(Adapter):
 
         if pipeline_stages is not None or microbatches is not None or schedule != "gpipe":
             keras_model.refuse_stateful_rnns(model, "TensorFlow", "pipeline stages run every batch in microbatches")
+            keras_model.pipeline_loss_rule(model)
             return _pipeline(model, devices, cluster, pipeline_stages, microbatches, schedule, dict(
                 cross_device_ops=(cross_device_ops, None), compression=(compression, None)))
         compression = check_compression(compression)

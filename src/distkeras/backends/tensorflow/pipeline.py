@@ -146,10 +146,26 @@ class Step(object):
         for offset, size in zip(self.offsets, self.sizes):
             rows = pipeline.replica_rows(size, plan.replicas)
             self.parts.append([(offset + sum(rows[:r]), rows[r]) for r in range(len(rows))])
+        # The compiled loss' rule (pipeline.loss_rule): a part's compiled loss is weighed by _factor, not its rows.
+        self.rule = "mean" if y is None else keras_model.pipeline_loss_rule(plan.model)
+        self.weight_total = None
+        if self.rule == "weighted" and sample_weight is not None:
+            pipeline.refuse_weights_per_output(tf.nest.is_nested(sample_weight), plan.model.name)
+            self.weight_total = tf.reduce_sum(tf.cast(sample_weight, "float32"))  # a tensor: the step may be traced
         self.start = [[s.value.read_value() for s in seeds] for seeds in plan.seeds]  # the states the step found
         self.tapes, self.wire, self.outputs, self.losses = {}, {}, {}, []
         self.variables = [m.trainable_variables for m in plan.models]
         self.sums = [None] * plan.stages
+
+    def _factor(self, start, count):
+        """The factor of the compiled loss of the batch's rows ``start:start + count`` (pipeline.loss_factors)."""
+        rows = pipeline.loss_factors(self.rule, [count, self.total - count])[0]
+        if self.weight_total is None:
+            return rows
+        # pipeline.loss_factors' "weighted" rule in TensorFlow ops (the sums are tensors in a traced step): the
+        # part's sample weights over the batch's, by rows where they are all 0.
+        part = tf.reduce_sum(tf.cast(_rows(self.sample_weight, start, count), "float32"))
+        return tf.where(self.weight_total > 0, tf.math.divide_no_nan(part, self.weight_total), rows)
 
     @contextlib.contextmanager
     def _part(self, s, start, count):
@@ -190,11 +206,14 @@ class Step(object):
                     # it): every stage's layer losses are added by their stage.
                     compiled = model._compile_loss(_rows(self.y, start, count), output,
                                                    _rows(self.sample_weight, start, count))
-                    if compiled is not None:
-                        parts.append(compiled)
-                # The part's share of the batch: its mean loss weighed so the parts sum to the global batch's.
+                else:
+                    compiled = None
+                # The part's share of the batch: the layers' losses weighed by its rows, the compiled loss by its
+                # reduction's factor, so the parts sum to the global batch's.
                 share = count / float(self.total)
-                loss = share * tf.add_n([tf.cast(p, "float32") for p in parts]) if parts else None
+                weighed = ([share * tf.add_n([tf.cast(p, "float32") for p in parts])] if parts else []) + (
+                    [self._factor(start, count) * tf.cast(compiled, "float32")] if compiled is not None else [])
+                loss = tf.add_n(weighed) if weighed else None
                 scaled = None
                 if loss is not None and self.training and model.optimizer is not None:
                     scaled = model.optimizer.scale_loss(loss)

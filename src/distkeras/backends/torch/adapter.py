@@ -199,6 +199,7 @@ class TorchAdapter(Adapter):
         replicas = self.replicas(devices, cluster)
         if pipeline_stages is not None or microbatches is not None:
             keras_model.refuse_stateful_rnns(model, "PyTorch", "pipeline stages run every batch in microbatches")
+            keras_model.pipeline_loss_rule(model)
         elif strategy == "data" and replicas > 1:
             keras_model.refuse_stateful_rnns(
                 model, "PyTorch", "each of the {} processes runs its own share of every batch".format(replicas))

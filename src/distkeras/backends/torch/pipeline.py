@@ -119,6 +119,20 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+def _across_replicas(plan, factors, rows, weight):
+    """A replica's ``"weighted"`` factors (of its own rows' sample weights) made the global batch's: the replicas'
+    gradients are combined weighed by their rows (n_r / N, as data parallelism combines them), where one device
+    weighs the replica's part by its sample weights (W_r / W). One all-reduce of (rows, weight) over the stage's
+    replicas; every stage with targets computes it, in the same step."""
+    both = torch.tensor([float(rows), float(weight)], dtype=torch.float64, device=_device())
+    dist.all_reduce(both, group=plan.data_group)
+    total_rows, total_weight = float(both[0]), float(both[1])
+    if weight <= 0 or total_weight <= 0:
+        return factors
+    scale = (weight / total_weight) / (rows / total_rows)
+    return [factor * scale for factor in factors]
+
+
 class TorchStage(pipeline.Stage):
     """One step's micro-batches on this process' stage (see :class:`distkeras.pipeline.Stage`)."""
 
@@ -129,6 +143,17 @@ class TorchStage(pipeline.Stage):
         self.sizes = pipeline.microbatch_sizes(self.total, plan.microbatches)
         self.shares = pipeline.weights(self.sizes)
         self.offsets = [sum(self.sizes[:m]) for m in range(len(self.sizes))]
+        self.factors = self.shares
+        if y is not None:  # the compiled loss' factors follow its reduction (a sum's micro-batches add up as they are)
+            rule = keras_model.pipeline_loss_rule(plan.model)
+            sums = None
+            if rule == "weighted" and sample_weight is not None:
+                pipeline.refuse_weights_per_output(keras.tree.is_nested(sample_weight), plan.model.name)
+                sums = [float(_rows(sample_weight, start, count).sum()) for start, count in
+                        zip(self.offsets, self.sizes)]
+            self.factors = pipeline.loss_factors(rule, self.sizes, sums)
+            if sums is not None and plan.replicas > 1:
+                self.factors = _across_replicas(plan, self.factors, self.total, sum(sums))
         self.saved, self.sends, self.outputs = {}, [], {}
         self.loss = torch.zeros((), dtype=torch.float64)
         self.seeds = _seed_states(plan.stage)
@@ -153,9 +178,13 @@ class TorchStage(pipeline.Stage):
                 # adds its own layers'): CompileLoss, a Keras private, called as compute_loss calls it.
                 compiled = plan.model._compile_loss(_rows(self.y, start, count), output,
                                                     _rows(self.sample_weight, start, count))
-                if compiled is not None:
-                    losses.append(compiled)
-            loss = self.shares[m] * sum(losses) if losses else None
+            else:
+                compiled = None
+            # The layers' losses (a regularizer's, a batch mean's) weighed by the micro-batch's rows; the compiled
+            # loss by its reduction's factor (pipeline.loss_factors).
+            parts = ([self.shares[m] * sum(losses)] if losses else []) + (
+                [self.factors[m] * compiled] if compiled is not None else [])
+            loss = sum(parts) if parts else None
         if loss is not None:
             self.loss += loss.detach().to(torch.float64).cpu()
         if self.last:
