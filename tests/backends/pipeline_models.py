@@ -66,9 +66,28 @@ def transformer():
     return model
 
 
+class Scale(keras.layers.Layer):
+    """A learned scalar (a weight of shape ()): the tensor's one element, freed and gathered like any other."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, x):
+        return x * self.scale
+
+
+def mlp_scalar():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu", name="d1"),
+                              Scale(name="scale"), keras.layers.Dense(8, activation="tanh", name="d2"),
+                              keras.layers.Dense(2, name="d3")], name="mlp_scalar")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
 X_TOK, Y_TOK = RNG.integers(0, 16, size=(20, 6)).astype("int32"), RNG.integers(0, 3, size=(20,)).astype("int32")
 MODELS = {"mlp": (mlp, X, Y), "mlp-dropout": (lambda: mlp(0.3), X, Y), "convnet": (convnet, X_IMG, Y_IMG),
-          "transformer": (transformer, X_TOK, Y_TOK)}
+          "transformer": (transformer, X_TOK, Y_TOK), "mlp-scalar": (mlp_scalar, X, Y)}
 
 
 def assert_same(one, other, atol=2e-5):

@@ -129,6 +129,17 @@ def test_backup_and_restore_resumes_a_pipelined_model_to_the_uninterrupted_run(t
         assert len(outcome.result["history"]["loss"]) == 1  # only the epoch left ran
 
 
+def test_a_scalar_weight_trains_and_is_gathered_for_get_weights():
+    """A weight of shape () on the other stage: release() freed its one element and gather() made storage again
+    only for weights with a shape, so get_weights() aborted in gloo ("Received data size doesn't match")."""
+    one = train("mlp-scalar")
+    outcomes = job(2).run(train, "mlp-scalar", 2, microbatches=2)
+    for outcome in outcomes:
+        assert_same(one, outcome.result)
+    # held by its stage's process only (the other freed it between the gathers)
+    assert sum(any("scale" in path for path in o.result["held"]) for o in outcomes) == 1, [o.result["held"] for o in outcomes]
+
+
 @pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight"])
 def test_every_loss_reduction_trains_as_one_device(reduction):
     """A sum's micro-batches add up as they are, a mean_with_sample_weight's by their sample weights (uneven here):

@@ -458,8 +458,9 @@ def gather(plan):
         if index != plan.index:
             for variable in variables:
                 storage = variable._value
-                if storage.numel() == 0 and len(variable.shape) and 0 not in tuple(variable.shape):
-                    storage.data = torch.empty(tuple(variable.shape), dtype=storage.dtype, device=storage.device)
+                shape = tuple(variable.shape)  # () for a scalar weight: 1 element, which release() freed too
+                if storage.numel() == 0 and 0 not in shape:
+                    storage.data = torch.empty(shape, dtype=storage.dtype, device=storage.device)
         by_dtype = {}
         for variable in variables:
             by_dtype.setdefault(variable.value.dtype, []).append(variable)
