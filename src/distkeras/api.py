@@ -343,10 +343,20 @@ def distribute(
         if info["model_shards"] > 1 else "",
         ", ".join(info["devices"]),
         " in {} worker processes".format(info["workers"]) if info["workers"] > 1 else "",
-        "cut into micro-batches" + (", split evenly over the replicas" if info["replicas"] > 1 else "") if pipelined
-        else "split evenly",
+        _batch_split(info, pipelined),
     )
     return result
+
+
+def _batch_split(info: Dict[str, object], pipelined: bool) -> str:
+    """How the log line says the global batch is shared: cut into micro-batches (pipeline stages), run whole by
+    every model shard (tensor parallelism), split evenly over the replicas."""
+    over = ", split evenly over the replicas" if info["replicas"] > 1 else ""
+    if pipelined:
+        return "cut into micro-batches" + over
+    if info["model_shards"] > 1:
+        return "run whole by every model shard" + over
+    return "split evenly"
 
 
 def shutdown() -> None:

@@ -157,10 +157,14 @@ def plan(model, stages):
         if stages < 1:
             raise OptionError("Expected pipeline_stages >= 1. Received: pipeline_stages={}".format(stages))
         if stages - 1 > len(found):
+            blocked = [p for p in range(1, len(nodes)) if p not in found]
             raise OptionError(
                 "{!r} can be cut in {} place(s) only (after {}), so into at most {} stages; pipeline_stages={} "
-                "asked for more. Cut places are layer boundaries that exactly one tensor crosses.".format(
-                    model.name, len(found), _listed(names), len(found) + 1, stages))
+                "asked for more. Cut places are layer boundaries that exactly one tensor crosses{}".format(
+                    model.name, len(found), _listed(names), len(found) + 1, stages,
+                    ": not after {}.".format("; ".join("{!r} ({})".format(_layer_name(nodes, p), _why_not(
+                        model, nodes, p)) for p in blocked[:3]) + ("; ..." if len(blocked) > 3 else ""))
+                    if blocked else "."))
         cuts = _balanced(nodes, sorted(found), stages)
     else:
         cuts = []

@@ -127,6 +127,16 @@ def refusal(build, devices=2, **options):
     return None
 
 
+def residual():
+    """A model one skip connection spans whole: no layer boundary that one tensor crosses."""
+    inputs = keras.Input((6,))
+    a = keras.layers.Dense(6, name="a")(inputs)
+    b = keras.layers.Dense(6, name="b")(a)
+    model = keras.Model(inputs, keras.layers.Add(name="add")([inputs, b]), name="residual")
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
 def assert_cut_refusals(refusal=refusal):
     """What no backend can cut, each a clear error: ``refusal(build, **options)`` gives distribute()'s
     OptionError message for the model ``build()`` makes (None where it distributed)."""
@@ -135,6 +145,13 @@ def assert_cut_refusals(refusal=refusal):
     assert "It can be cut after 'c1', 'skip', 'pool', 'flat', 'fc'." in said  # not inside the skip
     said = refusal(mlp, pipeline_stages=9)
     assert "into at most 4 stages" in said and "'d1', 'd2', 'd3'" in said
+    # Too few cut places: the message names what blocks the others (it said "after nowhere" and no more).
+    said = refusal(convnet, pipeline_stages=7)
+    assert "into at most 6 stages" in said and "not after 'c2' (2 tensors cross there" in said, said
+    assert "a skip connection spans the cut" in said
+    said = refusal(residual, pipeline_stages=2)
+    assert "can be cut in 0 place(s) only" in said and "not after 'a' (2 tensors cross there (the model's input, " \
+        "the output of 'a'): a skip connection spans the cut)" in said, said
     said = refusal(mlp, pipeline_stages=["nope"])
     assert "doesn't have" in said and "'d1'" in said
     model = Subclassed()

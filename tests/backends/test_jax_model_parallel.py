@@ -124,6 +124,8 @@ def test_describe_reports_replicas_and_model_shards(caplog):
     with caplog.at_level("INFO", logger="distkeras"):
         shards2 = distkeras.distribute(build(), devices=2, strategy="model", model_shards=2)
     assert "1 replica(s) x 2 model shard(s) on cpu:0, cpu:1" in caplog.text
+    # every shard runs the whole batch (it said "split evenly")
+    assert "fit()'s batch_size is the global batch, run whole by every model shard" in caplog.text, caplog.text
     expected = {"backend": "jax", "devices": ["cpu:0", "cpu:1"], "replicas": 1, "model_shards": 2, "rank": 0,
                 "workers": 1, "distributed": True, "shard": None}
     assert distkeras.describe(shards2) == expected
