@@ -83,6 +83,46 @@ def tolerance(option: object = None):
     return rtol, atol
 
 
+#: The machine epsilon of each half-precision compute dtype (numpy's ``finfo(dtype).eps``; bfloat16 has 8 bits of
+#: mantissa, float16 11). A float32 (or wider) computation keeps :data:`RTOL` and :data:`ATOL`.
+HALF_EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
+class Tolerance(NamedTuple):
+    """What the comparison allows: ``|distributed - one device| <= atol + rtol * |one device| + scale * m``, where m
+    is the largest ``|one device|`` value of the same variable or log (0 in float32: :data:`RTOL`, :data:`ATOL`)."""
+
+    rtol: float
+    atol: float
+    scale: float = 0.0
+
+
+def tolerance_for(compute_dtype: Optional[str], rows: Optional[int], rtol: float = RTOL,
+                  atol: float = ATOL) -> Tolerance:
+    """The tolerance of a step computed in ``compute_dtype`` on a global batch of ``rows``.
+
+    In float32 it is ``(rtol, atol)``. In float16 and bfloat16 (``mixed_float16``, ``mixed_bfloat16`` policies), the
+    replicas sum their rows in another order than one device, and each partial sum rounds at the compute dtype's
+    epsilon: a sum of n terms can move by about ``eps * log2(n)`` of its magnitude (the pairwise-summation bound).
+    So both the relative term and a term relative to the variable's largest value (a gradient's scale, which its
+    near-zero elements don't have) become ``eps * (1 + log2(rows))``: 0.64% of the scale in float16 at 48 rows,
+    5.1% in bfloat16. A defect that drops, doubles or mixes rows moves a gradient by its whole size, and is still
+    caught.
+
+    >>> tolerance_for("float32", 48) == Tolerance(RTOL, ATOL, 0.0)
+    True
+    >>> round(tolerance_for("float16", 48).scale, 5), round(tolerance_for("bfloat16", 48).scale, 4)
+    (0.00643, 0.0514)
+    """
+    import math
+
+    eps = HALF_EPS.get(compute_dtype or "")
+    if eps is None:
+        return Tolerance(rtol, atol, 0.0)
+    bound = eps * (1.0 + math.log2(max(int(rows or 1), 1)))
+    return Tolerance(max(rtol, bound), atol, bound)
+
+
 class Difference(NamedTuple):
     """One variable or log whose distributed value is not the one-device value."""
 
@@ -92,8 +132,9 @@ class Difference(NamedTuple):
     where: str  # the first element that differs, with both values
 
 
-def differences(named: Sequence, rtol: float, atol: float) -> List[Difference]:
-    """Compare ``(name, kind, distributed, one_device)`` entries (NumPy-convertible); the ones beyond tolerance."""
+def differences(named: Sequence, rtol: float, atol: float, scale: float = 0.0) -> List[Difference]:
+    """Compare ``(name, kind, distributed, one_device)`` entries (NumPy-convertible); the ones beyond tolerance
+    (``scale``: see :class:`Tolerance`)."""
     import numpy as np
 
     found = []
@@ -105,7 +146,8 @@ def differences(named: Sequence, rtol: float, atol: float) -> List[Difference]:
         if got.dtype.kind not in "fciub" or want.dtype.kind not in "fciub":
             continue  # strings, objects: not numbers to compare
         got64, want64 = got.astype("float64"), want.astype("float64")
-        bad = ~np.isclose(got64, want64, rtol=rtol, atol=atol, equal_nan=True)
+        floor = atol + (scale * float(np.nanmax(np.abs(want64))) if scale and want64.size else 0.0)
+        bad = ~np.isclose(got64, want64, rtol=rtol, atol=floor, equal_nan=True)
         if not bad.any():
             continue
         error = np.abs(got64 - want64)
@@ -207,6 +249,7 @@ class Check:
         self.explained = []  # weight differences the optimizer's slots explain (see explained_by_slots)
         self.skipped = None  # why the check can't run here, once said
         self.deferred = 0  # steps in a row the check passed on to the next one
+        self.tolerance = Tolerance(rtol, atol, 0.0)  # the last verdict's (:func:`tolerance_for`)
 
     def skip(self, why: str) -> None:
         """Say once (rank 0) why the check can't run, and don't try again."""
@@ -221,16 +264,25 @@ class Check:
         if self.deferred >= most:
             self.skip("{} steps in a row could not be replayed: {}".format(self.deferred, why))
 
-    def judge(self, named: Sequence) -> List[Difference]:
-        """Compare, then raise or warn by the mode. Every rank judges the same values, so every rank raises."""
+    def judge(self, named: Sequence, compute_dtype: Optional[str] = None, rows: Optional[int] = None
+              ) -> List[Difference]:
+        """Compare, then raise or warn by the mode. Every rank judges the same values, so every rank raises.
+
+        ``compute_dtype`` (the narrowest of the model's layers) and ``rows`` (the global batch's) set the tolerance
+        (:func:`tolerance_for`): a half-precision step is compared to what its dtype can hold."""
         self.due = False
         self.deferred = 0
         self.checked += 1
-        found = differences(named, self.rtol, self.atol)
-        self.explained = explained_by_slots(found, named, self.rtol)
+        self.tolerance = tolerance_for(compute_dtype, rows, self.rtol, self.atol)
+        rtol, atol, scale = self.tolerance
+        found = differences(named, rtol, atol, scale)
+        self.explained = explained_by_slots(found, named, rtol)
         self.found = [d for d in found if d not in self.explained]
         if self.found:
-            text = message(self.found, self.backend, self.replicas, self.rtol, self.atol)
+            text = message(self.found, self.backend, self.replicas, rtol, atol)
+            if scale:
+                text = text.replace("beyond rtol=", "beyond {:.3g} of each variable's largest value ({}, {} rows) and "
+                                    "rtol=".format(scale, compute_dtype, rows), 1)
             if self.mode == "raise":
                 raise VerifyError(text)
             if self.rank == 0:

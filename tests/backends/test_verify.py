@@ -117,3 +117,49 @@ def test_global_seed_generator_is_where_the_check_reads_it():
     keras.random.normal((2,))
     generator = global_state.get_global_attribute(verifying._GLOBAL_SEED)
     assert generator is not None and generator.state in verifying._global_seed_variables()
+
+
+def _mixed(policy, mixing):
+    """An MLP under a mixed-precision policy (its LossScaleOptimizer from compile() under mixed_float16), checked;
+    ``mixing``: a forward pass that mixes the rows of a batch (a real difference TensorFlow and PyTorch make)."""
+    import distkeras
+
+    keras.config.set_dtype_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(96, 16)).astype("float32"), rng.integers(0, 4, size=(96,))
+        layers = [keras.Input((16,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(64, activation="relu")]
+        if mixing:
+            layers.append(keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0, keepdims=True)))
+        layers += [keras.layers.Dense(4), keras.layers.Activation("softmax", dtype="float32")]
+        model = keras.Sequential(layers)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        model = distkeras.distribute(model, 2, verify=True)
+        try:
+            model.fit(x, y, batch_size=48, epochs=1, verbose=0)
+        except distkeras.VerifyError as error:
+            return {"error": str(error)}
+        check = model.__dict__["_distkeras_check"]
+        return {"checked": check.checked, "found": [d.name for d in check.found], "tolerance": tuple(check.tolerance),
+                "optimizer": type(model.optimizer).__name__}
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_raises_nothing_on_a_correct_run_and_still_catches_a_mixing_pass(policy):
+    """Two replicas sum their rows in another order than one device, which in float16 moves gradients by ~5e-4
+    relative (the float32 tolerance raised on TensorFlow, JAX and PyTorch); the tolerance follows the compute dtype
+    (distkeras.verify.tolerance_for) and a forward pass that mixes rows is still caught."""
+    got = replicated(2, _mixed, policy, False)
+    assert "error" not in got, got.get("error")
+    assert got["checked"] == 1 and got["found"] == []
+    assert got["tolerance"][2] > 0  # the half-precision bound, read from the model's layers' compute dtype
+    if policy == "mixed_float16":
+        assert got["optimizer"] == "LossScaleOptimizer"
+    if BACKEND == "jax":  # one program over the global batch: the mixing pass is one device's
+        return
+    caught = replicated(2, _mixed, policy, True)
+    assert "error" in caught and "differ beyond" in caught["error"], caught
+    assert "of each variable's largest value ({}".format(policy.split("_")[1]) in caught["error"]

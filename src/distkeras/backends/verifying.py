@@ -92,6 +92,29 @@ def one_device():
         yield
 
 
+def compute_dtype(model):
+    """The narrowest half-precision compute dtype among the model's layers ("bfloat16", "float16"), or None: what
+    the check's tolerance follows (:func:`distkeras.verify.tolerance_for`). A mixed policy's float32 output layer
+    doesn't make the step float32."""
+    found = None
+    for layer in keras_model.layers_of(model):
+        dtype = getattr(layer, "compute_dtype", None)
+        if dtype in verify.HALF_EPS and (found is None or verify.HALF_EPS[dtype] > verify.HALF_EPS[found]):
+            found = dtype
+    return found
+
+
+def rows_of(batch):
+    """The rows of a batch (its first array's leading dimension), or None."""
+    import keras
+
+    for leaf in keras.tree.flatten(batch):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape):
+            return int(shape[0])
+    return None
+
+
 def logs_of(logs, numpy):
     """A step's logs as ``{name: NumPy value}`` (a nested dict flattened with "/"); what isn't a number is left out."""
     flat = {}
@@ -144,7 +167,7 @@ def compared(model, variables, got, want, numpy):
 
 
 def checked_in_place(model, check, numpy, distributed_step, one_device_step, random_state=None, reduce=None,
-                     storage=contextlib.nullcontext, compare_logs=True, exact=None):
+                     storage=contextlib.nullcontext, compare_logs=True, exact=None, rows=None):
     """The check for backends that train variables in place: ``distributed_step()`` (returns its logs) from the
     current state, then ``one_device_step()`` from the same state, compared; the distributed result stays.
 
@@ -156,7 +179,8 @@ def checked_in_place(model, check, numpy, distributed_step, one_device_step, ran
     ``compare_logs=False``: the step's logs are not one device's by choice (``batch_logs="local"``); the metrics
     are still compared, by their results. ``exact``: ``(snapshot, restore)`` of the named variables' storage as
     it is held (TensorFlow's per-replica parts of a sync-on-read metric total), for putting the distributed
-    result back bit for bit; by default the values :class:`State` reads and writes.
+    result back bit for bit; by default the values :class:`State` reads and writes. ``rows``: the global batch's,
+    for the tolerance of a half-precision step (:meth:`distkeras.verify.Check.judge`).
     """
     state = State(model, numpy)
     before = state.read()
@@ -189,7 +213,7 @@ def checked_in_place(model, check, numpy, distributed_step, one_device_step, ran
             random_state[1](drawn_after)
     variables = [variable for _, _, variable in state.named]
     logs_compared = verify.log_pairs(got_logs, want_logs) if compare_logs else []
-    check.judge(compared(model, variables, got, reference, numpy) + logs_compared)
+    check.judge(compared(model, variables, got, reference, numpy) + logs_compared, compute_dtype(model), rows)
     return logs
 
 

@@ -81,7 +81,8 @@ def wrap(model, check):
                 verifying.compared(model, [variable for variable, _ in variables],
                                    verify.named_state(kinds, [numpy(v) for v in got]),
                                    verify.named_state(kinds, [numpy(v) for v in want]), numpy)
-                + verify.log_pairs(verifying.logs_of(got_logs, numpy), verifying.logs_of(want_logs, numpy)))
+                + verify.log_pairs(verifying.logs_of(got_logs, numpy), verifying.logs_of(want_logs, numpy)),
+                verifying.compute_dtype(model), verifying.rows_of(whole[1]))
             return logs, new_state
 
         return train_function

@@ -176,7 +176,8 @@ def wrap(model, check):
             single = one_element_iterator(strategy, iterator, element)
             return verifying.checked_in_place(
                 model, check, verifying.numpy, lambda: function(single if single is not None else [element]), lambda: type(model).train_step(model, batch),
-                storage=plain_variables(model), compare_logs=not _local_logs(model), exact=held_state(strategy))
+                storage=plain_variables(model), compare_logs=not _local_logs(model), exact=held_state(strategy),
+                rows=verifying.rows_of(batch))
 
         return train_function
 

@@ -94,7 +94,7 @@ def wrap(model, check, replica):
 
             verifying.checked_in_place(
                 model, check, verifying.numpy, distributed, lambda: type(model).train_step(model, batch),
-                random_state=_rng(), reduce=summed_metrics)
+                random_state=_rng(), reduce=summed_metrics, rows=verifying.rows_of(batch))
             return handed[0]
 
         return train_function
