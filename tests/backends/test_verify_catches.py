@@ -42,6 +42,24 @@ def test_defect_1_trainable_flag(monkeypatch, reverted):
         _fine_tune(2)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="the trainable-flag defect was TensorFlow's")
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_defect_1_reverted_is_caught_under_mixed_precision(monkeypatch, policy):
+    """The check's tolerance follows the compute dtype (verify.tolerance_for) and still catches a real defect."""
+    from distkeras.backends.tensorflow import adapter
+    from tests.backends.test_tensorflow_round2 import _fine_tune
+
+    _verified(monkeypatch)
+    keras.config.set_dtype_policy(policy)
+    try:
+        _fine_tune(2)  # fixed: quiet
+        monkeypatch.setattr(adapter, "_storage_trainable", lambda storage, flag: flag)
+        with pytest.raises(distkeras.VerifyError, match=r"weight base/dense"):
+            _fine_tune(2)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's own random ops")
 @pytest.mark.parametrize("reverted", [False, True], ids=["fixed", "reverted"])
 def test_defect_3_tf_random_in_a_custom_step(monkeypatch, reverted):
