@@ -354,3 +354,26 @@ def pipeline_loss_rule(model):
     from .. import pipeline
 
     return pipeline.loss_rule(compiled_loss_reductions(model), getattr(model, "name", "the model"))
+
+
+def pipeline_loss_factors(model, sizes, sample_weight):
+    """``(factors, weight)``: each micro-batch's factor of ``model``'s compiled loss (micro-batches of ``sizes``
+    rows, in order; :func:`distkeras.pipeline.loss_factors`) and, under the ``"weighted"`` rule with sample
+    weights, the batch's sum of them (else None). ``sample_weight``: the batch's, as concrete values of any backend.
+
+    Raises:
+        OptionError: as :func:`pipeline_loss_rule`; sample weights per output under the ``"weighted"`` rule.
+    """
+    import numpy as np
+
+    from .. import pipeline
+
+    rule = pipeline_loss_rule(model)
+    sums = None
+    if rule == "weighted" and sample_weight is not None:
+        keras = keras_module(model)
+        pipeline.refuse_weights_per_output(keras.tree.is_nested(sample_weight), getattr(model, "name", "the model"))
+        weights = np.asarray(keras.ops.convert_to_numpy(sample_weight), "float64")
+        offsets = [sum(sizes[:m]) for m in range(len(sizes))]
+        sums = [float(weights[o:o + n].sum()) for o, n in zip(offsets, sizes)]
+    return pipeline.loss_factors(rule, sizes, sums), (None if sums is None else sum(sums))

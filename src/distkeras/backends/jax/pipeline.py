@@ -403,13 +403,7 @@ class Step(object):
         self.offsets = [sum(self.sizes[:m]) for m in range(len(self.sizes))]
         self.factors = self.shares
         if y is not None:  # the compiled loss' factors follow its reduction (pipeline.loss_rule)
-            rule = keras_model.pipeline_loss_rule(plan.model)
-            sums = None
-            if rule == "weighted" and sample_weight is not None:
-                pipeline.refuse_weights_per_output(keras.tree.is_nested(sample_weight), plan.model.name)
-                weights = np.asarray(sample_weight, "float64")
-                sums = [float(weights[o:o + n].sum()) for o, n in zip(self.offsets, self.sizes)]
-            self.factors = pipeline.loss_factors(rule, self.sizes, sums)
+            self.factors = keras_model.pipeline_loss_factors(plan.model, self.sizes, sample_weight)[0]
         self.x = jax.device_put(x, devices[0])
         self.y = None if y is None else jax.device_put(y, devices[-1])
         self.sample_weight = None if sample_weight is None else jax.device_put(sample_weight, devices[-1])

@@ -56,11 +56,11 @@ def one_element_iterator(strategy, iterator, element):
         # A PerReplicaSpec's components are its replicas' TensorSpecs, in replica order.
         specs = [tf.nest.map_structure(lambda leaf, r=r: tf.nest.flatten(leaf, expand_composites=True)[r], spec)
                  for r in range(replicas)]
-        relaxed = [tf.nest.map_structure(lambda value, leaf: leaf.is_compatible_with(value), part, leaf_specs)
-                   for part, leaf_specs in zip(parts, specs)]
+        fits = [tf.nest.map_structure(lambda value, leaf: leaf.is_compatible_with(value), part, leaf_specs)
+                for part, leaf_specs in zip(parts, specs)]
     except (TypeError, ValueError, IndexError):
         return None
-    if not all(tf.nest.flatten(ok) for ok in relaxed):
+    if not all(all(tf.nest.flatten(ok)) for ok in fits):
         return None
 
     def replica_dataset(part, leaf_specs):
@@ -174,8 +174,9 @@ def wrap(model, check):
                 check.skip("steps_per_execution > 1 runs several steps at once; the check compares one step")
                 return function(itertools.chain([element], iterator))
             single = one_element_iterator(strategy, iterator, element)
+            single = single if single is not None else [element]
             return verifying.checked_in_place(
-                model, check, verifying.numpy, lambda: function(single if single is not None else [element]), lambda: type(model).train_step(model, batch),
+                model, check, verifying.numpy, lambda: function(single), lambda: type(model).train_step(model, batch),
                 storage=plain_variables(model), compare_logs=not _local_logs(model), exact=held_state(strategy),
                 rows=verifying.rows_of(batch))
 

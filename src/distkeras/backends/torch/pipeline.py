@@ -145,15 +145,9 @@ class TorchStage(pipeline.Stage):
         self.offsets = [sum(self.sizes[:m]) for m in range(len(self.sizes))]
         self.factors = self.shares
         if y is not None:  # the compiled loss' factors follow its reduction (a sum's micro-batches add up as they are)
-            rule = keras_model.pipeline_loss_rule(plan.model)
-            sums = None
-            if rule == "weighted" and sample_weight is not None:
-                pipeline.refuse_weights_per_output(keras.tree.is_nested(sample_weight), plan.model.name)
-                sums = [float(_rows(sample_weight, start, count).sum()) for start, count in
-                        zip(self.offsets, self.sizes)]
-            self.factors = pipeline.loss_factors(rule, self.sizes, sums)
-            if sums is not None and plan.replicas > 1:
-                self.factors = _across_replicas(plan, self.factors, self.total, sum(sums))
+            self.factors, weight = keras_model.pipeline_loss_factors(plan.model, self.sizes, sample_weight)
+            if weight is not None and plan.replicas > 1:
+                self.factors = _across_replicas(plan, self.factors, self.total, weight)
         self.saved, self.sends, self.outputs = {}, [], {}
         self.loss = torch.zeros((), dtype=torch.float64)
         self.seeds = _seed_states(plan.stage)
