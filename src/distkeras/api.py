@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
 from . import backends, sharding
 from . import cluster as cluster_lib
 from . import devices as devices_lib
+from . import datacheck
 from . import verify as verify_lib
 from .devices import CPU_DEVICES_ENV, Device
 from .errors import ClusterError, DeviceSpecError, ModelError, ModelTypeError, TooLateError
@@ -284,7 +285,10 @@ def distribute(
             every backend also ``verify`` (True/"raise", "warn" or False; default: the ``DISTKERAS_VERIFY``
             environment variable): the first step of each ``fit()`` runs again as one device would, and a
             difference raises :class:`~distkeras.errors.VerifyError` or warns (:mod:`distkeras.verify`); and
-            ``verify_tolerance=(rtol, atol)``, its float tolerance (default (1e-4, 1e-5)).
+            ``verify_tolerance=(rtol, atol)``, its float tolerance (default (1e-4, 1e-5)); and ``check_data``
+            (True/"raise", the default, "warn" or False; or the ``DISTKERAS_CHECK_DATA`` environment variable): in a
+            job of several workers, the first global batch of every pass over the data must be the same on every
+            worker, or :class:`~distkeras.errors.DataError` is raised on all of them (:mod:`distkeras.datacheck`).
 
     Returns:
         ``model`` itself, data-parallel (unchanged when one device is asked for in a one-process job).
@@ -304,6 +308,7 @@ def distribute(
     adapter = _adapter_for(model)
     verify_mode = verify_lib.mode(options.pop("verify", None))
     rtol, atol = verify_lib.tolerance(options.pop("verify_tolerance", None))
+    data_mode = datacheck.mode(options.pop("check_data", None))
     adapter.check_options(options)
     if "shard" not in adapter.options:
         options.pop("shard", None)  # None, which check_options allowed on a backend that doesn't shard
@@ -332,6 +337,8 @@ def distribute(
     # Read again: distribute() may have made this process part of a job (PyTorch's self-launch makes a
     # plain process rank 0 of the processes it starts, through os.environ).
     info = _record(result, adapter, chosen, cluster_lib.from_env(), distributed=True)
+    if data_mode is not None and info["workers"] > 1:
+        adapter.check_data(result, data_mode, info["rank"], info["workers"])
     if verify_mode is not None:
         adapter.verify(result, verify_lib.Check(verify_mode, adapter.name, info["replicas"], info["rank"], rtol, atol))
     pipelined = options.get("pipeline_stages") is not None

@@ -82,3 +82,9 @@ class VerifyError(DistKerasError, AssertionError):
 class CollectiveError(DistKerasError, RuntimeError):
     """A call every process of a job makes together (``predict()``, ``evaluate()``, ``save()``) wasn't made by
     every process in time, differed between them, or failed on the one that does the work."""
+
+
+class DataError(DistKerasError, ValueError):
+    """The data check (``distribute(..., check_data=True)``, the default in a job of several workers) found a
+    worker whose input pipeline drew another global batch than rank 0's: an unseeded shuffle, files in another
+    order, a dataset of another length, augmentation from unseeded ops."""

@@ -23,7 +23,6 @@ one device, and a job of several TensorFlow workers, whose primitives don't gath
 """
 
 import logging
-import os
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
 from .errors import OptionError, VerifyError
@@ -37,35 +36,18 @@ DOCS = "https://distkeras.github.io/distkeras/guide/verify/#what-a-difference-us
 #: Float tolerance of the comparison, as numpy.allclose: |distributed - one device| <= atol + rtol * |one device|.
 RTOL = 1e-4
 ATOL = 1e-5
-_TRUE = ("1", "true", "yes", "on", "raise")
-_FALSE = ("", "0", "false", "no", "off")
 
 
 def mode(option: object = None, environ: Optional[Dict[str, str]] = None) -> Optional[str]:
-    """The check's mode: ``"raise"``, ``"warn"`` or None (off), from ``distribute()``'s ``verify`` option, else
-    from :data:`ENV`.
+    """The check's mode: ``"raise"``, ``"warn"`` or None (off, the default), from ``distribute()``'s ``verify``
+    option, else from :data:`ENV` (:func:`distkeras.datacheck.switch`).
 
     Raises:
         OptionError: a value that is none of True, False, None, "raise", "warn" (or, in the environment, 1/0).
     """
-    if option is None:
-        value = (environ if environ is not None else os.environ).get(ENV, "").strip().lower()
-        if value in _TRUE:
-            return "raise"
-        if value == "warn":
-            return "warn"
-        if value in _FALSE:
-            return None
-        raise OptionError(
-            "Expected {}=1 (raise on a difference), warn or 0. Received: {}={!r}".format(ENV, ENV, value))
-    if option is True or option == "raise":
-        return "raise"
-    if option is False:
-        return None
-    if option == "warn":
-        return "warn"
-    raise OptionError(
-        "Expected verify=True (raise on a difference), 'warn', or False. Received: verify={!r}".format(option))
+    from .datacheck import switch
+
+    return switch(option, environ, ENV, "verify", None)
 
 
 def tolerance(option: object = None):

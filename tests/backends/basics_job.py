@@ -13,6 +13,7 @@ MODE:
 - "alone": rank 0 alone saves the model, then calls predict() and then evaluate() (the Horovod habit) and prints
   what each raised and how long it took; rank 1 stays alive outside any collective until rank 0 is through.
 - "verify": every rank trains with the one-device check on and prints what it checked and found.
+- "verify-mixing": a forward pass that mixes a batch's rows, checked: every rank prints the VerifyError it raised.
 """
 
 import os
@@ -103,15 +104,43 @@ def alone(out_dir, rank):
 
 
 def verified(out_dir, rank):
-    model = distkeras.distribute(scenarios.build(keras), verify=True)
+    """Trains with the check and without: prints what the check did, and whether it left any trace (every weight
+    and History value bit-equal)."""
     x, y = scenarios.data(48)
-    model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
-    check = model.__dict__["_distkeras_check"]
-    print("checked {} found {} skipped {}".format(check.checked, len(check.found), check.skipped))
+    runs = []
+    for verify in (True, False):
+        model = distkeras.distribute(scenarios.build(keras), verify=verify)
+        history = model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
+        runs.append((model.get_weights(), history))
+        if verify:
+            check = model.__dict__["_distkeras_check"]
+            print("checked {} found {} skipped {}".format(check.checked, len(check.found), check.skipped))
+    (checked, checked_history), (plain, plain_history) = runs
+    print("no trace {}".format(checked_history == plain_history and all(
+        np.array_equal(a, b) for a, b in zip(checked, plain))))
+
+
+def verified_mixing(out_dir, rank):
+    """A forward pass that mixes a batch's rows (each row minus its batch's mean row): each replica computes it on
+    its own rows, one device on the global batch. Every worker raises VerifyError at the same step."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    hidden = keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0, keepdims=True))(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="mse")
+    model = distkeras.distribute(model, verify=True)
+    x, y = scenarios.data(48)
+    try:
+        model.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+        print("mixing trained unchecked")
+    except distkeras.VerifyError as error:
+        print("mixing raised VerifyError: {}".format(str(error).splitlines()[0]))
 
 
 if __name__ == "__main__":
     from tests.backends.multiworker_job import run_modes
 
-    modes = {"unseeded": unseeded, "save": saves, "alone": alone, "verify": verified}
+    modes = {"unseeded": unseeded, "save": saves, "alone": alone, "verify": verified,
+             "verify-mixing": verified_mixing}
     run_modes(sys.argv[1], sys.argv[2], lambda folder, mode: modes[mode](folder, distkeras.cluster.from_env().rank))

@@ -36,7 +36,7 @@ def launch(out_dir, mode):
 
 
 #: Modes that share one job of 2 workers, run in turn in the same processes (the job's start costs more than they do).
-SHARED = ("unseeded", "save") + (("verify",) if BACKEND == "jax" else ())
+SHARED = ("unseeded", "save", "verify", "verify-mixing")
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +109,24 @@ def test_predict_and_evaluate_on_one_rank_only_end_within_seconds_saying_what_to
     print("rank 0 alone: predict and evaluate raised; job ended {:.1f} s after start".format(elapsed))
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="JAX's processes gather the global batch for the check (PyTorch's "
-                                              "are tested in test_verify.py; TensorFlow's multi-worker check is off)")
-def test_the_one_device_check_runs_across_jax_processes(shared_job):
-    """Every process gathers the global batch (its rows are on the other process too) and replays the step on a
-    device of its own: the check ran on both ranks and found nothing, where it used to switch itself off."""
+def test_the_one_device_check_runs_across_worker_processes(shared_job):
+    """Every worker gathers the global batch (its rows are on the other worker too: TensorFlow's collective
+    gather, JAX's process_allgather, torch.distributed's) and replays the step on a device of its own: the check
+    ran on both ranks, found nothing and left no trace (weights and History bit-equal to a run without it), where
+    on TensorFlow it used to switch itself off."""
     _, done, out = part(shared_job, "verify")
     for rank in (0, 1):
         assert "[rank {}] checked 1 found 0 skipped None".format(rank) in out, shown(done)
+        assert "[rank {}] no trace True".format(rank) in out, shown(done)
+
+
+def test_the_check_across_workers_catches_a_batch_mixing_forward_pass_on_every_worker(shared_job):
+    """Each row minus its batch's mean row: TensorFlow's and PyTorch's replicas compute it on their own rows, and
+    every worker raises VerifyError at the same step (none is left waiting). JAX runs one program over the global
+    batch, which computes it exactly: nothing to catch."""
+    _, done, out = part(shared_job, "verify-mixing")
+    for rank in (0, 1):
+        if BACKEND == "jax":
+            assert "[rank {}] mixing trained unchecked".format(rank) in out, shown(done)
+        else:
+            assert "[rank {}] mixing raised VerifyError: distkeras' one-device check".format(rank) in out, shown(done)

@@ -56,7 +56,7 @@ def test_each_backend_is_one_package_with_its_adapter():
     assert backends.REGISTRY == {name: "distkeras.backends.{}.adapter:{}".format(name, cls) for name, cls in zip(
         BACKENDS, ("TensorFlowAdapter", "JaxAdapter", "TorchAdapter", "MXNetAdapter", "CNTKAdapter"))}
     flat = [n for n in os.listdir(os.path.join(PACKAGE, "backends")) if n.endswith(".py")]
-    assert sorted(flat) == ["__init__.py", "agreement.py", "base.py", "batchnorm.py", "keras_model.py", "policies.py",
+    assert sorted(flat) == ["__init__.py", "agreement.py", "base.py", "batchnorm.py", "datawatch.py", "keras_model.py", "policies.py",
                             "verifying.py"]
 
 

@@ -11,6 +11,7 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 CORE = ["__init__.py", "__main__.py", "api.py", "devices.py", "cluster.py", "sharding.py", "errors.py",
         "launch.py", "processes.py", "cli.py", "network.py", "rendezvous.py",  # `distkeras launch` starts CNTK jobs
         "info.py",  # `distkeras info`'s versions (importlib.metadata where it exists)
+        "datacheck.py",  # the data check's switch, which api reads on every backend
         "relay.py", "ranks.py",  # the launcher's output relay; is_main_process() and print0()
         "exchange.py",  # what TF and JAX workers under torchrun exchange (imports torch only when it does)
         "backends/__init__.py", "backends/base.py", "backends/keras_model.py", "backends/policies.py",

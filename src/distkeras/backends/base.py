@@ -3,12 +3,15 @@
 import abc
 import contextlib
 import difflib
+import logging
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import cluster as cluster_lib
 from ..cluster import Cluster
 from ..devices import Device
 from ..errors import ClusterError, OptionError
+
+logger = logging.getLogger("distkeras")
 
 #: Values of the ``compression`` option: the dtype gradients travel in during the all-reduce.
 COMPRESSIONS = ("bf16", "fp16")
@@ -243,6 +246,11 @@ class Adapter(abc.ABC):
         """Install the one-device check (:class:`distkeras.verify.Check`) on a distributed ``model``. Default: the
         check can't run on this backend, which ``check.skip`` says once."""
         check.skip("the {} backend has no one-device check".format(self.name))
+
+    def check_data(self, model: object, mode: str, rank: int, workers: int) -> None:
+        """Install the data check (:mod:`distkeras.datacheck`) on ``model``, distributed over ``workers`` processes
+        (more than one). Default: this backend's pipelines can't be compared yet, which is said once."""
+        logger.info("the data check doesn't run on the %s backend: each worker's data is its own to keep alike", self.name)
 
     def check_options(self, options: Dict[str, object]) -> None:
         """Reject options this adapter doesn't know, naming the ones it does.

@@ -58,7 +58,7 @@ import sys
 import weakref
 from typing import List
 
-from ... import layouts
+from ... import datacheck, layouts
 from ...devices import Device
 from ...errors import ClusterError, DistKerasError, NetworkError, OptionError, TooLateError
 from .. import agreement, keras_model, policies, when_imported
@@ -193,6 +193,14 @@ class JaxAdapter(Adapter):
             _set_jax_cpu_count(count)
         os.environ["XLA_FLAGS"] = _with_flag(os.environ.get("XLA_FLAGS", ""), _COUNT_FLAG, count)
 
+    def check_data(self, model, mode, rank, workers):
+        """The data check: each process' global batch (the process-local batch Keras' JAX trainer lays out) is noted
+        where the data adapter yields it (``get_jax_iterator``), and compared with ``process_allgather``."""
+        from .. import datawatch
+
+        datawatch.hook(model, datacheck.Watch(mode, rank, workers, _sum_over_processes, self.name,
+                                              wrap_adapter=datawatch.noting_adapter("get_jax_iterator")))
+
     def any_process(self, model, flag):
         """Every process' flag, gathered over the job's devices (``process_allgather``, an XLA all-gather)."""
         import jax
@@ -205,13 +213,12 @@ class JaxAdapter(Adapter):
         return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
     def verify(self, model, check):
-        """The one-device check (:mod:`.verify`), in one process or across processes; not with ``shard=``."""
-        if self.shard_mode(model) is not None:
-            check.skip("a sharded model (shard=...) is whole on no one device")
-            return
+        """The one-device check (:mod:`.verify`), in one process or across processes, for every layout: replicas,
+        model shards, sharded state (``shard=``) and pipeline stages (the whole state is gathered to one device)."""
         if _PIPELINE in model.__dict__:
-            check.skip("a model cut into pipeline stages is whole on no one device")
-            return
+            check.backend += ", {} pipeline stages".format(model.__dict__[_PIPELINE].stages)
+        elif self.shard_mode(model) is not None:
+            check.backend += ", shard={!r}".format(self.shard_mode(model))
         from . import verify as jax_verify
         from .. import verifying
 
@@ -459,6 +466,14 @@ def _board(cluster):
             return client.key_value_try_get(key)
 
     return agreement.Board(post, read, cluster.rank, cluster.world_size)
+
+
+def _sum_over_processes(vector):
+    """The sum over the processes of a float32 vector (``process_allgather``, every process calling it)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(vector, np.float32))).sum(axis=0)
 
 
 def _broadcast_bytes(data):

@@ -72,7 +72,7 @@ import weakref
 from typing import List
 
 from ... import cluster as cluster_lib
-from ... import exchange, network
+from ... import datacheck, exchange, network
 from ...devices import Device
 from ...environments import tf_config
 from ...errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
@@ -230,17 +230,32 @@ class TensorFlowAdapter(Adapter):
         return plan.stages if plan is not None else 1
 
     def verify(self, model, check):
-        """The one-device check (:mod:`.verify`): one host; across workers the global batch isn't gathered yet."""
-        if hasattr(model, "__dict__") and _PIPELINE in model.__dict__:
-            check.skip("a model cut into pipeline stages is whole on no one device")
-            return
-        if cluster_lib.from_env().is_multi_worker:
-            check.skip("across TensorFlow workers the check doesn't gather the global batch yet; it runs on one host")
-            return
+        """The one-device check (:mod:`.verify`): on the replicas of one host or of every worker, and on a model cut
+        into pipeline stages (its whole step replayed as one device's)."""
         from . import verify as tensorflow_verify
         from .. import verifying
 
-        verifying.install(model, check, tensorflow_verify.wrap(model, check))
+        if hasattr(model, "__dict__") and _PIPELINE in model.__dict__:
+            check.backend += ", {} pipeline stages".format(model.__dict__[_PIPELINE].stages)
+            verifying.install(model, check, tensorflow_verify.wrap_pipeline(model, check))
+            return
+        verifying.install(model, check, tensorflow_verify.wrap(model, check, cluster_lib.from_env().is_multi_worker))
+
+    def check_data(self, model, mode, rank, workers):
+        """The data check across workers: each worker's pipeline fingerprints its first global batch of every pass
+        (:mod:`.datacheck`), and the workers compare them through the strategy's collectives."""
+        import tensorflow as tf
+
+        from .. import datawatch
+        from . import datacheck as tensorflow_datacheck
+
+        strategy = getattr(model, "distribute_strategy", None)
+        if strategy is None or _PIPELINE in getattr(model, "__dict__", {}):
+            logger.info("the data check doesn't run on a TensorFlow model cut into pipeline stages")
+            return
+        datawatch.hook(model, datacheck.Watch(mode, rank, workers, _sum_over_workers(tf, strategy), self.name,
+                                              wrap_adapter=tensorflow_datacheck.wrapper(tf),
+                                              read=tensorflow_datacheck.read))
 
     def distribute(self, model, devices, cluster, cross_device_ops=None, exact_loss_scaling=True, sync_batchnorm=True,
                    compression=None, batch_logs="global", pipeline_stages=None, microbatches=None, schedule="gpipe"):
@@ -1036,9 +1051,13 @@ def _batched_dataset(tf, py_dataset):
         return tf.TensorSpec((None,) + tuple(value.shape[1:]), value.dtype)
 
     signature = tf.nest.map_structure(spec, first)
-    items = tf.data.Dataset.from_generator(
-        lambda: (py_dataset[i] for i in range(len(py_dataset))), output_signature=signature
-    )
+
+    def one_epoch():  # then the dataset's own end of epoch, as Keras' PyDatasetAdapter calls it (a reshuffle)
+        for index in range(len(py_dataset)):
+            yield py_dataset[index]
+        py_dataset.on_epoch_end()
+
+    items = tf.data.Dataset.from_generator(one_epoch, output_signature=signature)
     # Items of equal size but the last: as many global batches as items.
     return items.unbatch().batch(batch).apply(tf.data.experimental.assert_cardinality(len(py_dataset)))
 

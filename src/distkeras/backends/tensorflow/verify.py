@@ -16,9 +16,27 @@ import itertools
 from .. import verifying
 
 
-def global_batch(strategy, element):
-    """The whole global batch of a distributed dataset's ``element``: every replica's part, concatenated."""
+def global_batch(strategy, element, across_workers=False):
+    """The whole global batch of a distributed dataset's ``element``: every replica's part, concatenated.
+
+    ``across_workers``: this worker holds its own replicas' parts only (``MultiWorkerMirroredStrategy``); each
+    replica all-gathers its part through the strategy's collectives (every worker runs it at the same step, as
+    every worker runs the checked step), which concatenates every replica's in replica order, worker by worker."""
     import tensorflow as tf
+
+    if across_workers:
+        leaves = tf.nest.flatten(element)
+        batched = [bool(strategy.experimental_local_results(leaf)[0].shape.rank) for leaf in leaves]
+
+        @tf.function(autograph=False)
+        def gather(*values):
+            # Traced: the strategy's eager collectives warn of their overhead and retrace per tensor.
+            return [strategy.gather(value, axis=0) for value in values]
+
+        gathered = iter(gather(*[leaf for leaf, rows in zip(leaves, batched) if rows]))
+        return tf.nest.pack_sequence_as(element, [
+            next(gathered) if rows else strategy.experimental_local_results(leaf)[0]
+            for leaf, rows in zip(leaves, batched)])
 
     def whole(value):
         parts = strategy.experimental_local_results(value)
@@ -45,9 +63,10 @@ def one_element_iterator(strategy, iterator, element):
     """
     import tensorflow as tf
 
-    replicas = strategy.num_replicas_in_sync
+    # This worker's replicas (every replica of the job on one host; a worker's own under MultiWorkerMirrored).
+    replicas = len(strategy.experimental_local_results(tf.nest.flatten(element)[0]))
     spec = getattr(iterator, "element_spec", None)
-    if spec is None or replicas < 2:
+    if spec is None or (replicas < 2 and strategy.num_replicas_in_sync < 2):
         return None
     try:
         tf.nest.assert_same_structure(element, spec)
@@ -158,8 +177,9 @@ def _local_logs(model):
             and not keras_model.is_hooked(model, "train_step"))
 
 
-def wrap(model, check):
-    """``wrap(train_function)`` for :func:`verifying.install`."""
+def wrap(model, check, across_workers=False):
+    """``wrap(train_function)`` for :func:`verifying.install`; ``across_workers``: the replicas are of several
+    workers (every worker gathers the global batch and replays the step on it: every worker judges alike)."""
 
     def wrapping(function):
         def train_function(iterator):
@@ -168,7 +188,7 @@ def wrap(model, check):
             iterator = iterator if hasattr(iterator, "get_next") else iter(iterator)
             element = next(iterator)  # StopIteration ends the epoch, as Keras' own function raises it
             strategy = model.distribute_strategy
-            batch = global_batch(strategy, element)
+            batch = global_batch(strategy, element, across_workers)
 
             if int(getattr(model, "steps_per_execution", 1) or 1) > 1:
                 check.skip("steps_per_execution > 1 runs several steps at once; the check compares one step")
@@ -183,3 +203,29 @@ def wrap(model, check):
         return train_function
 
     return wrapping
+
+
+def wrap_pipeline(model, check):
+    """``wrap(train_function)`` for :func:`verifying.install` on a model cut into pipeline stages (one process, no
+    strategy: :mod:`.pipeline`). The stages' step runs on the first batch (handed to Keras' step function as a
+    one-element list, which its Python loop takes as it takes the epoch's iterator: the stages' step is traced per
+    batch shape either way), then the model class' own ``train_step`` on the same batch from the same state,
+    eagerly with every distkeras hook off: one device's program over the whole model, each variable read where
+    its stage keeps it (TensorFlow copies it to the op). The variables are plain ``tf.Variable``s: nothing to swap."""
+
+    def wrapping(function):
+        def train_function(iterator):
+            if not check.due:
+                return function(iterator)
+            if int(getattr(model, "steps_per_execution", 1) or 1) > 1:
+                check.skip("steps_per_execution > 1 runs several steps at once; the check compares one step")
+                return function(iterator)
+            element = next(iter(iterator))  # StopIteration ends the epoch, as Keras' own function raises it
+            return verifying.checked_in_place(
+                model, check, verifying.numpy, lambda: function([element]),
+                lambda: type(model).train_step(model, element), rows=verifying.rows_of(element))
+
+        return train_function
+
+    return wrapping
+

@@ -29,6 +29,7 @@ Keras ships no distribution for its torch backend, so the adapter builds one aro
 import datetime
 import inspect
 import ipaddress
+import logging
 import os
 import socket
 import sys
@@ -40,6 +41,8 @@ from ...devices import Device
 from ...errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
 from .. import batchnorm, keras_model, when_imported
 from ..base import COMPRESSION_HELP, SHARD_HELP, Adapter, check_compression, check_shard
+
+logger = logging.getLogger("distkeras")
 
 #: torch.distributed's own default: how long a collective (or the rendezvous) may wait.
 DEFAULT_TIMEOUT = 1800.0
@@ -247,6 +250,21 @@ class TorchAdapter(Adapter):
         torch_loops.install(model, replica)  # hand-written loops (distkeras.loops)
         keras_model.hook(model, _REPLICA, replica)  # for verify()
         return model
+
+    def check_data(self, model, mode, rank, workers):
+        """The data check across processes: each process' whole global batch is noted where Keras' data adapter
+        yields it (before the rows ``[rank::world]`` are taken, :func:`~.trainer.sharded_batches`), and the
+        processes compare them with one all-reduce."""
+        if self.model_shards(model) > 1 or _REPLICA not in model.__dict__:
+            logger.info("the data check doesn't run on a model split over processes (strategy='model', "
+                        "pipeline_stages): every process runs the whole batch")
+            return
+        from ... import datacheck
+        from .. import datawatch
+        from . import collectives
+
+        datawatch.hook(model, datacheck.Watch(mode, rank, workers, collectives.sum_over_processes, self.name,
+                                              wrap_adapter=datawatch.noting_adapter("get_torch_dataloader")))
 
     def verify(self, model, check):
         """The one-device check (:mod:`.verify`): every rank runs the one-device step on the gathered global batch."""

@@ -140,6 +140,13 @@ def any_rank(flag):
     return bool(value.item())
 
 
+def sum_over_processes(vector):
+    """The sum over every process of the job of a vector of floats (one all-reduce, float64)."""
+    value = torch.tensor(list(vector), dtype=torch.float64, device=_device())
+    dist.all_reduce(value)
+    return value.cpu().numpy()
+
+
 def plain(value):
     """A log value as Python/NumPy data: a float for a scalar; a dict (a CompileMetrics result) item by item."""
     if isinstance(value, dict):

@@ -107,7 +107,7 @@ import keras
 import torch
 
 from ...errors import DistKerasError, LaunchError
-from .. import agreement, batchnorm, keras_model, policies
+from .. import agreement, batchnorm, datawatch, keras_model, policies
 from ..base import swapped
 from . import buckets as torch_buckets
 from . import collectives
@@ -252,14 +252,20 @@ def _sharded_loader(loader, replica):
     Each batch is noted in ``replica.read`` with its count and the global batch's. Any other loader (a
     DataLoader the user passed, whose batches are tensors already) is returned as it is: its whole batches
     are sliced in the step."""
+    noted = loader if isinstance(loader, datawatch.NotedPasses) else None  # the data check's (noting first batches)
+    loader = noted.batches if noted is not None else loader
     dataset = getattr(loader, "dataset", None)
     kind = type(dataset).__name__ if type(dataset).__module__.startswith("keras.") else None
     if not isinstance(loader, torch.utils.data.DataLoader) or kind not in _PRIVATE_DATASETS:
-        return loader
+        return loader if noted is None else noted
+    first = noted.first if noted is not None else [False]
     if kind == "ArrayDataset":
 
         class ShardedDataset(torch.utils.data.Dataset):
             def __getitems__(self, indices):
+                if noted is not None and first[0]:  # the data check: the whole global batch, once a pass
+                    first[0] = False
+                    noted.note(dataset.__getitems__(list(indices)))
                 local = list(indices)[replica.rank :: replica.world]
                 rows = dataset.__getitems__(local or list(indices)[:1])
                 replica.read.append((rows, len(local), len(indices)))
@@ -269,10 +275,13 @@ def _sharded_loader(loader, replica):
                 return len(dataset)
 
         return _Passes(torch.utils.data.DataLoader(ShardedDataset(), batch_sampler=loader.batch_sampler,
-                                                   collate_fn=loader.collate_fn), replica)
+                                                   collate_fn=loader.collate_fn), replica, first)
     class ShardedBatches(torch.utils.data.IterableDataset):
         def __iter__(self):
             for batch in dataset.iterable:
+                if noted is not None and first[0]:  # the data check: the whole global batch, once a pass
+                    first[0] = False
+                    noted.note(batch)
                 rows, count, total = replica.rows_of(batch)
                 # What Keras' loader yields: converted (by the backend's convert_to_tensor, which keras.ops'
                 # calls), then (batch_size=None) torch's default_convert.
@@ -281,7 +290,7 @@ def _sharded_loader(loader, replica):
                 replica.read.append((rows, count, total))
                 yield rows
 
-    return _Passes(torch.utils.data.DataLoader(ShardedBatches(), batch_size=None, collate_fn=_as_is), replica)
+    return _Passes(torch.utils.data.DataLoader(ShardedBatches(), batch_size=None, collate_fn=_as_is), replica, first)
 
 
 def _as_is(batch):
@@ -292,11 +301,12 @@ class _Passes(object):
     """A sharded loader: each pass over it starts with ``replica.read`` empty (a pass Keras broke off, as
     fit() does after one batch to build the metrics, leaves none of its batches behind)."""
 
-    def __init__(self, loader, replica):
-        self.loader, self.replica = loader, replica
+    def __init__(self, loader, replica, first):
+        self.loader, self.replica, self.first = loader, replica, first
 
     def __iter__(self):
         self.replica.read.clear()
+        self.first[0] = True  # the data check notes this pass' first batch (where it is on)
         return iter(self.loader)
 
     def __len__(self):
