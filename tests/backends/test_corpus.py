@@ -76,7 +76,7 @@ def _params():
         program = corpus.PROGRAMS[name]
         marks = []
         if BACKEND not in program.backends:
-            marks.append(pytest.mark.skip(reason="{}: its keras-io source is written for {} only".format(
+            marks.append(pytest.mark.skip(reason="{}: its source is written for {} only".format(
                 program.source, ", ".join(program.backends))))
         elif program.speed == "slow" and not FULL:
             marks.append(pytest.mark.skip(reason="full run only (DISTKERAS_FULL_TESTS=1): a slow program"))
@@ -155,7 +155,9 @@ def test_program_runs_as_on_one_device(name, monkeypatch):
 def test_registry_is_complete():
     """Every entry names a keras-io source, a known speed and backends, and a reason when it is not expected to pass."""
     for name, program in corpus.PROGRAMS.items():
-        assert program.source.startswith(("examples/", "guides/")), name
+        assert program.source.startswith(("examples/", "guides/", corpus.KERAS_REPO_PREFIX + "examples/",
+                                          corpus.KERAS_REPO_PREFIX + "integration_tests/",
+                                          corpus.KERAS_REPO_PREFIX + "keras/src/")), name
         assert program.speed in ("fast", "slow"), name
         assert set(program.backends) <= {"tensorflow", "jax", "torch"} and program.backends, name
         for backend in program.backends:

@@ -1,6 +1,8 @@
-"""A wider real-code corpus: keras-io examples and guides, each shrunk to generated data and a few steps.
+"""A wider real-code corpus: keras-io examples and guides, and the Keras repository's own examples and integration
+tests (``kerasrepo``, sources ``keras:...``), each shrunk to generated data and a few steps.
 
-One module per area (``vision``, ``nlp``, ``structured``, ``timeseries``, ``generative``, ``audio``, ``guides``).
+One module per area (``vision``, ``nlp``, ``structured``, ``timeseries``, ``generative``, ``audio``, ``guides``;
+``kerasrepo``).
 A program is ``name(devices)``: it seeds Keras, builds its model the way its keras-io source does (same layers,
 same custom steps, same ``compile()`` arguments, callbacks and fit/evaluate/predict calls), adds the one line
 ``model = distkeras.distribute(model, devices)`` when ``devices > 1``, trains, and returns
@@ -12,10 +14,12 @@ or a dict of those by backend.
 
 import os
 
-from tests.backends.corpus import audio, generative, guides, nlp, structured, timeseries, vision
+from tests.backends.corpus import audio, generative, guides, kerasrepo, nlp, structured, timeseries, vision
 
 AREAS = {"vision": vision, "nlp": nlp, "structured": structured, "timeseries": timeseries,
-         "generative": generative, "audio": audio, "guides": guides}
+         "generative": generative, "audio": audio, "guides": guides, "kerasrepo": kerasrepo}
+#: A source in the Keras repository (not keras-io) starts with this.
+KERAS_REPO_PREFIX = "keras:"
 
 
 class Program:
@@ -129,15 +133,35 @@ def _cell(program, backend):
     return "**differs**: " + expected[len("not-one-device: "):]
 
 
-def table():
-    """The docs' table of every program (docs/corpus.md, "The programs"), from the registry."""
-    rows = ["| program | area | keras-io source | speed | {} |".format(" | ".join(n for _, n in BACKEND_NAMES)),
+def _rows(programs, source_label, url):
+    rows = ["| program | area | {} | speed | {} |".format(source_label, " | ".join(n for _, n in BACKEND_NAMES)),
             "| --- | --- | --- | --- | --- | --- | --- |"]
     for area in AREAS:
-        for name, program in sorted(PROGRAMS.items()):
+        for name, program in sorted(programs.items()):
             if program.area != area:
                 continue
+            source = program.source[len(KERAS_REPO_PREFIX):] if program.source.startswith(KERAS_REPO_PREFIX) \
+                else program.source
             rows.append("| `{}` | {} | [{}]({}) | {} | {} |".format(
-                name, area, program.source.rsplit("/", 1)[-1], KERAS_IO + program.source, program.speed,
+                name, area, source.rsplit("/", 1)[-1], url + source, program.speed,
                 " | ".join(_cell(program, backend) for backend, _ in BACKEND_NAMES)))
     return "\n".join(rows) + "\n"
+
+
+#: Where the Keras repository's sources are.
+KERAS_REPO = "https://github.com/keras-team/keras/blob/master/"
+#: What docs/corpus.md says of the second source, above its table (generated with it).
+KERAS_REPO_TEXT = (
+    "## The Keras repository's programs\n\n"
+    "A second source nobody here wrote: the Keras repository's own `examples/` and `integration_tests/`, in "
+    "`tests/backends/corpus/kerasrepo.py`, run by the same test under the same rules (the one-device check on, no "
+    "trace, one device's results). The backend-specific custom-fit tests run on their own backend only, as their "
+    "files are written.\n\n")
+
+
+def table():
+    """The docs' tables of every program (docs/corpus.md, "The programs" and "The Keras repository's programs"),
+    from the registry."""
+    io = {n: p for n, p in PROGRAMS.items() if not p.source.startswith(KERAS_REPO_PREFIX)}
+    repo = {n: p for n, p in PROGRAMS.items() if p.source.startswith(KERAS_REPO_PREFIX)}
+    return _rows(io, "keras-io source", KERAS_IO) + "\n" + KERAS_REPO_TEXT + _rows(repo, "Keras source", KERAS_REPO)
