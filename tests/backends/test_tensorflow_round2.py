@@ -316,3 +316,41 @@ def test_batch_logs_local_keeps_keras_own_average_and_the_check_compares_metrics
     assert any(abs(g["tp"] - w["tp"]) > 0.1 for w, g in zip(single.train, local.train))
     with pytest.raises(distkeras.OptionError, match="batch_logs"):
         distkeras.distribute(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), devices=2, batch_logs="all")
+
+
+# 4. A model built outside the scope after distribute() -----------------------------------------------------------
+
+def _called_before_fit(devices, build_optimizer):
+    """integration_tests/basic_full_flow.py's order: a subclassed model, unbuilt, compiled and distributed, called
+    eagerly on the data (``model(x)``: its layers' variables are created then, outside the strategy's scope) and then
+    fitted; optionally with its optimizer built by hand from those variables before fit()."""
+    keras.utils.set_random_seed(3)
+
+    class TwoDense(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.out = keras.layers.Dense(6, activation="relu"), keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    model = TwoDense()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model = _distributed(model, devices)
+    x, y = _data()
+    before = np.array(model(x))
+    if build_optimizer:
+        model.optimizer.build(model.trainable_variables)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return before, history.history["loss"], _weights(model), np.array(model.predict(x, batch_size=8, verbose=0))
+
+
+@pytest.mark.parametrize("build_optimizer", [False, True], ids=["called", "called-and-optimizer-built"])
+def test_a_model_first_called_after_distribute_trains_as_one_device(build_optimizer):
+    """Keras refused the first step ("Unknown variable ... the variables it was originally built with"): the
+    variables created by the eager call were mirrored after the optimizer had keyed its slots by their old storage."""
+    single, distributed = _called_before_fit(1, build_optimizer), _called_before_fit(2, build_optimizer)
+    np.testing.assert_allclose(distributed[0], single[0], rtol=TOLERANCE, atol=TOLERANCE)
+    np.testing.assert_allclose(distributed[1], single[1], rtol=TOLERANCE, atol=TOLERANCE)
+    _assert_same(single[2], distributed[2])
+    np.testing.assert_allclose(distributed[3], single[3], rtol=TOLERANCE, atol=TOLERANCE)

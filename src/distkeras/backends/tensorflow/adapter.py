@@ -581,6 +581,33 @@ def _storage_trainable(storage, flag):
 
 def _adopt_optimizer(optimizer, strategy):
     object.__setattr__(optimizer, "_distribution_strategy", strategy)
+    _rekey(optimizer)
+    if not keras_model.is_hooked(optimizer, "build"):
+        keras_model.hook(optimizer, "build", _built_in_scope(optimizer.build, strategy))
+
+
+def _built_in_scope(build, strategy):
+    """An optimizer's ``build``, run in the strategy's scope when called outside any (``optimizer.build(
+    model.trainable_variables)`` by hand, as on one device): Keras' TensorFlow optimizer creates its slots next to
+    each variable through the strategy, which raises "Need to be inside with strategy.scope()" out of it, and
+    only for variables of the strategy's own."""
+    import tensorflow as tf
+
+    @functools.wraps(build)
+    def build_in_scope(*args, **kwargs):
+        if tf.distribute.has_strategy():  # in a scope or a replica's step: Keras' own path
+            return build(*args, **kwargs)
+        variables = args[0] if args else kwargs.get("var_list", ())
+        _mirror_variables(tf, strategy, list(variables))  # created since distribute(), out of the scope (model(x))
+        with strategy.scope():
+            return build(*args, **kwargs)
+
+    return build_in_scope
+
+
+def _rekey(optimizer):
+    """A built optimizer's index of its variables, keyed anew: Keras' TensorFlow optimizer keys each by its storage
+    (``_var_key``: the ``tf.Variable`` or its mirrored container), which :func:`_mirror_variables` replaces."""
     if getattr(optimizer, "built", False) and hasattr(optimizer, "_trainable_variables_indices"):
         optimizer._trainable_variables_indices = {
             optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)
@@ -839,6 +866,12 @@ def _build_from_one_replica(model, tf, strategy):
                 break
             if data_batch is None:
                 return
+        # Variables created after distribute() outside the scope (an unbuilt model called eagerly, ``model(x)``,
+        # before fit()) are mirrored before the optimizer is built from them: it keys its slots by each
+        # variable's storage, which mirroring afterwards would replace ("Unknown variable" at the first step).
+        _mirror_variables(tf, strategy, _state_variables(model))
+        for optimizer in _every_optimizer(model):
+            _rekey(optimizer)  # one built by hand from those variables (``optimizer.build(...)``) too
         with strategy.scope():
             model._symbolic_build(data_batch=data_batch)
         # Keras builds metrics in a stateless scope and creates their variables only when it exits, under
