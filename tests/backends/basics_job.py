@@ -14,6 +14,9 @@ MODE:
   what each raised and how long it took; rank 1 stays alive outside any collective until rank 0 is through.
 - "verify": every rank trains with the one-device check on and prints what it checked and found.
 - "verify-mixing": a forward pass that mixes a batch's rows, checked: every rank prints the VerifyError it raised.
+- "corpus-NAME": the corpus program NAME (tests/backends/corpus) with its own input pipeline, distributed over the
+  job's 2 workers with the one-device check raising and the data check on (the default in a job); rank 0 pickles
+  its result to OUT_DIR/result.pkl; every rank prints how many times the data check compared the workers' batches.
 """
 
 import os
@@ -138,9 +141,45 @@ def verified_mixing(out_dir, rank):
         print("mixing raised VerifyError: {}".format(str(error).splitlines()[0]))
 
 
+def corpus_program(out_dir, rank, name):
+    """Corpus program ``name`` on the job's 2 workers (``distribute(model, 2)``: 2 devices over the job)."""
+    import pickle
+
+    from distkeras import datacheck
+    from tests.backends import corpus
+
+    # The program says distribute(model, 2): two devices of one host. In a job of 2 workers of one device each the
+    # user's line is distribute(model) (every device of the job); the devices a worker names are its own.
+    distribute = distkeras.distribute
+    distkeras.distribute = lambda model, devices=None, **options: distribute(model, **options)
+    compared = []
+    check = datacheck.Watch.check
+
+    def counted(self, *args, **kwargs):
+        compared.append(self.call)
+        return check(self, *args, **kwargs)
+
+    datacheck.Watch.check = counted
+    try:
+        got = corpus.run(name, 2)
+    finally:
+        datacheck.Watch.check, distkeras.distribute = check, distribute
+    print("data check compared {} passes: {}".format(len(compared), " ".join(sorted(set(compared)))), flush=True)
+    if rank == 0:
+        with open(os.path.join(out_dir, "result.pkl"), "wb") as f:
+            pickle.dump(got, f)
+
+
 if __name__ == "__main__":
     from tests.backends.multiworker_job import run_modes
 
     modes = {"unseeded": unseeded, "save": saves, "alone": alone, "verify": verified,
              "verify-mixing": verified_mixing}
-    run_modes(sys.argv[1], sys.argv[2], lambda folder, mode: modes[mode](folder, distkeras.cluster.from_env().rank))
+
+    def run(folder, mode):
+        rank = distkeras.cluster.from_env().rank
+        if mode.startswith("corpus-"):
+            return corpus_program(folder, rank, mode[len("corpus-"):])
+        return modes[mode](folder, rank)
+
+    run_modes(sys.argv[1], sys.argv[2], run)

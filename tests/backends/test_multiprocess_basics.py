@@ -15,6 +15,7 @@ import pytest
 from tests.backends import basics_job, scenarios
 from tests.backends.harness import BACKEND, keras
 from tests.backends.test_multiworker import mode_output
+from tests.full import FULL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Seconds every rank has to join predict()/evaluate() in these jobs (DISTKERAS_JOIN_TIMEOUT; default 60).
@@ -24,25 +25,33 @@ JOIN_TIMEOUT = 4
 JOB_TIMEOUT = 150
 
 
-def launch(out_dir, mode):
+def launch(out_dir, mode, timeout=JOB_TIMEOUT):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_") and k != "XLA_FLAGS"}
     env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND=BACKEND,
                DISTKERAS_JOIN_TIMEOUT=str(JOIN_TIMEOUT))
     command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "2", "--backend", BACKEND,
                "--stop-timeout", "5", "-m", "tests.backends.basics_job", str(out_dir), mode]
     started = time.time()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=JOB_TIMEOUT)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     return done, time.time() - started
 
 
+#: Corpus programs (tests/backends/corpus) run across the job's 2 workers, each with its own input pipeline: arrays
+#: with validation data, a Python generator for fit() and its validation, class and sample weights over two fit()s;
+#: the full run adds more.
+CORPUS = ("text_classification_from_scratch", "trainer_validation_data_infinite_generator",
+          "training_class_and_sample_weights")
+if FULL:
+    CORPUS += ("sequential_model", "writing_your_own_callbacks", "subclassing_vae", "demo_mnist_convnet",
+               "basic_full_flow", "trainer_stop_loop")
 #: Modes that share one job of 2 workers, run in turn in the same processes (the job's start costs more than they do).
-SHARED = ("unseeded", "save", "verify", "verify-mixing")
+SHARED = ("unseeded", "save", "verify", "verify-mixing") + tuple("corpus-" + name for name in CORPUS)
 
 
 @pytest.fixture(scope="module")
 def shared_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("shared")
-    done, _ = launch(out, ",".join(SHARED))
+    done, _ = launch(out, ",".join(SHARED), JOB_TIMEOUT + 60 * len(CORPUS))  # a corpus program's bound: 60 s
     return out, done
 
 
@@ -130,3 +139,30 @@ def test_the_check_across_workers_catches_a_batch_mixing_forward_pass_on_every_w
             assert "[rank {}] mixing trained unchecked".format(rank) in out, shown(done)
         else:
             assert "[rank {}] mixing raised VerifyError: distkeras' one-device check".format(rank) in out, shown(done)
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_a_corpus_program_trains_across_worker_processes_as_on_one_device(shared_job, name):
+    """An outside program as written, its own input pipeline included, under `distkeras launch` on 2 workers with the
+    one-device check raising and the data check on (the default in a job): rank 0's weights, optimizer state,
+    History, evaluate() and predict() are one device's, 2 replicas ran (read from the framework), and the data
+    check compared the workers' batches on both ranks without a word."""
+    import pickle
+
+    from tests.backends import corpus
+    from tests.backends.test_corpus import differences, without_noise_steps
+    from tests.backends.test_realcode import assert_same_results
+
+    folder, done, out = part(shared_job, "corpus-" + name)
+    for rank in (0, 1):
+        compared = re.search(r"\[rank {}\] data check compared (\d+) passes: ([a-z ]*)".format(rank), out)
+        assert compared and int(compared.group(1)) >= 1 and "fit" in compared.group(2).split(), shown(done)
+    with open(os.path.join(folder, "result.pkl"), "rb") as f:
+        got = pickle.load(f)
+    assert got["replicas"][0] == 2, got["replicas"]
+    program = corpus.PROGRAMS[name]
+    expected = corpus.run(name, 1)
+    got = without_noise_steps(expected, got, program.tolerance)
+    differ = differences(expected, got, program.tolerance)
+    assert not differ, "{} across 2 workers differs from one device: {}".format(name, "; ".join(differ))
+    assert_same_results(expected, got, program.tolerance)
