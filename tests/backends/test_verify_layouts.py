@@ -1,11 +1,12 @@
-"""The one-device check (``verify=True``) beyond replicas: pipeline stages (TensorFlow and JAX, one process),
-sharded training state (``shard=``) and model shards (``strategy="model"``) on JAX.
+"""The one-device check (``verify=True``) beyond replicas: pipeline stages (TensorFlow and JAX in one process,
+PyTorch over processes: a stage each, and 2 replicas of a 2-stage pipeline over 4), sharded training state
+(``shard=``) and model shards (``strategy="model"``) on JAX.
 
 Each layout's first step is replayed as one device's (the whole state on one device, the model class' own
 ``train_step``, no distkeras hook) and compared. A correct run raises nothing and trains bit for bit as it does
 without the check; a defect of distkeras' own in the layout is caught: the pipeline's loss weighed as a mean for a
 ``reduction="sum"`` loss (issue 50's defect, its fix reverted), and sharded gradients halved on their way to the
-optimizer. PyTorch's model shards and pipeline stages are processes: there the check says it is off (see
+optimizer. PyTorch's model shards (``strategy="model"``) are processes: there the check says it is off (see
 ``test_torch_tensor.py``).
 """
 
@@ -17,17 +18,13 @@ from tests.backends.harness import BACKEND, keras  # noqa: F401 (skips if the ba
 import distkeras
 from tests.full import only_in_full
 
-pytestmark = pytest.mark.skipif(BACKEND not in ("tensorflow", "jax"),
-                                reason="pipeline stages and sharded state in one process: TensorFlow's and JAX's")
-
-if BACKEND in ("tensorflow", "jax"):
-    from tests.backends.pipeline_models import SW, X, Y, reduction_mlp
+from tests.backends.pipeline_models import SW, X, Y, reduction_mlp
 
 
-def train(reduction, verify, **options):
+def train(reduction, verify, devices=2, **options):
     """The pipeline tests' MLP (an MSE of ``reduction``, uneven sample weights), one epoch of batch 8: its weights
     and History, the steps the check compared, or the check's error."""
-    model = distkeras.distribute(reduction_mlp(reduction), 2, verify=verify, **options)
+    model = distkeras.distribute(reduction_mlp(reduction), devices, verify=verify, **options)
     try:
         history = model.fit(X, Y, sample_weight=SW, batch_size=8, epochs=1, verbose=0, shuffle=False)
     except distkeras.VerifyError as error:
@@ -37,11 +34,37 @@ def train(reduction, verify, **options):
             "checked": check.checked if check else None, "skipped": check.skipped if check else None}
 
 
-def assert_checked_and_unchanged(reduction, **options):
-    checked = train(reduction, True, **options)
+def train_sum_weighed_as_mean(*args, **options):
+    """:func:`train` with issue 50's pipeline defect: every micro-batch's loss weighed by its share of the rows,
+    right for a mean only (the fix reverted)."""
+    from distkeras import pipeline
+
+    fixed = pipeline.loss_factors
+    pipeline.loss_factors = lambda rule, sizes, weight_sums=None: pipeline.weights(sizes)
+    try:
+        return train(*args, **options)
+    finally:
+        pipeline.loss_factors = fixed
+
+
+def run(fn, *args, processes=2, **options):
+    """``fn(*args, **options)`` here (TensorFlow, JAX), or on every rank of a job of ``processes`` (PyTorch: a
+    process per stage), where every rank must come to the same verdict; rank 0's result."""
+    if BACKEND != "torch":
+        return fn(*args, **options)
+    from tests.backends.harness import job
+
+    local = 2 if processes > 2 else None
+    results = [o.result for o in job(processes, local_size=local).run(fn, *args, devices=local or processes, **options)]
+    assert all(("error" in r) == ("error" in results[0]) for r in results), results
+    return results[0]
+
+
+def assert_checked_and_unchanged(reduction, processes=2, **options):
+    checked = run(train, reduction, True, processes=processes, **options)
     assert "error" not in checked, checked.get("error")
     assert checked["checked"] == 1 and checked["skipped"] is None, checked
-    plain = train(reduction, False, **options)
+    plain = run(train, reduction, False, processes=processes, **options)
     for got, want in zip(checked["weights"], plain["weights"]):
         np.testing.assert_array_equal(got, want)  # the check left no trace
     assert checked["history"] == plain["history"]
@@ -56,13 +79,16 @@ def test_a_pipelined_step_is_checked_and_training_unchanged(reduction):
     assert_checked_and_unchanged(reduction, **PIPELINE)
 
 
-def test_a_summed_loss_weighed_as_a_mean_in_the_pipeline_is_caught(monkeypatch):
+@pytest.mark.skipif(BACKEND != "torch", reason="replicas of a pipeline over processes: PyTorch's")
+def test_replicas_of_a_pipeline_over_processes_are_checked_and_training_unchanged():
+    """4 processes: 2 replicas of a 2-stage pipeline, each stage's replicas averaging their gradients."""
+    assert_checked_and_unchanged("sum", processes=4, **PIPELINE)
+
+
+def test_a_summed_loss_weighed_as_a_mean_in_the_pipeline_is_caught():
     """Issue 50's defect with its fix reverted: every micro-batch's loss weighed by its share of the rows, right
     for a mean only; a ``sum`` then trains 1/M of one device's gradient."""
-    from distkeras import pipeline
-
-    monkeypatch.setattr(pipeline, "loss_factors", lambda rule, sizes, weight_sums=None: pipeline.weights(sizes))
-    got = train("sum", True, **PIPELINE)
+    got = run(train_sum_weighed_as_mean, "sum", True, **PIPELINE)
     assert "error" in got, got
     assert "log loss" in got["error"] and "pipeline stages" in got["error"], got["error"]
 

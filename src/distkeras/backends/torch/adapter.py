@@ -267,13 +267,21 @@ class TorchAdapter(Adapter):
                                               wrap_adapter=datawatch.noting_adapter("get_torch_dataloader")))
 
     def verify(self, model, check):
-        """The one-device check (:mod:`.verify`): every rank runs the one-device step on the gathered global batch."""
-        if self.model_shards(model) > 1 or _REPLICA not in model.__dict__:
-            check.skip("a model split over processes (strategy='model', pipeline_stages) is whole on no one process")
-            return
+        """The one-device check (:mod:`.verify`): every rank runs the one-device step on the gathered global batch;
+        a model cut into pipeline stages is gathered whole on every process of its replica for that step."""
+        from . import pipeline as torch_pipeline
         from . import verify as torch_verify
         from .. import verifying
 
+        plan = model.__dict__.get(torch_pipeline.PLAN)
+        if plan is not None:
+            check.backend += ", {} pipeline stages".format(plan.stages)
+            verifying.install(model, check, torch_verify.wrap_pipeline(model, check, plan,
+                                                                       model.__dict__.get(_REPLICA)))
+            return
+        if self.model_shards(model) > 1 or _REPLICA not in model.__dict__:
+            check.skip("a model split over processes by strategy='model' is whole on no one process")
+            return
         verifying.install(model, check, torch_verify.wrap(model, check, model.__dict__[_REPLICA]))
 
 
@@ -338,6 +346,7 @@ def _pipeline(model, replica, stages, microbatches, schedule, sync_batchnorm, bu
         replicas.known = replica.known
         torch_trainer.install(model, replicas, sync_batchnorm, False, bucket_mb, None, batch_logs, steps=steps)
         torch_trainer.install_tensor_parallel(model, replicas, whole, split, data_parallel=True)
+        keras_model.hook(model, _REPLICA, replicas)  # for verify(): the rows of each stage's replicas
     else:
         torch_trainer.install_tensor_parallel(model, replica, whole, split)
         for name, step in steps.items():

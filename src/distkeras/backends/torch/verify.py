@@ -100,3 +100,46 @@ def wrap(model, check, replica):
         return train_function
 
     return wrapping
+
+
+def wrap_pipeline(model, check, plan, replica=None):
+    """``wrap(train_function)`` for a model cut into pipeline stages (:mod:`.pipeline`), one per process: the
+    checked step gathers every stage's variables and optimizer slots on every process of the replica (collective,
+    as a save does), runs the pipelined step, gathers again (every stage's new values), replays the class' own
+    ``train_step`` on the replica's whole batch (``replica``: the data-parallel replicas of the pipeline, whose
+    rows are gathered as in :func:`wrap`) and compares; the other stages' storage is freed again after."""
+    from . import pipeline as torch_pipeline
+
+    def wrapping(function):
+        def train_function(data):
+            if not check.due:
+                return function(data)
+            if replica is not None and replica.shard is not None:
+                check.skip("a sharded model (shard=...) is whole on no one device")
+                return function(data)
+            batch = global_batch(replica, data[0]) if replica is not None else data[0]
+            handed = []
+
+            def distributed():
+                if replica is not None:  # as in wrap(): the global logs the step read for the check
+                    replica.checked_logs = None
+                handed.append(function(data))
+                torch_pipeline.gather(plan)  # each stage's result, on every process
+                logs = replica.checked_logs if replica is not None else None
+                if replica is not None:
+                    replica.checked_logs = None
+                return handed[0] if logs is None else logs
+
+            torch_pipeline.gather(plan)
+            try:
+                verifying.checked_in_place(
+                    model, check, verifying.numpy, distributed, lambda: type(model).train_step(model, batch),
+                    random_state=_rng(), reduce=summed_metrics if replica is not None else None,
+                    rows=verifying.rows_of(batch))
+            finally:
+                torch_pipeline.release(plan)
+            return handed[0]
+
+        return train_function
+
+    return wrapping
