@@ -87,6 +87,15 @@ class AwaitSignal(keras.callbacks.Callback):
                 time.sleep(0.05)  # the SIGTERM's Python handler runs here
 
 
+def data_checks(model):
+    """How many passes over the data the data check compared across the workers in ``model``'s calls so far (None:
+    the check is off in this job)."""
+    from distkeras.backends import datawatch
+
+    watch = model.__dict__.get(datawatch.WATCH_OF_MODEL)
+    return None if watch is None else watch.checks
+
+
 def framework_replicas(model):
     """The replica count as the framework itself reports it, not distkeras."""
     backend = keras.backend.backend()

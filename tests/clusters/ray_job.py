@@ -87,6 +87,9 @@ def train_loop(config):
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
     np.savez(os.path.join(out_dir, "rank{}.npz".format(rank)), *model.get_weights())
     facts = framework_facts(model)
+    from tests.backends.multiworker_job import data_checks
+
+    facts["data_checks"] = data_checks(model)
     facts.update(source=distkeras.cluster.from_env().source, killed=os.path.exists(marker),
                  tensorflow_imported="tensorflow" in sys.modules)
     from distkeras.environments.ray import RayTrain

@@ -23,7 +23,7 @@ import keras  # noqa: E402 (after distkeras, on purpose)
 import numpy as np  # noqa: E402
 
 from tests.backends import scenarios  # noqa: E402
-from tests.backends.multiworker_job import framework_replicas  # noqa: E402 (the replica count as the framework reports it)
+from tests.backends.multiworker_job import data_checks, framework_replicas  # noqa: E402 (the replica count as the framework reports it)
 
 EPOCHS = 4
 
@@ -75,6 +75,7 @@ def main(out_dir, mode):
     cluster = distkeras.cluster.from_env()
     with open(os.path.join(out_dir, "rank{}.json".format(rank)), "w") as sink:
         json.dump({"replicas": framework_replicas(model), "epochs": events.epochs, "source": cluster.source,
+                   "data_checks": data_checks(model),
                    "world_size": cluster.world_size, "local_rank": cluster.local_rank,
                    "restart": os.environ.get("SLURM_RESTART_COUNT", "0")}, sink)
 

@@ -84,6 +84,7 @@ def load(out_dir, name):
 def check_one_job(facts, weights, single):
     for rank, fact in enumerate(facts):
         assert fact["replicas"] == 2, fact  # the framework's own count
+        assert fact["data_checks"] >= 1, fact  # the data check compared the workers' batches, on by default
         assert fact["rank"] == rank, fact
     assert {fact["node"] for fact in facts} == set(ray_cluster.RayCluster.ADDRESSES)  # one worker per node
     for a, b in zip(weights[0], weights[1]):

@@ -104,6 +104,8 @@ def check_trained_as_one_process(out_dir, world, output):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5, err_msg=output[-3000:])
     reports = [json.load(open(os.path.join(out_dir, "rank{}.json".format(r)))) for r in range(world)]
     assert [r["replicas"] for r in reports] == [world] * world, reports
+    # The data check, on by default in a job, compared the workers' batches at each epoch this run trained.
+    assert [r["data_checks"] for r in reports] == [len(r["epochs"]) for r in reports], reports
     return reports
 
 

@@ -180,6 +180,7 @@ def test_two_torchrun_workers_train_as_one_process(backend, tmp_path, tmp_path_f
     assert code == 0, job.output[-4000:]
     result = check_job(backend, tmp_path, expected)
     assert result["restart_count"] == 0
+    assert result["data_checks"] == 4  # the data check (on by default in a job) compared each epoch's first batch
     print("torchrun {}: {:.1f} s".format(backend, job.elapsed))
 
 

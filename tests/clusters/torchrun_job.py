@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 
 from distkeras.callbacks import BackupAndRestore  # noqa: E402
 from tests.backends import scenarios  # noqa: E402
+from tests.backends.multiworker_job import data_checks  # noqa: E402
 
 EPOCHS = 4
 BATCH = 12
@@ -76,6 +77,7 @@ def main(out_dir, mode):
         result = {
             "backend": keras.backend.backend(),
             "replicas": framework_replicas(model),
+            "data_checks": data_checks(model),
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
             "initial_epoch": restore.restored_epoch if mode == "kill" else 0,
         }
