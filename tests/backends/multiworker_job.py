@@ -160,6 +160,7 @@ def main(out_dir, mode):
         print("drawn after fit", np.random.randint(1 << 30), random.getrandbits(30))
     print("describe", distkeras.describe(model))
     print("framework replicas", framework_replicas(model))
+    print("data checks", data_checks(model))
 
 
 def run_modes(out_dir, modes, run):

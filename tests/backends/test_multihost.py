@@ -124,6 +124,8 @@ def test_two_hosts_train_as_one_process(hosts, tmp_path, nproc):
     for rank in range(world):
         assert "[rank {}] framework replicas {}".format(rank, world) in out
         assert "'rank': {}, 'workers': {}".format(rank, world) in out
+        # The data check (on by default in a job) compared the workers' batches across the hosts.
+        assert re.search(r"\[rank {}\] data checks [1-9]".format(rank), out), out[-2000:]
 
 
 @pytest.mark.skipif(not FULL and BACKEND != "tensorflow", reason=(
