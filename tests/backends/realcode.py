@@ -767,7 +767,7 @@ def siamese_contrastive(devices, perturb=False):
 # trackers of its own) and "providing your own evaluation step"
 
 
-def _custom_fit_class(keras):
+def custom_fit_class(keras):
     backend = keras.backend.backend()
 
     class CustomBase(keras.Model):
@@ -872,7 +872,7 @@ def custom_fit(devices, perturb=False):
     inputs = keras.Input(shape=(6,))
     hidden = keras.layers.Dense(8, activation="tanh")(inputs)
     outputs = keras.layers.Dense(1)(hidden)
-    model = _custom_fit_class(keras)(inputs, outputs)
+    model = custom_fit_class(keras)(inputs, outputs)
     model.compile(optimizer="adam")
     rng = np.random.default_rng(12)
     x, y = rng.normal(size=(24, 6)).astype("float32"), rng.normal(size=(24, 1)).astype("float32")

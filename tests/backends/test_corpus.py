@@ -153,11 +153,12 @@ def test_program_runs_as_on_one_device(name, monkeypatch):
 
 
 def test_registry_is_complete():
-    """Every entry names a keras-io source, a known speed and backends, and a reason when it is not expected to pass."""
+    """Every entry names a keras-io source or one of the second corpus', a known speed and backends, and a reason when it is not expected to pass."""
     for name, program in corpus.PROGRAMS.items():
         assert program.source.startswith(("examples/", "guides/", corpus.KERAS_REPO_PREFIX + "examples/",
                                           corpus.KERAS_REPO_PREFIX + "integration_tests/",
-                                          corpus.KERAS_REPO_PREFIX + "keras/src/")), name
+                                          corpus.KERAS_REPO_PREFIX + "keras/src/", "keras-hub:keras_hub/src/",
+                                          "tf-tutorials:")), name
         assert program.speed in ("fast", "slow"), name
         assert set(program.backends) <= {"tensorflow", "jax", "torch"} and program.backends, name
         for backend in program.backends:

@@ -1,8 +1,10 @@
-"""A wider real-code corpus: keras-io examples and guides, and the Keras repository's own examples and integration
-tests (``kerasrepo``, sources ``keras:...``), each shrunk to generated data and a few steps.
+"""A wider real-code corpus: keras-io examples and guides, and a second corpus from outside keras-io: the Keras
+repository's own examples, integration tests and trainer tests (``kerasrepo``, ``kerastrainer``, sources
+``keras:...``), KerasHub's task tests (``kerashub``, ``keras-hub:...``) and TensorFlow's Keras tutorials
+(``tftutorials``, ``tf-tutorials:...``), each shrunk to generated data and a few steps.
 
 One module per area (``vision``, ``nlp``, ``structured``, ``timeseries``, ``generative``, ``audio``, ``guides``;
-``kerasrepo``).
+``kerasrepo``, ``kerastrainer``, ``kerashub``, ``tftutorials``).
 A program is ``name(devices)``: it seeds Keras, builds its model the way its keras-io source does (same layers,
 same custom steps, same ``compile()`` arguments, callbacks and fit/evaluate/predict calls), adds the one line
 ``model = distkeras.distribute(model, devices)`` when ``devices > 1``, trains, and returns
@@ -14,12 +16,25 @@ or a dict of those by backend.
 
 import os
 
-from tests.backends.corpus import audio, generative, guides, kerasrepo, nlp, structured, timeseries, vision
+from tests.backends.corpus import (audio, generative, guides, kerashub, kerasrepo, kerastrainer, nlp, structured,
+                                   tftutorials, timeseries, vision)
 
 AREAS = {"vision": vision, "nlp": nlp, "structured": structured, "timeseries": timeseries,
-         "generative": generative, "audio": audio, "guides": guides, "kerasrepo": kerasrepo}
+         "generative": generative, "audio": audio, "guides": guides, "kerasrepo": kerasrepo,
+         "kerastrainer": kerastrainer, "kerashub": kerashub, "tftutorials": tftutorials}
 #: A source in the Keras repository (not keras-io) starts with this.
 KERAS_REPO_PREFIX = "keras:"
+#: Where the Keras repository's sources are.
+KERAS_REPO = "https://github.com/keras-team/keras/blob/master/"
+#: The second corpus' sources: a prefix of a registry entry's source, and where the rest of it is.
+OUTSIDE = {KERAS_REPO_PREFIX: KERAS_REPO,
+           "keras-hub:": "https://github.com/keras-team/keras-hub/blob/master/",
+           "tf-tutorials:": "https://github.com/tensorflow/docs/blob/master/site/en/tutorials/keras/"}
+
+
+def outside(source):
+    """The second corpus' prefix that ``source`` starts with, or ``None`` (a keras-io source)."""
+    return next((prefix for prefix in OUTSIDE if source.startswith(prefix)), None)
 
 
 class Program:
@@ -133,35 +148,35 @@ def _cell(program, backend):
     return "**differs**: " + expected[len("not-one-device: "):]
 
 
-def _rows(programs, source_label, url):
+def _rows(programs, source_label):
     rows = ["| program | area | {} | speed | {} |".format(source_label, " | ".join(n for _, n in BACKEND_NAMES)),
             "| --- | --- | --- | --- | --- | --- | --- |"]
     for area in AREAS:
         for name, program in sorted(programs.items()):
             if program.area != area:
                 continue
-            source = program.source[len(KERAS_REPO_PREFIX):] if program.source.startswith(KERAS_REPO_PREFIX) \
-                else program.source
+            prefix = outside(program.source)
+            source, url = (program.source[len(prefix):], OUTSIDE[prefix]) if prefix else (program.source, KERAS_IO)
             rows.append("| `{}` | {} | [{}]({}) | {} | {} |".format(
                 name, area, source.rsplit("/", 1)[-1], url + source, program.speed,
                 " | ".join(_cell(program, backend) for backend, _ in BACKEND_NAMES)))
     return "\n".join(rows) + "\n"
 
 
-#: Where the Keras repository's sources are.
-KERAS_REPO = "https://github.com/keras-team/keras/blob/master/"
-#: What docs/corpus.md says of the second source, above its table (generated with it).
+#: What docs/corpus.md says of the second corpus, above its table (generated with it).
 KERAS_REPO_TEXT = (
-    "## The Keras repository's programs\n\n"
-    "A second source nobody here wrote: the Keras repository's own `examples/` and `integration_tests/`, in "
-    "`tests/backends/corpus/kerasrepo.py`, run by the same test under the same rules (the one-device check on, no "
-    "trace, one device's results). The backend-specific custom-fit tests run on their own backend only, as their "
-    "files are written.\n\n")
+    "## The second corpus: the Keras repository, KerasHub, TensorFlow's tutorials\n\n"
+    "Sources nobody here wrote, none of them keras-io: the Keras repository's own `examples/`, `integration_tests/` "
+    "and trainer tests (`kerasrepo`, `kerastrainer`), KerasHub's task tests (`kerashub`: tiny backbones built from "
+    "arguments, a vocabulary written in code, no preset) and TensorFlow's Keras tutorials (`tftutorials`), in "
+    "`tests/backends/corpus/`, run by the same test under the same rules (the one-device check on, no trace, one "
+    "device's results). The backend-specific custom-fit tests run on their own backend only, as their files are "
+    "written; the three are one program, keras-io's custom fit again, and count as one pattern.\n\n")
 
 
 def table():
-    """The docs' tables of every program (docs/corpus.md, "The programs" and "The Keras repository's programs"),
-    from the registry."""
-    io = {n: p for n, p in PROGRAMS.items() if not p.source.startswith(KERAS_REPO_PREFIX)}
-    repo = {n: p for n, p in PROGRAMS.items() if p.source.startswith(KERAS_REPO_PREFIX)}
-    return _rows(io, "keras-io source", KERAS_IO) + "\n" + KERAS_REPO_TEXT + _rows(repo, "Keras source", KERAS_REPO)
+    """The docs' tables of every program (docs/corpus.md, "The programs" and "The second corpus"), from the
+    registry."""
+    io = {n: p for n, p in PROGRAMS.items() if not outside(p.source)}
+    second = {n: p for n, p in PROGRAMS.items() if outside(p.source)}
+    return _rows(io, "keras-io source") + "\n" + KERAS_REPO_TEXT + _rows(second, "source")
