@@ -354,3 +354,36 @@ def test_a_model_first_called_after_distribute_trains_as_one_device(build_optimi
     np.testing.assert_allclose(distributed[1], single[1], rtol=TOLERANCE, atol=TOLERANCE)
     _assert_same(single[2], distributed[2])
     np.testing.assert_allclose(distributed[3], single[3], rtol=TOLERANCE, atol=TOLERANCE)
+
+
+# 5. predict_on_batch() and steps_per_execution ---------------------------------------------------------------------
+
+def _on_batch_and_executions(devices, steps_per_execution):
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="relu"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=steps_per_execution)
+    model = _distributed(model, devices)
+    x, y = _data(30)
+    batches = []
+    counted = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batches.append(batch))
+    history = model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0, callbacks=[counted])
+    return {"weights": _weights(model), "loss": history.history["loss"], "batches": batches,
+            "evaluate": model.evaluate(x, y, batch_size=6, verbose=0),
+            "predict": np.array(model.predict(x, batch_size=6, verbose=0)),
+            "on_batch": np.array(model.predict_on_batch(x[:7]))}
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_predict_on_batch_and_executions_of_several_steps_are_one_devices(steps_per_execution):
+    """predict_on_batch() returned every row once per replica (14 rows for 7 on 2 replicas): Keras hands the
+    batch whole to every replica. fit() with steps_per_execution=3 raised "You must feed a value for placeholder
+    tensor 'while/cond/Placeholder_N'" (Keras' while loop of strategy.run, plain Keras in strategy.scope() too);
+    the execution's steps now run one call each, 5 steps an epoch in executions of 3 and 2, the callbacks at
+    Keras' cadence."""
+    single = _on_batch_and_executions(1, steps_per_execution)
+    distributed = _on_batch_and_executions(2, steps_per_execution)
+    assert distributed["on_batch"].shape == single["on_batch"].shape == (7, 1)
+    assert distributed["batches"] == single["batches"]
+    _assert_same(single["weights"], distributed["weights"])
+    for key in ("loss", "evaluate", "predict", "on_batch"):
+        np.testing.assert_allclose(distributed[key], single[key], rtol=TOLERANCE, atol=TOLERANCE, err_msg=key)

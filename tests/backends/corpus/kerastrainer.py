@@ -15,14 +15,6 @@ TR = "keras:keras/src/trainers/trainer_test.py"
 SUM = ("not-one-device: add_loss(ops.sum(x)) sums each replica's own rows, so the loss and its gradient are half "
        "one device's (TensorFlow: loss -5.74 against -11.48, Adam momentum 0.6 against 1.2): a sum written by hand, "
        "which the one-device check catches at the first step")
-PREDICT_ON_BATCH = (
-    "not-one-device: fails on TensorFlow: predict_on_batch() of a distributed model returns twice the rows it is "
-    "given ((24, 3) for a batch of 12 on 2 replicas; predict() returns (12, 3)), with the one-device check on or "
-    "off. A distkeras defect, open: plain Keras returns one row a sample")
-STEPS_PER_EXECUTION = (
-    "not-one-device: fails on TensorFlow: fit() of a model compiled with steps_per_execution=3 raises "
-    "InvalidArgumentError 'You must feed a value for placeholder tensor ... while/cond/Placeholder' in Keras' "
-    "multi_step_on_iterator, with the one-device check on or off. A distkeras defect, open: plain Keras trains it")
 
 
 def _xy(seed, n, features, out):
@@ -498,12 +490,12 @@ PROGRAMS = {
     "trainer_loss_weights": (TR, 1e-5, ALL, "slow", "pass"),
     "trainer_partial_loss_partial_label": (TR, 1e-5, ALL, "slow", "pass"),
     "trainer_custom_train_test_step": (TR, 1e-5, ALL, "slow", "pass"),
-    "trainer_on_batch_methods": (TR, 1e-5, ALL, "slow", {"tensorflow": PREDICT_ON_BATCH}),
-    "trainer_nested_inputs": (TR, 1e-5, ALL, "slow", {"tensorflow": PREDICT_ON_BATCH}),
+    "trainer_on_batch_methods": (TR, 1e-5, ALL, "slow", "pass"),
+    "trainer_nested_inputs": (TR, 1e-5, ALL, "slow", "pass"),
     "trainer_callbacks_update_state_at_batch_boundary": (TR, 1e-5, ALL, "slow", "pass"),
     "trainer_recompile": (TR, 1e-5, ALL, "slow", "pass"),
     "trainer_metric_tracking": (TR, 1e-5, ALL, "slow", "pass"),
-    "trainer_steps_per_execution": (TR, 1e-5, ("tensorflow", "jax"), "slow", {"tensorflow": STEPS_PER_EXECUTION}),
+    "trainer_steps_per_execution": (TR, 1e-5, ("tensorflow", "jax"), "slow", "pass"),
     "trainer_validation_data_infinite_generator": (TR, 1e-5, ALL, "slow", "pass"),
     "trainer_stop_loop": (TR, 1e-5, ALL, "slow", "pass"),
 }

@@ -322,6 +322,8 @@ class TensorFlowAdapter(Adapter):
             # a MultiWorkerMirroredStrategy step fails ("destinations can not be empty").
             tensorflow_steps.one_device_step_logs(tf, model, keras_model.keras_module(model).Model,
                                                   keras_steps=batch_logs == "global" and not cluster.is_multi_worker)
+            _predict_on_batch_as_one_batch(model)
+            _steps_of_an_execution_one_by_one(model, tf)
         _build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(model, tf)
@@ -525,6 +527,72 @@ def _mirror_in_place(model, tf, strategy, compression=None):
         _global_gradient_first(model, tf, strategy, compression)
 
     keras_model.hook(model, "compile", compile)
+
+
+def _steps_of_an_execution_one_by_one(model, tf):
+    """``steps_per_execution > 1`` under the strategy: the execution's steps run one by one from Python.
+
+    Keras' TensorFlow trainer runs an execution's steps in a ``tf.while_loop`` whose body calls the strategy's
+    ``run`` inside a ``tf.cond``; under a MirroredStrategy that graph fails at its first call ("You must feed a value
+    for placeholder tensor 'while/cond/Placeholder_N'"), plain Keras in ``strategy.scope()`` included. The function
+    Keras makes (its private ``_make_function``: why this reaches there) runs the steps of a Python iterator one
+    call each (its own fallback for iterators that aren't TensorFlow's); each execution's iterator is handed to it
+    as such, so the steps, their number per execution and the callbacks' cadence stay Keras', and the step itself
+    is the single step Keras traces for ``steps_per_execution=1``. Pinned by
+    tests/backends/test_tensorflow_round2.py.
+    """
+    own = getattr(model, "_make_function", None)
+    if own is None:
+        return
+
+    @functools.wraps(own)
+    def make_function(step_function):
+        function = own(step_function)
+
+        def stepwise(iterator):
+            if model.steps_per_execution == 1 or not isinstance(
+                    iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+                return function(iterator)
+            first = iterator.get_next_as_optional()
+            if not bool(first.has_value()):
+                raise StopIteration
+
+            def steps():
+                yield first.get_value()
+                for _ in range(model.steps_per_execution - 1):
+                    following = iterator.get_next_as_optional()
+                    if not bool(following.has_value()):
+                        return
+                    yield following.get_value()
+
+            return function(steps())
+
+        return stepwise
+
+    keras_model.hook(model, "_make_function", make_function)
+
+
+def _predict_on_batch_as_one_batch(model):
+    """``predict_on_batch(x)`` as one device's: the rows of ``x``, each predicted once.
+
+    Keras' TensorFlow ``predict_on_batch`` hands its batch to the predict function as it is, so under a strategy
+    every replica runs the whole batch and the replicas' outputs are concatenated: N copies of the rows (24 rows
+    for 12 on 2 replicas). ``predict()`` of that one batch splits its rows over the replicas and returns them once,
+    in order: what one device's ``predict_on_batch`` returns. An instance hook; nothing is saved.
+    """
+    import keras
+
+    own = model.predict_on_batch
+
+    @functools.wraps(own)
+    def predict_on_batch(x):
+        leaves = keras.tree.flatten(x)
+        rows = int(leaves[0].shape[0]) if leaves and getattr(leaves[0], "shape", None) else 0
+        if not rows:
+            return own(x)
+        return model.predict(x, batch_size=rows, verbose=0)
+
+    keras_model.hook(model, "predict_on_batch", predict_on_batch)
 
 
 def _every_optimizer(model):
