@@ -7,6 +7,8 @@ side and interleaved, each round distributes a fresh model (an MLP of about 0.2 
 times ``fit()`` over ``EPOCHS`` epochs of ``STEPS`` steps, checked and unchecked, on NumPy arrays (fit's shuffle) and
 on a seeded, shuffled ``tf.data`` pipeline. Rank 0 prints the medians, their ratio and the check's cost per pass
 (the difference of medians over the passes compared: one batch hashed, one all-gather).
+``DATA_CHECK_BENCH_EPOCHS`` (default 3) sets the epochs per ``fit()``: a cost paid once per ``fit()`` (a pipeline
+step traced, a new dataset's iterator made) shrinks per pass as it grows, a cost per pass does not.
 """
 
 import os
@@ -16,7 +18,8 @@ import sys
 import time
 
 ROUNDS = int(os.environ.get("DATA_CHECK_BENCH_ROUNDS", "7"))
-EPOCHS, STEPS, BATCH = 3, 16, 64
+EPOCHS = int(os.environ.get("DATA_CHECK_BENCH_EPOCHS", "3"))
+STEPS, BATCH = 16, 64
 
 
 def worker():

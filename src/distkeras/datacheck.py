@@ -17,8 +17,8 @@ the number of batches the pass will have where the pipeline knows it. One all-ga
 verdict, so every worker raises :class:`~distkeras.errors.DataError` at the same point (nothing waits on a worker
 that stopped), naming what differs and the usual causes and fixes; ``check_data="warn"`` logs it once instead.
 
-Its cost is one batch hashed per pass (on TensorFlow in the pipeline, ``tf.fingerprint``) and one collective of
-:data:`SIZE` numbers per pass: ``benchmarks/bench_data_check.py`` measures it.
+Its cost is one batch hashed per pass (on TensorFlow in the pipeline, ``tf.fingerprint``; elsewhere
+:func:`digest_array`) and one collective of :data:`SIZE` numbers per pass: ``benchmarks/data_check.py`` measures it.
 
 The neutral part is here (the switch, the record, the verdict and its message); each backend supplies where it sees
 the worker's whole batch and its sum over the workers (``backends/datawatch.py`` and the backends' own modules).
@@ -107,8 +107,11 @@ def part_name(path: Sequence[object]) -> str:
 
 
 def digest_array(value) -> Part:
-    """A :class:`Part` (unnamed) of one NumPy-convertible array: blake2b of its dtype, shape and bytes (for strings
-    and objects, each element's bytes)."""
+    """A :class:`Part` (unnamed) of one NumPy-convertible array: a digest of its dtype, shape and bytes (for strings
+    and objects, each element's bytes).
+
+    The bytes are hashed in place (no copy where the array is contiguous already), once per pass: blake2b keeps
+    the odds that another batch, or the same rows in another order, digests the same near 2 ** -64."""
     import numpy as np
 
     array = np.asarray(value)
@@ -119,7 +122,8 @@ def digest_array(value) -> Part:
             h.update(item if isinstance(item, bytes) else str(item).encode())
             h.update(b"\0")
     else:
-        h.update(np.ascontiguousarray(array).tobytes())
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)  # a view where it is contiguous already
+        h.update(data)
     return Part("", array.dtype.name, int.from_bytes(h.digest(), "little"), int(array.shape[0]) if array.ndim else 1)
 
 

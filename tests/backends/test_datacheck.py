@@ -148,3 +148,35 @@ def test_keras_epoch_iterator_is_where_the_check_sees_every_pass_and_it_changes_
     assert watched[4] == 6
     train_pass, validation = (["x", "y"], 8), (["x", "y"], 2)
     assert watched[3][-6:] == [train_pass, validation, train_pass, validation, (["x", "y"], 8), (["x"], 8)]
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's pipeline step")
+def test_the_pipeline_step_is_traced_once_for_every_dataset_of_one_structure():
+    """Keras makes a new pipeline for each fit()/evaluate(): the fingerprints are traced once per process and
+    structure (the cost per fit() the benchmark showed), the slot is the dataset's own, and it holds the first
+    element's digests only."""
+    import tensorflow as tf
+
+    from distkeras.backends.tensorflow import datacheck as tensorflow_datacheck
+
+    def dataset(seed):
+        x = tf.random.stateless_uniform([8, 3], seed=[seed, 0])
+        return tf.data.Dataset.from_tensor_slices((x, tf.range(8))).batch(4)
+
+    digests = tensorflow_datacheck._digests(tf)
+    traced = digests.experimental_get_tracing_count()  # earlier tests' structures are traced already
+    slots = []
+    for seed in (1, 2, 3):
+        watched, slot, names = tensorflow_datacheck.watched_dataset(tf, dataset(seed))
+        assert [n for n, _ in names] == ["x", "y"]
+        batches = list(watched)
+        assert len(batches) == 2 and batches[0][0].shape == (4, 3)
+        values = slot.numpy()
+        assert values[0] == 1 and list(values[2::2]) == [4, 4]  # the marker, then each part's rows
+        slots.append(values)
+    assert tensorflow_datacheck._digests(tf) is digests
+    assert digests.experimental_get_tracing_count() - traced <= 1  # once for the structure, if it was new
+    assert slots[0][1] != slots[1][1] and slots[0][1] != slots[2][1]
+    again, slot, _ = tensorflow_datacheck.watched_dataset(tf, dataset(1))
+    list(again)
+    assert list(slot.numpy()) == list(slots[0])

@@ -37,13 +37,17 @@ def launch(out_dir, mode, timeout=JOB_TIMEOUT):
 
 
 #: Corpus programs (tests/backends/corpus) run across the job's 2 workers, each with its own input pipeline: arrays
-#: with validation data, a Python generator for fit() and its validation, class and sample weights over two fit()s;
-#: the full run adds more.
+#: with validation data, a Python generator for fit() and its validation, class and sample weights over two fit()s.
+#: By default one of the three a backend, taken in turn (what runs across the workers is the same code for every
+#: program, their input pipelines are what differ); the full run takes all three on every backend, and more.
 CORPUS = ("text_classification_from_scratch", "trainer_validation_data_infinite_generator",
           "training_class_and_sample_weights")
 if FULL:
     CORPUS += ("sequential_model", "writing_your_own_callbacks", "subclassing_vae", "demo_mnist_convnet",
                "basic_full_flow", "trainer_stop_loop")
+else:
+    LIVE = ("tensorflow", "jax", "torch")
+    CORPUS = (CORPUS[LIVE.index(BACKEND)],) if BACKEND in LIVE else CORPUS[:1]
 #: Modes that share one job of 2 workers, run in turn in the same processes (the job's start costs more than they do).
 SHARED = ("unseeded", "save", "verify", "verify-mixing") + tuple("corpus-" + name for name in CORPUS)
 

@@ -6,8 +6,14 @@ the global batch exists only inside the worker's tf.data pipeline, before the re
 pipeline is given one more step, after the user's own (``enumerate`` and a ``map`` that returns the element as
 it was): on the first element of every pass, it writes the fingerprint of each part (``tf.fingerprint`` of its
 rows, then of those and its shape) and its rows into a variable on the worker's CPU. After the pass' first step,
-the check reads that variable (and clears it) and every worker compares it with the others'. The rest of the
-elements go through a ``tf.cond`` that does nothing.
+the check reads that variable (and clears it) and every worker compares it with the others'.
+
+What it costs is kept to the pass' first element: the fingerprints and their ``tf.cond`` live in one
+``tf.function`` per process (:func:`_digests`), traced once per element structure and reused by every later
+``fit()``/``evaluate()`` (Keras makes a new pipeline for each, so a step traced inside the ``map`` was traced
+anew each time: 200 ms a ``fit()`` in a job of two workers); the ``cond`` is stateless, and the write is one
+``scatter_nd_update`` outside it that writes no index on the other elements. Each new iterator of the pipeline
+(each pass) still takes about 30 ms of CPU more to make than without the step (``docs/benchmarks-appendix.md``).
 """
 
 from ... import datacheck
@@ -66,6 +72,30 @@ def watched_dataset(tf, dataset):
         names = [("x[{}]".format(i), s.dtype.name) for i, s in enumerate(flat)]
     with tf.init_scope(), tf.device("/cpu:0"):
         slot = tf.Variable(tf.zeros([1 + 2 * len(flat)], tf.int64), trainable=False, name="distkeras_data_check")
+    digests = _digests(tf)
+    size = 1 + 2 * len(flat)
+
+    def watch(index, element):
+        values = digests(index, tf.nest.flatten(element, expand_composites=True))
+        # all of the slot on the pass' first element, no index of it on the others (values are zeros then)
+        count = tf.where(tf.equal(index, 0), size, 0)
+        written = slot.scatter_nd_update(tf.reshape(tf.range(count, dtype=tf.int64), [-1, 1]), values[:count])
+        with tf.control_dependencies([written]):
+            return tf.nest.map_structure(tf.identity, element)
+
+    watched = dataset.enumerate().map(watch)
+    return watched, slot, names
+
+
+_traced = {}
+
+
+def _digests(tf):
+    """The process' ``tf.function`` of ``(index, leaves)``: on index 0, a marker then each leaf's fingerprint and
+    rows (int64); zeros on the others. Traced once per structure of leaves, whichever pipeline calls it."""
+    function = _traced.get("digests")
+    if function is not None:
+        return function
 
     def digest(tensor):
         if tensor.dtype == tf.bool:
@@ -78,19 +108,15 @@ def watched_dataset(tf, dataset):
         count = tf.constant(1, tf.int64) if tensor.shape.rank == 0 else shape[0]
         return tf.stack([value, count])
 
-    def watch(index, element):
-        def note():
-            leaves = tf.nest.flatten(element, expand_composites=True)
-            values = tf.concat([tf.ones([1], tf.int64)] + [digest(leaf) for leaf in leaves], 0)
-            with tf.control_dependencies([slot.assign(values)]):
-                return tf.constant(True)
+    @tf.function(autograph=False)
+    def digests(index, leaves):
+        size = 1 + 2 * len(leaves)
+        return tf.cond(tf.equal(index, 0),
+                       lambda: tf.concat([tf.ones([1], tf.int64)] + [digest(leaf) for leaf in leaves], 0),
+                       lambda: tf.zeros([size], tf.int64))
 
-        noted = tf.cond(tf.equal(index, 0), note, lambda: tf.constant(False))
-        with tf.control_dependencies([noted]):
-            return tf.nest.map_structure(tf.identity, element)
-
-    watched = dataset.enumerate().map(watch)
-    return watched, slot, names
+    _traced["digests"] = digests
+    return digests
 
 
 def _paths(spec):
