@@ -3,7 +3,7 @@
 
 Run: ``KERAS_BACKEND=jax python -m benchmarks.data_check`` (or tensorflow, torch). It starts a job of two workers
 on this host (``distkeras launch --nproc-per-node 2``, one CPU device each) running this module; in the job, side by
-side and interleaved, each round distributes a fresh model (an MLP of about 0.2 M parameters, global batch 64) and
+side and interleaved (each round in the other order than the last), each round distributes a fresh model (an MLP of about 0.2 M parameters, global batch 64) and
 times ``fit()`` over ``EPOCHS`` epochs of ``STEPS`` steps, checked and unchecked, on NumPy arrays (fit's shuffle) and
 on a seeded, shuffled ``tf.data`` pipeline. Rank 0 prints the medians, their ratio and the check's cost per pass
 (the difference of medians over the passes compared: one batch hashed, one all-gather).
@@ -52,8 +52,8 @@ def worker():
     for kind in ("arrays", "tf.data"):
         run(kind, False), run(kind, True)  # warm-up: imports, first compilations
         times = {False: [], True: []}
-        for _ in range(ROUNDS):
-            for check in (False, True):
+        for round_ in range(ROUNDS):
+            for check in ((False, True) if round_ % 2 == 0 else (True, False)):  # neither always runs first
                 times[check].append(run(kind, check))
         plain, checked = statistics.median(times[False]), statistics.median(times[True])
         if rank == 0:

@@ -14,6 +14,8 @@ What it costs is kept to the pass' first element: the fingerprints and their ``t
 anew each time: 200 ms a ``fit()`` in a job of two workers); the ``cond`` is stateless, and the write is one
 ``scatter_nd_update`` outside it that writes no index on the other elements. Each new iterator of the pipeline
 (each pass) still takes about 30 ms of CPU more to make than without the step (``docs/benchmarks-appendix.md``).
+The step writes a variable, a stateful op, after which tf.data prefetches nothing by itself: the watched pipeline
+ends with ``prefetch(AUTOTUNE)``, as Keras' own do (without it each training step waited for its element).
 """
 
 from ... import datacheck
@@ -83,7 +85,7 @@ def watched_dataset(tf, dataset):
         with tf.control_dependencies([written]):
             return tf.nest.map_structure(tf.identity, element)
 
-    watched = dataset.enumerate().map(watch)
+    watched = dataset.enumerate().map(watch).prefetch(tf.data.AUTOTUNE)
     return watched, slot, names
 
 
