@@ -72,8 +72,9 @@ __all__ = [
 
 from . import api as _api  # noqa: E402
 from . import backends as _backends  # noqa: E402
+from . import worker as _worker  # noqa: E402
 
 _backends.install_shims()
 _api.install_log_handler()
 _api.apply_env_cpu_devices()
-_api.prepare_multi_worker()
+_worker.prepare_multi_worker()

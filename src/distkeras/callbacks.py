@@ -164,7 +164,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         sys.stdout.flush()
         sys.stderr.flush()
         if cluster_lib.from_env().is_multi_worker:
-            # Engines may wait on their peers at exit (see api.exit_promptly_on_error); the checkpoint is written.
+            # Engines may wait on their peers at exit (see worker.exit_promptly_on_error); the checkpoint is written.
             timer = threading.Timer(EXIT_GRACE, os._exit, (EXIT_PREEMPTED,))
             timer.daemon = True
             timer.start()

@@ -155,7 +155,7 @@ def test_a_worker_killed_mid_epoch_ends_the_job_in_bounded_time_leaving_its_last
 def test_a_worker_that_raises_exits_promptly_and_ends_the_job(tmp_path):
     """An exception, not a signal: the worker's engine may wait on its peers at exit (jax.distributed's
     shutdown barrier waited for a rank stuck in a collective: the job hung); distkeras ends it within
-    api.EXIT_GRACE seconds, so the launcher sees the failure and stops the job."""
+    worker.EXIT_GRACE seconds, so the launcher sees the failure and stops the job."""
     done, elapsed = launch(tmp_path, "raise", timeout=300)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "RuntimeError: rank 1 fails mid-epoch" in done.stdout  # the worker's traceback, through its one pipe

@@ -346,10 +346,10 @@ def test_a_module_flag_without_a_module_is_an_error(tmp_path):
 
 
 def test_a_failed_worker_exits_although_an_exit_handler_would_wait_forever(tmp_path):
-    """A worker of a job that raises ends within api.EXIT_GRACE seconds even when an engine's exit handler
+    """A worker of a job that raises ends within worker.EXIT_GRACE seconds even when an engine's exit handler
     (jax.distributed's shutdown barrier, a process group waiting on its peers) would block: its launcher
     must see it fail."""
-    from distkeras import api
+    from distkeras import worker
 
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent("""
@@ -362,10 +362,10 @@ def test_a_failed_worker_exits_although_an_exit_handler_would_wait_forever(tmp_p
                MASTER_ADDR="127.0.0.1", MASTER_PORT="1", KERAS_HOME=str(tmp_path))
     started = time.time()
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                          timeout=api.EXIT_GRACE + 30)
+                          timeout=worker.EXIT_GRACE + 30)
     elapsed = time.time() - started
     assert done.returncode == 1 and "RuntimeError: the worker failed" in done.stderr
-    assert elapsed < api.EXIT_GRACE + 5
+    assert elapsed < worker.EXIT_GRACE + 5
     # One process without a job keeps Python's own behaviour (nothing is installed).
     env = dict(env, RANK="0", WORLD_SIZE="1")
     script.write_text("import distkeras, sys\nprint(sys.excepthook is sys.__excepthook__)\n")

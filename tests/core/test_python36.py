@@ -8,7 +8,7 @@ import sys
 import pytest
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src", "distkeras")
-CORE = ["__init__.py", "__main__.py", "api.py", "devices.py", "cluster.py", "sharding.py", "errors.py",
+CORE = ["__init__.py", "__main__.py", "api.py", "devices.py", "cluster/__init__.py", "cluster/record.py", "worker.py", "sharding.py", "errors.py",
         "launch.py", "processes.py", "cli.py", "network.py", "rendezvous.py",  # `distkeras launch` starts CNTK jobs
         "info.py",  # `distkeras info`'s versions (importlib.metadata where it exists)
         "datacheck.py",  # the data check's switch, which api reads on every backend

@@ -52,7 +52,7 @@ import os
 import typing
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from ..cluster import SINGLE, Cluster
+from ..cluster.record import SINGLE, Cluster
 from ..errors import ClusterError
 
 #: Forces one environment by name (``Cluster.source``), or ``single``.

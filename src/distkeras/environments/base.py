@@ -9,7 +9,7 @@ Part of the Python 3.6-compatible core.
 import abc
 from typing import Dict, Iterable, Mapping, Optional
 
-from ..cluster import Cluster
+from ..cluster.record import Cluster
 from ..errors import ClusterError
 
 

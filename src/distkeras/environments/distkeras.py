@@ -11,7 +11,7 @@ and servers get the PID but no rank: they are no workers. Part of the Python 3.6
 
 from typing import Mapping
 
-from ..cluster import Cluster
+from ..cluster.record import Cluster
 from ..errors import ClusterError
 from . import tf_config, torchrun
 from .base import Environment, picked

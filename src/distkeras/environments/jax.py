@@ -7,7 +7,7 @@ Part of the Python 3.6-compatible core.
 
 from typing import Mapping, Optional
 
-from ..cluster import Cluster
+from ..cluster.record import Cluster
 from .base import Environment, integer, partial_pair, picked
 
 COORDINATOR, COUNT, INDEX = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"

@@ -6,7 +6,7 @@ Part of the Python 3.6-compatible core.
 
 from typing import Mapping, Optional
 
-from ..cluster import Cluster
+from ..cluster.record import Cluster
 from .base import Environment, partial_pair
 from .jax import read_counted
 

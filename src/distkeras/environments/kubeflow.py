@@ -27,7 +27,7 @@ Part of the Python 3.6-compatible core.
 
 from typing import Mapping
 
-from ..cluster import Cluster
+from ..cluster.record import Cluster
 from ..errors import ClusterError
 from .base import Environment, address, integer, picked
 from .torchrun import NAMES as TORCH_NAMES

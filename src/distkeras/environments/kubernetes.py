@@ -35,7 +35,7 @@ Part of the Python 3.6-compatible core.
 
 from typing import List, Mapping, Optional
 
-from ..cluster import Cluster
+from ..cluster.record import Cluster
 from ..errors import ClusterError
 from .base import Environment, claims_several, integer, picked
 

@@ -23,7 +23,7 @@ Part of the Python 3.6-compatible core.
 
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-from ..cluster import Cluster
+from ..cluster.record import Cluster
 from .base import Environment, integer, optional_integer, partial_pair, picked
 
 #: (implementation, rank, size, [(local rank, local size), ...]) in the order they are tried.

@@ -24,7 +24,7 @@ import json
 import sys
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from ..cluster import Cluster
+from ..cluster.record import Cluster
 from ..errors import ClusterError
 from .base import Environment
 
@@ -163,7 +163,7 @@ def prepare_jax() -> Dict[str, str]:
     import ray.util
     from ray.train.collective import broadcast_from_rank_zero
 
-    from .. import api
+    from .. import worker
 
     try:
         context = ray.train.get_context()
@@ -185,5 +185,5 @@ def prepare_jax() -> Dict[str, str]:
     variables = {"JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": str(world), "JAX_PROCESS_ID": str(rank)}
     os.environ.update(variables)
     # ``import distkeras`` (this module's own import included) read the environment before these were set.
-    api.prepare_multi_worker()
+    worker.prepare_multi_worker()
     return variables

@@ -24,7 +24,7 @@ Pure Python, part of the Python 3.6-compatible core.
 import re
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from ..cluster import Cluster
+from ..cluster.record import Cluster
 from ..errors import ClusterError
 from .base import Environment
 

@@ -9,7 +9,7 @@ the chief (if any) is rank 0, then the workers in order. It names every worker's
 import json
 from typing import List, Mapping, Tuple
 
-from ..cluster import Cluster
+from ..cluster.record import Cluster
 from ..errors import ClusterError
 from .base import Environment
 

@@ -12,7 +12,7 @@ and these must agree with it. Part of the Python 3.6-compatible core.
 
 from typing import Mapping, Optional
 
-from ..cluster import Cluster
+from ..cluster.record import Cluster
 from .base import Environment, address, integer, optional_integer, partial_pair, picked
 
 #: What torchrun sets besides the rank variables (all recorded in ``Cluster.variables``).

@@ -22,61 +22,17 @@ that disagree with it on rank or world size are a :class:`ClusterError`. A sched
 only without a launcher; under one (``srun ... torchrun``) it is context. ``DISTKERAS_ENVIRONMENT=<name>``
 forces one environment, ``=single`` one process. :mod:`distkeras.environments` has the full rules.
 
-Pure Python: :func:`from_env` takes the environment as a mapping, so tests pass dicts.
+Pure Python: :func:`from_env` takes the environment as a mapping, so tests pass dicts. Exports the record,
+:class:`Cluster` and :data:`SINGLE` (defined in :mod:`distkeras.cluster.record`), :func:`from_env` and
+:func:`describe`.
 Part of the Python 3.6-compatible core.
 """
 
-import typing
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Mapping, Optional
 
+from .record import SINGLE, Cluster, describe
 
-class Cluster(
-    typing.NamedTuple(
-        "Cluster",
-        [
-            ("rank", int),
-            ("world_size", int),
-            ("local_rank", int),
-            ("local_world_size", int),
-            ("coordinator", Optional[str]),
-            ("source", str),
-            ("workers", Optional[Tuple[str, ...]]),
-            ("variables", Optional[Dict[str, str]]),
-        ],
-    )
-):
-    """Where this process stands in a job.
-
-    Attributes:
-        rank: this process' global rank, 0 .. world_size-1. Rank 0 prints and writes.
-        world_size: the number of worker processes in the job.
-        local_rank: the rank among the processes on this host.
-        local_world_size: the number of worker processes on this host.
-        coordinator: ``host:port`` of rank 0's rendezvous service, or None for one process.
-        source: the name of the environment it was read from (``"single"``, ``"distkeras"``, ``"torchrun"``,
-            ``"ray"``, ``"mpi"``, ``"kubeflow"``, ``"TF_CONFIG"``, ``"jax"``, ``"keras"``, ``"kubernetes"``,
-            ``"slurm"``).
-        workers: every rank's ``host:port``, in rank order, where the environment tells it (TensorFlow's
-            TF_CONFIG needs one address per worker); None where it doesn't (the adapter then exchanges
-            addresses through the rendezvous the launcher made).
-        variables: the environment variables this was read from, ``{name: value}`` (for ``distkeras info``
-            and error messages); None for :data:`SINGLE`.
-    """
-
-    __slots__ = ()
-
-    @property
-    def is_multi_worker(self):
-        return self.world_size > 1
-
-    @property
-    def is_chief(self):
-        return self.rank == 0
-
-
-Cluster.__new__.__defaults__ = (None, None)  # workers, variables: Python 3.6's NamedTuple has no defaults
-
-SINGLE = Cluster(rank=0, world_size=1, local_rank=0, local_world_size=1, coordinator=None, source="single")
+__all__ = ["SINGLE", "Cluster", "describe", "from_env"]
 
 
 def from_env(environ: Optional[Mapping[str, str]] = None) -> Cluster:
@@ -95,12 +51,6 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Cluster:
         ClusterError: malformed variables (TF_CONFIG, a non-integer rank), a rank outside 0..world_size-1,
             two launchers' (or two schedulers') variables that disagree, or a job distkeras can't join.
     """
-    from . import environments  # they import Cluster from here
+    from .. import environments  # they import Cluster from .record
 
     return environments.find(environ).cluster
-
-
-def describe(cluster: Cluster) -> Dict[str, object]:
-    """The cluster as a plain dict (for :func:`distkeras.describe`)."""
-    return {"rank": cluster.rank, "workers": cluster.world_size, "local_rank": cluster.local_rank,
-            "source": cluster.source}
