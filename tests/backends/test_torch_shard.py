@@ -439,7 +439,7 @@ def _every_rank(function, *args):
 
 
 def test_layout_splits_only_what_balance_needs():
-    from distkeras.backends.torch.shard import SPLIT, layout, part_range
+    from distkeras.backends.torch.shard_layout import SPLIT, layout, part_range
 
     # Equal variables balance whole: none is split.
     assert layout([1024] * 6, [256] * 6, [True] * 6, 3) == [0, 1, 2, 0, 1, 2]
@@ -456,7 +456,7 @@ def test_layout_splits_only_what_balance_needs():
 def test_which_optimizers_may_split_a_variable():
     """Keras' own elementwise optimizers (on torch, its torch_* subclasses, which Keras' TorchOptimizer.__new__
     makes: the private module path this checks is pinned here), not Adafactor/Lamb nor a user's subclass."""
-    from distkeras.backends.torch.shard import elementwise
+    from distkeras.backends.torch.shard_layout import elementwise
 
     for name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Nadam", "Lion", "Ftrl"):
         optimizer = getattr(keras.optimizers, name)()

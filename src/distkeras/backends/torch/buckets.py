@@ -51,7 +51,7 @@ import torch.distributed as dist
 from ...errors import DistKerasError
 from .. import policies
 from . import collectives
-from .shard import OwnerReduce
+from .shard_step import OwnerReduce
 
 logger = logging.getLogger("distkeras")
 
@@ -278,7 +278,7 @@ class Buckets(object):
         self.collecting = True
 
     def part_accumulated(self, variable, start, stop, grad):
-        """A tiled kernel's part ``[start, stop)`` of its gradient (shard="all": ``shard._Tiler``), into its bucket as
+        """A tiled kernel's part ``[start, stop)`` of its gradient (shard="all": ``shard_tiles._Tiler``), into its bucket as
         the hook puts a whole gradient. False (nothing taken) outside a collected step: the caller keeps it."""
         index = self._slot.get(id(variable))
         if not self.collecting or self.replica.count is None or index is None or self.reason is not None:
@@ -343,7 +343,7 @@ class Buckets(object):
             if bucket.owner is None:
                 bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             else:
-                # Sent to the owner directly (shard.OwnerReduce: the bytes of a reduce-scatter, not gloo's reduce).
+                # Sent to the owner directly (shard_step.OwnerReduce: the bytes of a reduce-scatter, not gloo's reduce).
                 bucket.work = OwnerReduce(bucket.buffer, bucket.owner, self.replica.rank, self.replica.world,
                                           group=self.group)
                 if bucket.owner != self.replica.rank:

@@ -113,6 +113,7 @@ from . import buckets as torch_buckets
 from . import collectives
 from . import random as torch_random
 from . import shard as torch_shard
+from . import shard_step as torch_shard_step
 
 _PRIVATE_LOGS = "_get_metrics_result_or_logs"
 _PRIVATE_LAYERS = "_flatten_layers"
@@ -567,7 +568,7 @@ def _wrap_optimizer(optimizer, replica):
         if not count:  # a stand-in sample's gradients: this rank joins the all-reduce with weight zero
             grads = [None] * len(grads)
         if replica.shard is not None:  # each gradient to its owner only (the owners broadcast the weights after)
-            return update(torch_shard.reduce_to_owners(grads, variables, count, replica.shard, replica.compression,
+            return update(torch_shard_step.reduce_to_owners(grads, variables, count, replica.shard, replica.compression,
                                                        drop=replica.shard.mode != "optimizer"))
         return update(collectives.average_gradients(grads, variables, count, replica.compression))
 
