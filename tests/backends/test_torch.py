@@ -837,7 +837,8 @@ def test_keras_torch_epoch_iterator_can_read_each_rank_its_rows(shuffle):
     import torch
     from keras.src.backend.torch import trainer as keras_trainer
 
-    from distkeras.backends.torch.trainer import Replica, sharded_batches
+    from distkeras.backends.torch.batches import sharded_batches
+    from distkeras.backends.torch.trainer import Replica
 
     original = keras_trainer.TorchEpochIterator
     x, y = scenarios.data(10)

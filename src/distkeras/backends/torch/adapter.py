@@ -253,7 +253,7 @@ class TorchAdapter(Adapter):
 
     def check_data(self, model, mode, rank, workers):
         """The data check across processes: each process' whole global batch is noted where Keras' data adapter
-        yields it (before the rows ``[rank::world]`` are taken, :func:`~.trainer.sharded_batches`), and the
+        yields it (before the rows ``[rank::world]`` are taken, :func:`~.batches.sharded_batches`), and the
         processes compare them with one all-reduce."""
         if self.model_shards(model) > 1 or _REPLICA not in model.__dict__:
             logger.info("the data check doesn't run on a model split over processes (strategy='model', "
