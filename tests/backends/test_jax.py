@@ -510,9 +510,9 @@ def _compiled_step_text(model, x, y):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from distkeras.backends.jax import adapter as jax_adapter
+    from distkeras.backends.jax import uneven as jax_uneven
 
-    distribution = [d for d in jax_adapter._ours.keys()][-1]
+    distribution = [d for d in jax_uneven._ours.keys()][-1]
     sharding = NamedSharding(distribution.device_mesh.backend_mesh, PartitionSpec("batch"))
     state = tuple([v.value for v in variables] for variables in (
         model.trainable_variables, model.non_trainable_variables, model.optimizer.variables, model.metrics_variables))
@@ -557,14 +557,14 @@ def test_exact_wire_with_batchnorm_equals_single_device():
     """The compressed step's own arithmetic, with the 16-bit cast taken out (wire float32): per-shard gradients
     averaged by psum, BatchNormalization statistics summed over the shards, metric updates added up: the
     single-device result, moving statistics and logs included."""
-    from distkeras.backends.jax import adapter as jax_adapter
+    from distkeras.backends.jax import uneven as jax_uneven
     from distkeras.backends.jax import steps as jax_steps
 
     x, y = scenarios.data(48)
     single = _bn_model()
     expected = single.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
     model = distkeras.distribute(_bn_model(), devices=2, compression="bf16", compression_fallback=False)
-    distribution = list(jax_adapter._ours.keys())[-1]
+    distribution = list(jax_uneven._ours.keys())[-1]
     jax_steps.install(model, distribution.device_mesh.backend_mesh, "batch", "float32")
     history = model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history
     assert_weights_close(single.get_weights(), model.get_weights())

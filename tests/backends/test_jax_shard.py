@@ -198,10 +198,10 @@ def test_variables_no_dimension_of_which_divides_are_named(capsys):
     for path in (model.layers[1].bias.path, "bias_momentum (3,)", "bias_velocity (3,)"):
         assert path in named[0], named
     assert "iteration" not in named[0]  # scalars: nothing to split
-    from distkeras.backends.jax import adapter as jax_adapter
+    from distkeras.backends.jax import uneven as jax_uneven
     from distkeras.backends.jax import shard as jax_shard
 
-    distribution = list(jax_adapter._ours.keys())[-1]
+    distribution = list(jax_uneven._ours.keys())[-1]
     share = jax_shard.replicated_share(model, distribution)
     assert 0 < share < 0.05, share
 

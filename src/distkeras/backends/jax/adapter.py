@@ -55,7 +55,6 @@ import logging
 import math
 import os
 import sys
-import weakref
 from typing import List
 
 from ... import datacheck, layouts
@@ -74,8 +73,6 @@ _SCOPED = (
     "compile", "fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch",
     "make_train_function", "make_test_function", "make_predict_function",
 )
-#: Distributions distkeras made (only their batches fall back to replication) -> batch sizes warned about.
-_ours = weakref.WeakKeyDictionary()
 
 
 #: The model's instance attribute that holds its ``shard`` value (for :meth:`JaxAdapter.shard_mode`).
@@ -314,8 +311,8 @@ class JaxAdapter(Adapter):
             raise OptionError("Expected strategy in {}. Received: strategy={!r}".format(_STRATEGIES, strategy))
         if cluster.is_multi_worker:
             distribution.auto_shard_dataset = False  # every process holds the global batch; see the docstring
-        _ours[distribution] = set()
-        _replicate_uneven_batches()
+        jax_uneven._ours[distribution] = set()
+        jax_uneven._replicate_uneven_batches()
         keras_model.unhook(model)  # an earlier distribute()'s hooks
         jax_shard.unhook_optimizers(model)
         agreement.use(_board(cluster) if cluster.is_multi_worker else None)
@@ -674,121 +671,6 @@ def _check_shard_combination(shard, strategy, compression):
             "weights' layout, and the compressed step computes each shard's gradient with the weights gathered whole "
             "(measured: more memory per device than XLA's partitioning). Received: shard='all', compression={!r}. Use "
             "shard='gradients' or 'optimizer' with compression=, or drop one of them.".format(compression, compression))
-
-
-def _replicate_uneven_batches():
-    """Let a batch the "batch" mesh axis doesn't divide run replicated, instead of JAX's IndivisibleError.
-
-    Keras' JAX trainer places every batch with ``distribute_data_input`` of its backend distribution
-    module, looked up per call, with the layout of the epoch's first batch. There is no public hook, so
-    that private function is wrapped once (guarded: left alone where it is missing). The wrapper
-    changes nothing for a distribution distkeras didn't make, nor for a batch that divides.
-    """
-    try:
-        from keras.src.backend.jax import distribution_lib as lib
-    except ImportError:
-        return
-    original = getattr(lib, "distribute_data_input", None)
-    if original is None or getattr(original, "distkeras", False):
-        return
-
-    @functools.wraps(original)
-    def distribute_data_input(per_process_batch, layout, batch_dim_name):
-        import jax
-        import keras
-
-        sharding = getattr(layout, "backend_layout", layout)
-        shape = getattr(per_process_batch, "shape", ())
-        current = keras.distribution.distribution()
-        warned = _ours.get(current) if current is not None else None
-        if warned is None or not isinstance(sharding, jax.sharding.NamedSharding) or not shape:
-            return original(per_process_batch, layout, batch_dim_name)
-        axis, parts = _batch_axis(sharding)
-        if axis < len(shape) and shape[axis] % parts:
-            _warn_uneven(warned, shape[axis], parts)
-            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-        if jax.process_count() > 1:
-            # Every process holds the whole global batch: each keeps only its devices' slices.
-            batch = per_process_batch
-            return jax.make_array_from_callback(tuple(shape), sharding, lambda index: batch[index])
-        return original(per_process_batch, sharding, batch_dim_name)
-
-    distribute_data_input.distkeras = True
-    lib.distribute_data_input = distribute_data_input
-    _pad_uneven_batches()
-
-
-def _pad_uneven_batches():
-    """Pad a batch the "batch" mesh axis doesn't divide where that is exact (:mod:`.uneven`).
-
-    Keras' JAX trainer places each batch its epoch iterator yields with its module function
-    ``_distribute_data(data, layouts)``, looked up per call: the one place that sees a whole batch (x, y
-    and sample weights together) before it is split. There is no public hook, so that private function
-    is wrapped once (guarded: left alone where it is missing; pinned by a test). The wrapper changes
-    nothing outside a distributed model's fit/evaluate/predict, nor for a batch that divides;
-    ``*_on_batch`` (no layouts) keep the replicated fallback.
-    """
-    try:
-        from keras.src.backend.jax import trainer
-    except ImportError:
-        return
-    original = getattr(trainer, "_distribute_data", None)
-    if original is None or getattr(original, "distkeras", False):
-        return
-    from . import uneven as jax_uneven
-
-    @functools.wraps(original)
-    def _distribute_data(data, layouts=None):
-        import jax
-        import keras
-
-        call = jax_uneven.current()
-        current = keras.distribution.distribution()
-        warned = _ours.get(current) if current is not None else None
-        first = [layout for layout in keras.tree.flatten(layouts) if layout is not None] if layouts is not None else []
-        if call is None or warned is None or not first or not isinstance(first[0], jax.sharding.NamedSharding):
-            return original(data, layouts)
-        axis, parts = _batch_axis(first[0])
-        if axis != 0 or parts == 1:
-            return original(data, layouts)
-        padded, why_not = jax_uneven.pad(data, parts, call)
-        if padded is not None:
-            return original(padded)  # the layouts of the padded structure (sample weights added)
-        if why_not is not None:
-            rows = [a for a in keras.tree.flatten(data) if a is not None][0].shape[0]
-            _warn_uneven(warned, rows, parts, why_not)
-        return original(data, layouts)
-
-    _distribute_data.distkeras = True
-    trainer._distribute_data = _distribute_data
-
-
-def _batch_axis(sharding):
-    """The axis ``sharding`` splits the batch along, and into how many pieces: the first axis the spec
-    names a mesh axis for. That is axis 0 for a batch, and axis 1 for the stack of batches Keras after 3.15
-    runs as one scan with ``steps_per_execution > 1`` (spec ``(None, 'batch', ...)``)."""
-    for axis, entry in enumerate(sharding.spec):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        names = [name for name in names if name is not None]
-        if names:
-            return axis, math.prod(sharding.mesh.shape[name] for name in names)
-    return 0, 1
-
-
-def _warn_uneven(warned, size, parts, why_not=None):
-    if size in warned:
-        return
-    warned.add(size)
-    logger.warning(
-        "a batch of %d samples doesn't split evenly over %d devices (JAX shards only evenly) and padding it isn't "
-        "exact here (%s), so it runs whole on every device: the single-device result, not in parallel. A batch "
-        "size divisible by %d keeps every step parallel (an epoch's last batch is smaller when the sample count "
-        "isn't a multiple of it).",
-        size,
-        parts,
-        why_not or "a batch placed outside fit, evaluate and predict",
-        parts,
-    )
 
 
 def _coordinator_bind(cluster, parameters):

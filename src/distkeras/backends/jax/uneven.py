@@ -3,7 +3,8 @@
 JAX splits an array axis only evenly, so a batch of 10 samples on 3 devices (an epoch's short last
 batch, a batch smaller than the device count) can't be split as it is. Where it is proven exact, the
 batch is padded to the next multiple of the device count and runs split like any other; elsewhere it
-runs whole on every device (the single-device result, not in parallel, with a warning naming why; see
+runs whole on every device (the single-device result, not in parallel, with a warning naming why: the Keras
+:func:`_replicate_uneven_batches` hook below; see
 :mod:`distkeras.backends.jax.adapter`).
 
 The padding rows repeat the batch's first row (finite values: no NaN that a zero weight can't cancel).
@@ -48,7 +49,10 @@ tests/backends/test_jax.py.
 
 import contextlib
 import functools
+import logging
+import math
 import threading
+import weakref
 
 import numpy as np
 
@@ -69,6 +73,10 @@ class _Call(object):
         self.batches = []  # predict: (rows, padded rows) of every batch placed
         self.count = None  # while a step is traced: the real row count (a tracer)
         self.mask = None  # while the metrics are traced: 0/1 per row
+
+logger = logging.getLogger("distkeras")
+#: Distributions distkeras made (only their batches fall back to replication) -> batch sizes warned about.
+_ours = weakref.WeakKeyDictionary()
 
 
 def current():
@@ -292,3 +300,121 @@ def drop_padding(outputs, call):
     starts = np.cumsum([0] + [total for _, total in batches])[:-1]
     keep = np.concatenate([start + np.arange(size) for start, (size, _) in zip(starts, batches)])
     return keras.tree.map_structure(lambda a: a[keep], outputs)
+
+
+def _replicate_uneven_batches():
+    """Let a batch the "batch" mesh axis doesn't divide run replicated, instead of JAX's IndivisibleError.
+
+    Keras' JAX trainer places every batch with ``distribute_data_input`` of its backend distribution
+    module, looked up per call, with the layout of the epoch's first batch. There is no public hook, so
+    that private function is wrapped once (guarded: left alone where it is missing). The wrapper
+    changes nothing for a distribution distkeras didn't make, nor for a batch that divides.
+    """
+    try:
+        from keras.src.backend.jax import distribution_lib as lib
+    except ImportError:
+        return
+    original = getattr(lib, "distribute_data_input", None)
+    if original is None or getattr(original, "distkeras", False):
+        return
+
+    @functools.wraps(original)
+    def distribute_data_input(per_process_batch, layout, batch_dim_name):
+        import jax
+        import keras
+
+        sharding = getattr(layout, "backend_layout", layout)
+        shape = getattr(per_process_batch, "shape", ())
+        current = keras.distribution.distribution()
+        warned = _ours.get(current) if current is not None else None
+        if warned is None or not isinstance(sharding, jax.sharding.NamedSharding) or not shape:
+            return original(per_process_batch, layout, batch_dim_name)
+        axis, parts = _batch_axis(sharding)
+        if axis < len(shape) and shape[axis] % parts:
+            _warn_uneven(warned, shape[axis], parts)
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        if jax.process_count() > 1:
+            # Every process holds the whole global batch: each keeps only its devices' slices.
+            batch = per_process_batch
+            return jax.make_array_from_callback(tuple(shape), sharding, lambda index: batch[index])
+        return original(per_process_batch, sharding, batch_dim_name)
+
+    distribute_data_input.distkeras = True
+    lib.distribute_data_input = distribute_data_input
+    _pad_uneven_batches()
+
+
+
+def _pad_uneven_batches():
+    """Pad a batch the "batch" mesh axis doesn't divide where that is exact (:mod:`.uneven`).
+
+    Keras' JAX trainer places each batch its epoch iterator yields with its module function
+    ``_distribute_data(data, layouts)``, looked up per call: the one place that sees a whole batch (x, y
+    and sample weights together) before it is split. There is no public hook, so that private function
+    is wrapped once (guarded: left alone where it is missing; pinned by a test). The wrapper changes
+    nothing outside a distributed model's fit/evaluate/predict, nor for a batch that divides;
+    ``*_on_batch`` (no layouts) keep the replicated fallback.
+    """
+    try:
+        from keras.src.backend.jax import trainer
+    except ImportError:
+        return
+    original = getattr(trainer, "_distribute_data", None)
+    if original is None or getattr(original, "distkeras", False):
+        return
+    from . import uneven as jax_uneven
+
+    @functools.wraps(original)
+    def _distribute_data(data, layouts=None):
+        import jax
+        import keras
+
+        call = jax_uneven.current()
+        current = keras.distribution.distribution()
+        warned = _ours.get(current) if current is not None else None
+        first = [layout for layout in keras.tree.flatten(layouts) if layout is not None] if layouts is not None else []
+        if call is None or warned is None or not first or not isinstance(first[0], jax.sharding.NamedSharding):
+            return original(data, layouts)
+        axis, parts = _batch_axis(first[0])
+        if axis != 0 or parts == 1:
+            return original(data, layouts)
+        padded, why_not = jax_uneven.pad(data, parts, call)
+        if padded is not None:
+            return original(padded)  # the layouts of the padded structure (sample weights added)
+        if why_not is not None:
+            rows = [a for a in keras.tree.flatten(data) if a is not None][0].shape[0]
+            _warn_uneven(warned, rows, parts, why_not)
+        return original(data, layouts)
+
+    _distribute_data.distkeras = True
+    trainer._distribute_data = _distribute_data
+
+
+
+def _batch_axis(sharding):
+    """The axis ``sharding`` splits the batch along, and into how many pieces: the first axis the spec
+    names a mesh axis for. That is axis 0 for a batch, and axis 1 for the stack of batches Keras after 3.15
+    runs as one scan with ``steps_per_execution > 1`` (spec ``(None, 'batch', ...)``)."""
+    for axis, entry in enumerate(sharding.spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        names = [name for name in names if name is not None]
+        if names:
+            return axis, math.prod(sharding.mesh.shape[name] for name in names)
+    return 0, 1
+
+
+
+def _warn_uneven(warned, size, parts, why_not=None):
+    if size in warned:
+        return
+    warned.add(size)
+    logger.warning(
+        "a batch of %d samples doesn't split evenly over %d devices (JAX shards only evenly) and padding it isn't "
+        "exact here (%s), so it runs whole on every device: the single-device result, not in parallel. A batch "
+        "size divisible by %d keeps every step parallel (an epoch's last batch is smaller when the sample count "
+        "isn't a multiple of it).",
+        size,
+        parts,
+        why_not or "a batch placed outside fit, evaluate and predict",
+        parts,
+    )
