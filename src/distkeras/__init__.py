@@ -70,9 +70,17 @@ __all__ = [
     "use_cpu_devices",
 ]
 
+import sys as _sys  # noqa: E402
+
 from . import api as _api  # noqa: E402
 from . import backends as _backends  # noqa: E402
 from . import worker as _worker  # noqa: E402
+
+from .parallel import layouts  # noqa: E402
+
+# A public module that moved keeps its old name: the same module object under both (an import, an attribute, a
+# monkeypatch all reach the one module). distkeras.layouts is named in the docs; it lives in distkeras.parallel.
+_sys.modules[__name__ + ".layouts"] = layouts
 
 _backends.install_shims()
 _api.install_log_handler()

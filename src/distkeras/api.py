@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
 from . import backends, sharding
 from . import cluster as cluster_lib
 from . import devices as devices_lib
-from . import datacheck
-from . import verify as verify_lib
+from .verify import datacheck
+from .verify import check as verify_lib
 from .devices import CPU_DEVICES_ENV, Device
 from .errors import ClusterError, DeviceSpecError, ModelError, ModelTypeError, TooLateError
 
@@ -240,7 +240,7 @@ def distribute(
             ``verify_tolerance=(rtol, atol)``, its float tolerance (default (1e-4, 1e-5)); and ``check_data``
             (True/"raise", the default, "warn" or False; or the ``DISTKERAS_CHECK_DATA`` environment variable): in a
             job of several workers, the first global batch of every pass over the data must be the same on every
-            worker, or :class:`~distkeras.errors.DataError` is raised on all of them (:mod:`distkeras.datacheck`).
+            worker, or :class:`~distkeras.errors.DataError` is raised on all of them (:mod:`distkeras.verify.datacheck`).
 
     Returns:
         ``model`` itself, data-parallel (unchanged when one device is asked for in a one-process job).

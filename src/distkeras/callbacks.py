@@ -44,7 +44,7 @@ from . import backends, checkpoints
 from . import cluster as cluster_lib
 from .backends import agreement, policies
 from .errors import CheckpointError
-from .launch import EXIT_PREEMPTED
+from .launch.processes import EXIT_PREEMPTED
 
 MANIFEST = checkpoints.MANIFEST
 

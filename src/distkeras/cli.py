@@ -87,7 +87,8 @@ def _demo(args):
 
 
 def _launch(args):
-    from . import backends, launch
+    from . import backends
+    from .launch import command as launch
 
     backend = args.backend or backends.active_name()
     args.nnodes, args.node_rank, args.coordinator = launch.from_scheduler(args.nnodes, args.node_rank, args.coordinator)

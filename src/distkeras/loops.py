@@ -38,7 +38,8 @@ Backend-neutral: this module imports no framework; each backend's primitives are
 import importlib
 import importlib.util
 
-from . import backends, pipeline
+from . import backends
+from .parallel import pipeline
 from .errors import ModelError
 
 

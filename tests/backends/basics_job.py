@@ -145,7 +145,7 @@ def corpus_program(out_dir, rank, name):
     """Corpus program ``name`` on the job's 2 workers (``distribute(model, 2)``: 2 devices over the job)."""
     import pickle
 
-    from distkeras import datacheck
+    from distkeras.verify import datacheck
     from tests.backends import corpus
 
     # The program says distribute(model, 2): two devices of one host. In a job of 2 workers of one device each the

@@ -51,11 +51,11 @@ def differences(expected, got, atol):
 
 def without_noise_steps(expected, got, tolerance):
     """``got`` with one device's values for the weights whose difference their optimizer slots explain, as the
-    one-device check explains them (:func:`distkeras.verify.explained_by_slots`): a bias that feeds
+    one-device check explains them (:func:`distkeras.verify.check.explained_by_slots`): a bias that feeds
     BatchNormalization has a gradient of 0 on paper, and Adam makes steps of up to its learning rate of the
     rounding noise, every step, on any summation order; its slots agree, and BatchNormalization removes the bias
     from every output."""
-    from distkeras import verify
+    from distkeras.verify import check as verify
 
     entries = [(path, "weight", g, e) for path, e, g in zip(got["paths"], expected["weights"], got["weights"])]
     entries += [(path.split(":", 1)[-1], "optimizer", g, e)

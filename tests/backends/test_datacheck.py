@@ -119,7 +119,7 @@ def test_keras_epoch_iterator_is_where_the_check_sees_every_pass_and_it_changes_
     without it."""
     import numpy as np
 
-    from distkeras import datacheck
+    from distkeras.verify import datacheck
     from distkeras.backends import datawatch
     from tests.backends.harness import keras
 

@@ -144,7 +144,7 @@ def test_a_job_whose_coordinator_is_this_hosts_address_listens_there_only(tmp_pa
     """--coordinator at this host's (non-loopback) address, as rank 0's host of a multi-host job: rank 0's servers
     (JAX's coordination service, torch's TCPStore) listen on that address, and Gloo on the interface holding it,
     never on every interface. torch's TCPStore listened on [::]:PORT here, JAX's service too."""
-    from distkeras import network
+    from distkeras.launch import network
 
     mine = [a for addresses in network.interfaces().values() for a in addresses
             if "." in a and not ipaddress.ip_address(a).is_loopback]

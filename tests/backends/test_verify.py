@@ -151,7 +151,7 @@ def _mixed(policy, mixing):
 def test_mixed_precision_raises_nothing_on_a_correct_run_and_still_catches_a_mixing_pass(policy):
     """Two replicas sum their rows in another order than one device, which in float16 moves gradients by ~5e-4
     relative (the float32 tolerance raised on TensorFlow, JAX and PyTorch); the tolerance follows the compute dtype
-    (distkeras.verify.tolerance_for) and a forward pass that mixes rows is still caught."""
+    (distkeras.verify.check.tolerance_for) and a forward pass that mixes rows is still caught."""
     got = replicated(2, _mixed, policy, False)
     assert "error" not in got, got.get("error")
     assert got["checked"] == 1 and got["found"] == []

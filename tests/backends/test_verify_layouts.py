@@ -37,7 +37,7 @@ def train(reduction, verify, devices=2, **options):
 def train_sum_weighed_as_mean(*args, **options):
     """:func:`train` with issue 50's pipeline defect: every micro-batch's loss weighed by its share of the rows,
     right for a mean only (the fix reverted)."""
-    from distkeras import pipeline
+    from distkeras.parallel import pipeline
 
     fixed = pipeline.loss_factors
     pipeline.loss_factors = lambda rule, sizes, weight_sums=None: pipeline.weights(sizes)

@@ -2,7 +2,7 @@
 under ``--max-restarts 1`` is restarted by torchrun and the job resumes to the weights of an uninterrupted run.
 
 TensorFlow and JAX have no rendezvous of their own under torchrun: they exchange TF_CONFIG's worker addresses
-and jax.distributed's coordinator through the store torchrun's agent serves (distkeras.exchange); PyTorch
+and jax.distributed's coordinator through the store torchrun's agent serves (distkeras.launch.exchange); PyTorch
 joins that store directly. Every job runs ``python -m torch.distributed.run --standalone --nproc-per-node 2``
 with this interpreter, and each test's processes are stopped by PID when it ends, also on failure. This
 process imports no framework: the jobs and the one-process references set KERAS_BACKEND themselves.
@@ -203,7 +203,7 @@ def test_a_sigkilled_worker_is_restarted_by_torchrun_and_the_job_resumes(backend
 
 
 def test_the_exchange_through_a_real_store_is_per_attempt_and_bounded(tmp_path):
-    """distkeras.exchange on a real TCPStore served as torchrun's agent serves it (ranks as threads)."""
+    """distkeras.launch.exchange on a real TCPStore served as torchrun's agent serves it (ranks as threads)."""
     needs("torch")
     run = Run([sys.executable, os.path.join(ROOT, "tests", "clusters", "torchrun_exchange.py")], "torch", tmp_path,
               "exchange")

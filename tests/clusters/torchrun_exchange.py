@@ -1,4 +1,4 @@
-"""distkeras.exchange against a real torch.distributed.TCPStore, ranks as threads of one process (see
+"""distkeras.launch.exchange against a real torch.distributed.TCPStore, ranks as threads of one process (see
 test_torchrun.py, which runs this file and checks the JSON it prints).
 
     python tests/clusters/torchrun_exchange.py
@@ -22,7 +22,7 @@ sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]
 
 import torch.distributed as dist  # noqa: E402
 
-from distkeras import exchange  # noqa: E402
+from distkeras.launch import exchange  # noqa: E402
 from distkeras.cluster import Cluster  # noqa: E402
 from distkeras.errors import ClusterError  # noqa: E402
 

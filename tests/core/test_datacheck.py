@@ -1,10 +1,10 @@
-"""The data check's neutral part (distkeras.datacheck): its switch, the record of a batch, the all-gather by sum,
+"""The data check's neutral part (distkeras.verify.datacheck): its switch, the record of a batch, the all-gather by sum,
 and the verdict that names what differs and why. No framework."""
 
 import numpy as np
 import pytest
 
-from distkeras import datacheck
+from distkeras.verify import datacheck
 from distkeras.errors import DataError, OptionError
 
 

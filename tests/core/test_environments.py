@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from distkeras import ClusterError, backends, environments, launch
+from distkeras import ClusterError, backends, environments
+from distkeras.launch import command as launch
 from distkeras.backends.base import LaunchJob
 from distkeras.cluster import SINGLE, Cluster, from_env
 from distkeras.environments import base, mpi, tf_config

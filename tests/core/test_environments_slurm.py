@@ -300,7 +300,7 @@ def test_tensorflow_config_from_the_slurm_host_list():
 
 
 def test_distkeras_launch_fills_in_what_wasnt_given_from_slurm():
-    from distkeras import launch
+    from distkeras.launch import command as launch
 
     port = coordinator_port(N2_N2_RANK1)
     assert launch.from_scheduler(environ=N2_N2_RANK1) == (2, 1, "n0:{}".format(port))

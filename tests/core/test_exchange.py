@@ -1,4 +1,4 @@
-"""distkeras.exchange's pure parts: when it applies, its per-attempt keys, its timeout. The exchange itself runs
+"""distkeras.launch.exchange's pure parts: when it applies, its per-attempt keys, its timeout. The exchange itself runs
 against a real torchrun store in tests/clusters/test_torchrun.py."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from distkeras import exchange
+from distkeras.launch import exchange
 from distkeras.cluster import Cluster
 from distkeras.errors import ClusterError
 
@@ -45,7 +45,7 @@ def test_timeout_and_addresses():
 
 
 def test_importing_it_imports_no_framework():
-    code = ("import sys, distkeras.exchange; "
+    code = ("import sys, distkeras.launch.exchange; "
             "print(sorted(m for m in ('torch', 'tensorflow', 'jax') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))

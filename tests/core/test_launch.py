@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from distkeras import LaunchError, launch, processes
+from distkeras import LaunchError
+from distkeras.launch import command as launch, processes
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
 

@@ -10,7 +10,7 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 PACKAGE = os.path.join(SRC, "distkeras")
 BACKENDS = ("tensorflow", "jax", "torch", "mxnet", "cntk")
 #: Modules that use the backends; a backend never imports them.
-ABOVE_BACKENDS = {"distkeras.api", "distkeras.launch", "distkeras.cli", "distkeras.callbacks", "distkeras.demo",
+ABOVE_BACKENDS = {"distkeras.api", "distkeras.launch.command", "distkeras.cli", "distkeras.callbacks", "distkeras.demo",
                   "distkeras.__main__"}
 
 

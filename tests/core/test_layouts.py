@@ -1,9 +1,9 @@
-"""The layout API written once (distkeras.layouts): options read and checked, axes matched as Keras' LayoutMap
+"""The layout API written once (distkeras.parallel.layouts): options read and checked, axes matched as Keras' LayoutMap
 matches them, the default layout; no framework."""
 
 import pytest
 
-from distkeras import layouts
+from distkeras.parallel import layouts
 from distkeras.errors import OptionError
 
 VARIABLES = [("dense/kernel", (8, 16)), ("dense/bias", (16,)), ("dense_1/kernel", (16, 8)), ("norm/gamma", (8,))]

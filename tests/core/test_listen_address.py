@@ -2,7 +2,7 @@
 
 import socket
 
-from distkeras import network
+from distkeras.launch import network
 
 KNOWN = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.0.0.2", "fd00::2"], "eth1": ["192.168.1.5"]}
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from distkeras import NetworkError, network
+from distkeras import NetworkError
+from distkeras.launch import network
 
 KNOWN = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.47.0.2", "fe80::1"], "ib0": []}
 

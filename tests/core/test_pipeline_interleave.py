@@ -3,7 +3,7 @@ each stage's schedule (so each holds what its schedule holds) and runs every pas
 
 import pytest
 
-from distkeras import pipeline
+from distkeras.parallel import pipeline
 
 
 @pytest.mark.parametrize("name", pipeline.SCHEDULES)

@@ -1,4 +1,4 @@
-"""The pipeline's schedules and micro-batches (distkeras.pipeline), framework-free: every micro-batch runs forward
+"""The pipeline's schedules and micro-batches (distkeras.parallel.pipeline), framework-free: every micro-batch runs forward
 once and backward once on every stage, a backward after its own forward; GPipe holds M activations, 1F1B at most
 S - s; the passes of neighbouring stages can't deadlock (simulated with blocking receives); shares sum to one."""
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from distkeras import pipeline
+from distkeras.parallel import pipeline
 from distkeras.errors import OptionError
 
 

@@ -9,11 +9,13 @@ import pytest
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src", "distkeras")
 CORE = ["__init__.py", "__main__.py", "api.py", "devices.py", "cluster/__init__.py", "cluster/record.py", "worker.py", "sharding.py", "errors.py",
-        "launch.py", "processes.py", "cli.py", "network.py", "rendezvous.py",  # `distkeras launch` starts CNTK jobs
+        "launch/__init__.py", "launch/command.py", "launch/processes.py", "cli.py", "launch/network.py",
+        "launch/rendezvous.py",  # `distkeras launch` starts CNTK jobs
         "info.py",  # `distkeras info`'s versions (importlib.metadata where it exists)
-        "datacheck.py",  # the data check's switch, which api reads on every backend
-        "relay.py", "ranks.py",  # the launcher's output relay; is_main_process() and print0()
-        "exchange.py",  # what TF and JAX workers under torchrun exchange (imports torch only when it does)
+        "verify/__init__.py", "verify/check.py", "verify/datacheck.py",  # the checks' switches, which api reads
+        "parallel/__init__.py", "parallel/layouts.py",  # distkeras.layouts, imported with the package
+        "launch/relay.py", "ranks.py",  # the launcher's output relay; is_main_process() and print0()
+        "launch/exchange.py",  # what TF and JAX workers under torchrun exchange (imports torch only when it does)
         "backends/__init__.py", "backends/base.py", "backends/keras_model.py", "backends/policies.py",
         "backends/batchnorm.py",  # the BatchNormalization rule, framework-free
         "backends/agreement.py",  # policies' saves wait on it, framework-free

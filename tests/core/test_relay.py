@@ -1,4 +1,4 @@
-"""The relay of worker output (distkeras.relay), piece by piece: lines as a terminal ends up showing them, the
+"""The relay of worker output (distkeras.launch.relay), piece by piece: lines as a terminal ends up showing them, the
 console's rows, a relay's log and tail. Real processes: tests/core/test_launch.py."""
 
 import io
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from distkeras import relay
+from distkeras.launch import relay
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
 
@@ -115,7 +115,7 @@ def test_a_relay_in_a_process_that_prints_writes_between_its_prints(unbuffered):
     must still land whole between rank 0's, and in a buffered process (no flush) in order with what it buffered."""
     code = """if True:
         import subprocess, sys
-        from distkeras import relay
+        from distkeras.launch import relay
         child = subprocess.Popen([sys.executable, "-c", "for i in range(2000): print('child', i, 'x' * 40)"],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0)
         relayed = relay.Relay(relay.Console(relay.SharedStream.install(), shared=True), "rank 1")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from distkeras import launch
+from distkeras.launch import command as launch
 from tests.core.test_launch import alive, distkeras_launch, finish
 
 WORKER = """

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from distkeras import launch, rendezvous
+from distkeras.launch import command as launch, rendezvous
 from distkeras.errors import LaunchError
 from tests.core.test_rendezvous import WORKER, two_hosts
 from tests.core.test_launch import SRC, distkeras_launch, finish
@@ -289,7 +289,7 @@ def test_a_fake_coordinator_gets_a_clear_error_never_a_crash(name):
 MANY_DESCRIPTORS = textwrap.dedent("""
     import os, resource, socket, sys, threading
     sys.path.insert(0, {src!r})
-    from distkeras import rendezvous
+    from distkeras.launch import rendezvous
     limit = int(sys.argv[1])
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from distkeras import verify
+from distkeras.verify import check as verify
 from distkeras.errors import OptionError, VerifyError
 
 

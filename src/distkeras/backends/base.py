@@ -210,7 +210,7 @@ class Adapter(abc.ABC):
     @classmethod
     def workers_env(cls, job: LaunchJob, environ: Dict[str, str]) -> List[Dict[str, str]]:
         """The variables this backend's engine reads, for each of this host's workers (local rank order), on top
-        of the ones every worker gets (RANK, WORLD_SIZE, MASTER_ADDR, JAX_*: :func:`distkeras.launch.worker_env`).
+        of the ones every worker gets (RANK, WORLD_SIZE, MASTER_ADDR, JAX_*: :func:`distkeras.launch.command.worker_env`).
         Default: none."""
         return [{} for _ in range(job.nproc_per_node)]
 
@@ -243,12 +243,12 @@ class Adapter(abc.ABC):
         return lambda *args: {}
 
     def verify(self, model: object, check: object) -> None:
-        """Install the one-device check (:class:`distkeras.verify.Check`) on a distributed ``model``. Default: the
+        """Install the one-device check (:class:`distkeras.verify.check.Check`) on a distributed ``model``. Default: the
         check can't run on this backend, which ``check.skip`` says once."""
         check.skip("the {} backend has no one-device check".format(self.name))
 
     def check_data(self, model: object, mode: str, rank: int, workers: int) -> None:
-        """Install the data check (:mod:`distkeras.datacheck`) on ``model``, distributed over ``workers`` processes
+        """Install the data check (:mod:`distkeras.verify.datacheck`) on ``model``, distributed over ``workers`` processes
         (more than one). Default: this backend's pipelines can't be compared yet, which is said once."""
         logger.info("the data check doesn't run on the %s backend: each worker's data is its own to keep alike", self.name)
 

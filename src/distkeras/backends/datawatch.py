@@ -1,4 +1,4 @@
-"""Where Keras 3 draws the global batch, for the data check (:mod:`distkeras.datacheck`), written once for every
+"""Where Keras 3 draws the global batch, for the data check (:mod:`distkeras.verify.datacheck`), written once for every
 Keras 3 backend.
 
 Keras' ``fit``/``evaluate``/``predict`` (and fit's validation) read the data through an ``EpochIterator``
@@ -6,7 +6,7 @@ Keras' ``fit``/``evaluate``/``predict`` (and fit's validation) read the data thr
 ``TorchEpochIterator``): its ``__init__`` makes the data adapter that yields the global batches, and its
 ``_enumerate_iterator`` generator starts each epoch and hands out the steps. There is no public hook, so both are
 wrapped once on that base class (a Keras private; guarded, pinned by a test). The wrappers change nothing unless a
-distributed model's call is running in this thread with a :class:`~distkeras.datacheck.Watch` (:func:`hook`):
+distributed model's call is running in this thread with a :class:`~distkeras.verify.datacheck.Watch` (:func:`hook`):
 
 - ``__init__`` lets the backend wrap the new data adapter (``watch.wrap_adapter``), which notes the first batch of
   every pass over the data as this worker drew it, before its share is taken;
@@ -32,7 +32,7 @@ WATCH_OF_MODEL = "_distkeras_data_watch"
 
 
 def current():
-    """The :class:`~distkeras.datacheck.Watch` of the distributed call running in this thread, or None."""
+    """The :class:`~distkeras.verify.datacheck.Watch` of the distributed call running in this thread, or None."""
     return getattr(_active, "watch", None)
 
 
@@ -118,11 +118,11 @@ def hook(model, watch):
 
 
 def numpy_parts(batch):
-    """The :class:`~distkeras.datacheck.Part` of every array in a batch of NumPy-convertible leaves (NumPy, JAX,
+    """The :class:`~distkeras.verify.datacheck.Part` of every array in a batch of NumPy-convertible leaves (NumPy, JAX,
     torch tensors: a CUDA one is copied to the host), named by their place in ``(x, y, sample_weight)``."""
     import keras
 
-    from .. import datacheck
+    from ..verify import datacheck
 
     parts = []
     for path, leaf in keras.tree.flatten_with_path(batch):
@@ -161,7 +161,7 @@ class NotedPasses(object):
 
 
 def noting_adapter(getter):
-    """A ``wrap_adapter`` for :class:`~distkeras.datacheck.Watch` on a backend whose data adapter yields NumPy-
+    """A ``wrap_adapter`` for :class:`~distkeras.verify.datacheck.Watch` on a backend whose data adapter yields NumPy-
     convertible batches: the adapter's ``getter`` (``get_jax_iterator``, ``get_torch_dataloader``) returns
     :class:`NotedPasses` that note each pass' first batch with :func:`numpy_parts`."""
 

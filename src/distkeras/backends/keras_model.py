@@ -345,20 +345,20 @@ def compiled_loss_reductions(model):
 
 
 def pipeline_loss_rule(model):
-    """The rule by which ``model``'s compiled loss adds up over micro-batches (:func:`distkeras.pipeline.loss_rule`);
+    """The rule by which ``model``'s compiled loss adds up over micro-batches (:func:`distkeras.parallel.pipeline.loss_rule`);
     asked at ``distribute()`` and at every pipelined step (a ``compile()`` after ``distribute()``).
 
     Raises:
         OptionError: a reduction no micro-batches add up to, or outputs that reduce by different rules.
     """
-    from .. import pipeline
+    from ..parallel import pipeline
 
     return pipeline.loss_rule(compiled_loss_reductions(model), getattr(model, "name", "the model"))
 
 
 def pipeline_loss_factors(model, sizes, sample_weight):
     """``(factors, weight)``: each micro-batch's factor of ``model``'s compiled loss (micro-batches of ``sizes``
-    rows, in order; :func:`distkeras.pipeline.loss_factors`) and, under the ``"weighted"`` rule with sample
+    rows, in order; :func:`distkeras.parallel.pipeline.loss_factors`) and, under the ``"weighted"`` rule with sample
     weights, the batch's sum of them (else None). ``sample_weight``: the batch's, as concrete values of any backend.
 
     Raises:
@@ -366,7 +366,7 @@ def pipeline_loss_factors(model, sizes, sample_weight):
     """
     import numpy as np
 
-    from .. import pipeline
+    from ..parallel import pipeline
 
     rule = pipeline_loss_rule(model)
     sums = None

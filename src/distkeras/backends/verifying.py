@@ -11,7 +11,7 @@ before the step, puts the snapshot back for the one-device run, and puts the dis
 import contextlib
 import functools
 
-from .. import verify
+from ..verify import check as verify
 from . import keras_model
 
 #: Keras' global SeedGenerator (keras.random without a seed draws from it) lives in Keras' global state under
@@ -94,7 +94,7 @@ def one_device():
 
 def compute_dtype(model):
     """The narrowest half-precision compute dtype among the model's layers ("bfloat16", "float16"), or None: what
-    the check's tolerance follows (:func:`distkeras.verify.tolerance_for`). A mixed policy's float32 output layer
+    the check's tolerance follows (:func:`distkeras.verify.check.tolerance_for`). A mixed policy's float32 output layer
     doesn't make the step float32."""
     found = None
     for layer in keras_model.layers_of(model):
@@ -180,7 +180,7 @@ def checked_in_place(model, check, numpy, distributed_step, one_device_step, ran
     are still compared, by their results. ``exact``: ``(snapshot, restore)`` of the named variables' storage as
     it is held (TensorFlow's per-replica parts of a sync-on-read metric total), for putting the distributed
     result back bit for bit; by default the values :class:`State` reads and writes. ``rows``: the global batch's,
-    for the tolerance of a half-precision step (:meth:`distkeras.verify.Check.judge`).
+    for the tolerance of a half-precision step (:meth:`distkeras.verify.check.Check.judge`).
     """
     state = State(model, numpy)
     before = state.read()

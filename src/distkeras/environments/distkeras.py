@@ -4,7 +4,7 @@ Each worker it starts gets ``DISTKERAS_LAUNCHER_PID`` (the launcher's process id
 worker notice that its launcher died) with torch.distributed's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` /
 ``LOCAL_WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``, jax.distributed's ``JAX_COORDINATOR_ADDRESS`` /
 ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` and, for TensorFlow, ``TF_CONFIG`` (see
-:func:`distkeras.launch.worker_env`). The coordinator is ``MASTER_ADDR:MASTER_PORT`` (the same address as
+:func:`distkeras.launch.command.worker_env`). The coordinator is ``MASTER_ADDR:MASTER_PORT`` (the same address as
 JAX_COORDINATOR_ADDRESS); the workers' addresses come from TF_CONFIG when it is set. MXNet's scheduler
 and servers get the PID but no rank: they are no workers. Part of the Python 3.6-compatible core.
 """

@@ -7,7 +7,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from ...errors import LaunchError
-from ...processes import python_command
+from ...launch.processes import python_command
 
 
 def mpiexec_command(script_args: List[str], nproc: int, python: Optional[str] = None) -> List[str]:

@@ -18,7 +18,7 @@ statistics, need nothing more: a step is one SPMD program over the global batch 
 :mod:`distkeras.backends.jax.steps` keeps the statistics global by the rule of :mod:`distkeras.backends.batchnorm`).
 
 **Across processes** (``distkeras launch``, any launcher that sets the JAX/Keras coordinator variables, or torchrun,
-whose store carries rank 0's coordinator address: :mod:`distkeras.exchange`), ``jax.distributed`` starts at
+whose store carries rank 0's coordinator address: :mod:`distkeras.launch.exchange`), ``jax.distributed`` starts at
 ``import distkeras`` (before JAX's first computation, as it must), the mesh
 spans every process' devices, and every process is given the same data, as with TensorFlow: each
 global batch is placed with ``jax.make_array_from_callback``, so a process materialises only the
@@ -57,7 +57,8 @@ import os
 import sys
 from typing import List
 
-from ... import datacheck, layouts
+from ...verify import datacheck
+from ...parallel import layouts
 from ...devices import Device
 from ...errors import ClusterError, DistKerasError, NetworkError, OptionError, TooLateError
 from .. import agreement, keras_model, policies, when_imported
@@ -130,7 +131,7 @@ class JaxAdapter(Adapter):
         inside the user's import of JAX, so a failure is kept and raised by distribute() instead."""
         import jax
 
-        from ... import exchange, network, rendezvous
+        from ...launch import exchange, network, rendezvous
 
         try:
             if exchange.applies(cluster) and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
@@ -372,7 +373,7 @@ class JaxAdapter(Adapter):
 def _pipeline(model, devices, cluster, stages, microbatches, schedule, others):
     """Cut ``model`` into pipeline stages over ``devices`` of this process (:mod:`.pipeline`), every option checked
     first: one device per stage and replica (stages x replicas devices), one process, no other way of splitting."""
-    from ... import pipeline
+    from ...parallel import pipeline
     from . import pipeline as jax_pipeline
     from . import shard as jax_shard
     from . import steps as jax_steps
@@ -529,7 +530,7 @@ def _set_jax_cpu_count(count):
 
 def _model_parallel(keras, model, mesh_devices, layout_map, model_shards):
     """Keras' ``ModelParallel`` over a ("batch", "model") mesh of ``mesh_devices`` (every process' devices across
-    processes), the layout read and checked by the one layout API (:mod:`distkeras.layouts`)."""
+    processes), the layout read and checked by the one layout API (:mod:`distkeras.parallel.layouts`)."""
     grid = layouts.mesh(len(mesh_devices), model_shards)
     variables = [(v.path, tuple(v.shape)) for v in model.weights]
     if layout_map is None:
@@ -676,9 +677,9 @@ def _check_shard_combination(shard, strategy, compression):
 def _coordinator_bind(cluster, parameters):
     """Rank 0's coordination service listens where the others connect (``coordinator_bind_address``), not on
     JAX's default ``[::]:PORT``, every interface (jax/_src/distributed.py); a JAX_COORDINATOR_BIND_ADDRESS the
-    user set wins, and where no single address is sure (:func:`distkeras.network.listen_address`) JAX keeps
+    user set wins, and where no single address is sure (:func:`distkeras.launch.network.listen_address`) JAX keeps
     its default."""
-    from ... import network
+    from ...launch import network
 
     if (cluster.rank != 0 or "coordinator_bind_address" not in parameters
             or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").strip()):

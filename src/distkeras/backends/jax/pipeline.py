@@ -1,4 +1,4 @@
-"""Pipeline parallelism on JAX, in one process: the stages and schedules of :mod:`distkeras.pipeline` over several
+"""Pipeline parallelism on JAX, in one process: the stages and schedules of :mod:`distkeras.parallel.pipeline` over several
 devices of this process (``distribute(model, ["gpu:0", "gpu:1"], pipeline_stages=2)``), with replicas of the
 pipeline when there are stages x replicas devices.
 
@@ -18,8 +18,8 @@ functions are jitted, and JAX runs a jitted function where its arguments are.
   pull-backs of the micro-batches its schedule holds (GPipe: all of them; 1F1B: at most ``S - s``); its backward
   applies one to the gradient of the output and adds the variables' gradients to the stage's sums.
 - **Wire**: ``jax.device_put`` of an activation to the next stage's device, of a gradient to the previous one's.
-- **One loop, every stage**: the stages' action lists (:func:`distkeras.pipeline.schedule`) are interleaved in an
-  order that respects their dependencies (:func:`distkeras.pipeline.interleave`: every stage takes its next action
+- **One loop, every stage**: the stages' action lists (:func:`distkeras.parallel.pipeline.schedule`) are interleaved in an
+  order that respects their dependencies (:func:`distkeras.parallel.pipeline.interleave`: every stage takes its next action
   as soon as its input has been made). JAX dispatches asynchronously, so the devices compute at once while Python
   runs ahead.
 - **Loss**: each micro-batch's mean loss is weighed by its share of the batch (``pipeline.weights``), and each stage
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from ... import pipeline
+from ...parallel import pipeline
 from ...errors import OptionError
 from .. import keras_model
 from ..base import swapped

@@ -9,7 +9,7 @@ every distkeras hook off: one device's program. Nothing needs restoring: the dis
 fit() goes on with.
 """
 
-from ... import verify
+from ...verify import check as verify
 from .. import verifying
 
 

@@ -7,8 +7,8 @@ import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from ...network import parse_address
-from ...processes import LAUNCHER_ENV
+from ...launch.network import parse_address
+from ...launch.processes import LAUNCHER_ENV
 
 
 def dmlc_env(role: str, engine: str, nnodes: int, world_size: int, node_host: Optional[str] = None) -> Dict[str, str]:

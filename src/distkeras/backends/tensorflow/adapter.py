@@ -72,7 +72,8 @@ import weakref
 from typing import List
 
 from ... import cluster as cluster_lib
-from ... import datacheck, exchange, network
+from ...verify import datacheck
+from ...launch import exchange, network
 from ...devices import Device
 from ...environments import tf_config
 from ...errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
@@ -369,9 +370,9 @@ class TensorFlowAdapter(Adapter):
 
 def _pipeline(model, devices, cluster, stages, microbatches, schedule, others):
     """Cut ``model`` into pipeline stages over ``devices`` of this process (:mod:`.pipeline`), every option checked
-    first (:func:`distkeras.pipeline.plan_in_process`): one device per stage and replica, one process, no other way of
+    first (:func:`distkeras.parallel.pipeline.plan_in_process`): one device per stage and replica, one process, no other way of
     splitting, a Keras 3 model."""
-    from ... import pipeline
+    from ...parallel import pipeline
     from . import pipeline as tensorflow_pipeline
 
     if stages is not None and keras_model.keras_package(model) == "tf_keras":
@@ -413,7 +414,7 @@ def _board(cluster):
 def write_tf_config(cluster, environ=None):
     """Describe ``cluster`` in TF_CONFIG, which MultiWorkerMirroredStrategy reads when it starts, where the
     environment gave every worker's address but no TF_CONFIG (Slurm's tasks: ``cluster.workers`` from the host
-    list), or torchrun's store gives them (:mod:`distkeras.exchange`). A TF_CONFIG already there (the user's, a cluster manager's, ``distkeras launch``'s) is left alone.
+    list), or torchrun's store gives them (:mod:`distkeras.launch.exchange`). A TF_CONFIG already there (the user's, a cluster manager's, ``distkeras launch``'s) is left alone.
 
     Returns:
         Whether it wrote TF_CONFIG.

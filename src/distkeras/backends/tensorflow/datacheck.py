@@ -1,4 +1,4 @@
-"""The data check on TensorFlow workers (:mod:`distkeras.datacheck`): each worker's global batch, in its pipeline.
+"""The data check on TensorFlow workers (:mod:`distkeras.verify.datacheck`): each worker's global batch, in its pipeline.
 
 Across workers Keras hands ``strategy.experimental_distribute_dataset`` the whole pipeline of global batches
 (``data_adapter.get_tf_dataset()``), and each worker keeps its part of every batch (``AutoShardPolicy.DATA``):
@@ -18,11 +18,11 @@ The step writes a variable, a stateful op, after which tf.data prefetches nothin
 ends with ``prefetch(AUTOTUNE)``, as Keras' own do (without it each training step waited for its element).
 """
 
-from ... import datacheck
+from ...verify import datacheck
 
 
 def wrapper(tf):
-    """``wrap_adapter(data_adapter, epoch_iterator)`` for :class:`~distkeras.datacheck.Watch`: the adapter's
+    """``wrap_adapter(data_adapter, epoch_iterator)`` for :class:`~distkeras.verify.datacheck.Watch`: the adapter's
     ``get_tf_dataset`` (an instance attribute) returns the pipeline with the fingerprinting step."""
 
     def wrap_adapter(adapter, iterator):

@@ -1,4 +1,4 @@
-"""Pipeline parallelism on TensorFlow, in one process: the stages and schedules of :mod:`distkeras.pipeline` over
+"""Pipeline parallelism on TensorFlow, in one process: the stages and schedules of :mod:`distkeras.parallel.pipeline` over
 several devices of this process (``distribute(model, ["gpu:0", "gpu:1"], pipeline_stages=2)``), with replicas of
 the pipeline when there are stages x replicas devices.
 
@@ -7,7 +7,7 @@ graph, sharing the variables); its devices are one per replica (replica ``r``'s 
 ``r * S + s``), its variables live on the first (their storage re-created there) and its forward and backward run
 under ``tf.device`` of each.
 
-- **Replicas**: each micro-batch is split by rows over the stage's devices (:func:`distkeras.pipeline.replica_rows`);
+- **Replicas**: each micro-batch is split by rows over the stage's devices (:func:`distkeras.parallel.pipeline.replica_rows`);
   each part's forward and backward run on its device, reading the stage's variables from the first device
   (TensorFlow copies them), and the parts' gradients are added there, so the step applies one device's gradient.
   The parts travel to the next stage part by part (replica r's stage s feeds replica r's stage s + 1).
@@ -17,12 +17,12 @@ under ``tf.device`` of each.
   (the last stage from its loss only); each stage adds its variables' gradients to its sums.
 - **Wire**: TensorFlow's own copy: a stage's output, used under the next stage's ``tf.device``, is copied there
   by the engine (and a gradient back); no transport of distkeras'.
-- **Order**: the stages' action lists (:func:`distkeras.pipeline.schedule`, GPipe or 1F1B) run in one loop, each
-  action after what it needs (:func:`distkeras.pipeline.interleave`).
+- **Order**: the stages' action lists (:func:`distkeras.parallel.pipeline.schedule`, GPipe or 1F1B) run in one loop, each
+  action after what it needs (:func:`distkeras.parallel.pipeline.interleave`).
 - **Traced per batch shape**: Keras' loop over a call's batches runs in Python (its train, test and predict
   functions are made as with ``run_eagerly=True``) and each step is a ``tf.function`` traced for its batch's
   shape (XLA off: one program over several devices), so the micro-batch sizes are ints when it is traced, an
-  uneven batch is cut as :func:`distkeras.pipeline.microbatch_sizes` says and no micro-batch is ever empty; a
+  uneven batch is cut as :func:`distkeras.parallel.pipeline.microbatch_sizes` says and no micro-batch is ever empty; a
   fit() traces twice (its full batches, its last smaller one). ``run_eagerly=True`` runs the step eagerly.
 - **Loss**: each micro-batch's mean loss is weighed by its share of the batch (``pipeline.weights``), and each
   stage adds its own layers' losses (regularizers) weighed the same way, so the summed gradients are one
@@ -45,7 +45,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from ... import pipeline
+from ...parallel import pipeline
 from .. import keras_model
 from . import steps as tensorflow_steps
 
@@ -133,7 +133,7 @@ def _rows(value, start, count):
 
 class Step(object):
     """One batch through the stages, eagerly: training (with the backward) or not. Each micro-batch is split by
-    rows over a stage's replicas (:func:`distkeras.pipeline.replica_rows`), each part computed on its device."""
+    rows over a stage's replicas (:func:`distkeras.parallel.pipeline.replica_rows`), each part computed on its device."""
 
     def __init__(self, plan, training, x, y, sample_weight):
         self.plan, self.training = plan, training

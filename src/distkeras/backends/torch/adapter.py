@@ -36,7 +36,7 @@ import sys
 import weakref
 from typing import List
 
-from ... import exchange, network
+from ...launch import exchange, network
 from ...devices import Device
 from ...errors import DeviceSpecError, DistKerasError, OptionError, TooLateError
 from .. import batchnorm, keras_model, when_imported
@@ -259,7 +259,7 @@ class TorchAdapter(Adapter):
             logger.info("the data check doesn't run on a model split over processes (strategy='model', "
                         "pipeline_stages): every process runs the whole batch")
             return
-        from ... import datacheck
+        from ...verify import datacheck
         from .. import datawatch
         from . import collectives
 
@@ -287,7 +287,7 @@ class TorchAdapter(Adapter):
 
 def _check_pipeline(stages, microbatches, schedule, strategy, shard, compression, model, cluster, devices):
     """The pipeline options, checked (and the model cut, to find a bad cut) before any process starts."""
-    from ... import pipeline
+    from ...parallel import pipeline
 
     if stages is None:
         if microbatches is not None or schedule != "gpipe":
@@ -314,7 +314,7 @@ def _check_pipeline(stages, microbatches, schedule, strategy, shard, compression
 
 
 def _pipeline(model, replica, stages, microbatches, schedule, sync_batchnorm, bucket_mb, batch_logs):
-    """Cut ``model`` into stages (:mod:`distkeras.pipeline`), one per process, R = processes / stages replicas of
+    """Cut ``model`` into stages (:mod:`distkeras.parallel.pipeline`), one per process, R = processes / stages replicas of
     the pipeline: process ``r * S + s`` runs stage ``s`` of replica ``r``. A replica's stages form a process group
     for the activations and gradients; each stage's replicas one for data parallelism (the trainer's hooks on
     that group, as with tensor parallelism)."""
@@ -357,7 +357,7 @@ def _pipeline(model, replica, stages, microbatches, schedule, sync_batchnorm, bu
 
 def _check_strategy(strategy, layout_map, model_shards, shard, compression, model, cluster, devices):
     """The strategy options, checked before any process starts."""
-    from ... import layouts
+    from ...parallel import layouts
 
     if strategy not in ("data", "model"):
         raise OptionError("Expected strategy in ('data', 'model'). Received: strategy={!r}".format(strategy))
@@ -396,7 +396,7 @@ def _tensor_parallel(model, replica, layout_map, model_shards, sync_batchnorm, b
     trainer's hooks, on that group)."""
     import torch.distributed as dist
 
-    from ... import layouts
+    from ...parallel import layouts
     from . import collectives, tensor
     from . import trainer as torch_trainer
 
@@ -555,7 +555,7 @@ def _join(cluster, device, engine, timeout, listener=None):
 
 def _listen(host, port):
     """A socket for rank 0's store, bound where the other ranks connect: the loopback address, or this host's
-    one address that ``host`` names (:func:`distkeras.network.listen_address`). TCPStore left to bind the port
+    one address that ``host`` names (:func:`distkeras.launch.network.listen_address`). TCPStore left to bind the port
     itself listens on every interface (``::`` and 0.0.0.0); None where no single address is sure, and so it does."""
     if is_loopback(host):
         return socket.create_server((host, port), backlog=128)

@@ -5,7 +5,7 @@ subprocess launcher does the same), each child with RANK / WORLD_SIZE / LOCAL_RA
 MASTER_ADDR=127.0.0.1 / MASTER_PORT in its environment, so the child's own call of ``distribute()``
 joins the job instead of launching again. Rank 0 binds the rendezvous port (127.0.0.1 only) before the
 children start, so the port can't be taken in between. A child's stdout and stderr reach rank 0 through one pipe
-and come out on rank 0's stdout, each line prefixed ``[rank N] `` as ``distkeras launch`` does (:mod:`distkeras.relay`).
+and come out on rank 0's stdout, each line prefixed ``[rank N] `` as ``distkeras launch`` does (:mod:`distkeras.launch.relay`).
 
 The lifetimes are tied both ways, within bounded time:
 
@@ -33,9 +33,9 @@ import sys
 import threading
 import time
 
-from ... import relay
+from ...launch import relay
 from ...errors import LaunchError
-from ...processes import EXIT_PREEMPTED, describe_exit, memory_hint, oom_kills, orphan_proof
+from ...launch.processes import EXIT_PREEMPTED, describe_exit, memory_hint, oom_kills, orphan_proof
 
 #: Set in every child to its parent's pid.
 PARENT_ENV = "DISTKERAS_LAUNCHED_BY"

@@ -1,4 +1,4 @@
-"""Pipeline parallelism on PyTorch: the stages and schedule of :mod:`distkeras.pipeline` over torch.distributed.
+"""Pipeline parallelism on PyTorch: the stages and schedule of :mod:`distkeras.parallel.pipeline` over torch.distributed.
 
 Process ``r * S + s`` of a job of R replicas x S stages runs stage ``s`` of replica ``r``. Every process holds
 the whole Keras model (its stage's layers are what it computes and trains); a stage is a Keras ``Model`` over
@@ -32,7 +32,7 @@ import keras
 import torch
 import torch.distributed as dist
 
-from ... import pipeline
+from ...parallel import pipeline
 from ...errors import OptionError
 from .. import keras_model
 from . import random as torch_random
@@ -77,7 +77,7 @@ def _variables(layers):
 
 
 def make_plan(model, stages, microbatches, schedule, rank, world):
-    """Cut ``model`` (:func:`distkeras.pipeline.plan`) and make the process groups (every process makes every
+    """Cut ``model`` (:func:`distkeras.parallel.pipeline.plan`) and make the process groups (every process makes every
     group, in the same order: torch's rule)."""
     parts = pipeline.plan(model, stages)
     if len(parts) < 2:
@@ -134,7 +134,7 @@ def _across_replicas(plan, factors, rows, weight):
 
 
 class TorchStage(pipeline.Stage):
-    """One step's micro-batches on this process' stage (see :class:`distkeras.pipeline.Stage`)."""
+    """One step's micro-batches on this process' stage (see :class:`distkeras.parallel.pipeline.Stage`)."""
 
     def __init__(self, plan, x, y, sample_weight, training):
         self.plan, self.x, self.y, self.sample_weight, self.training = plan, x, y, sample_weight, training

@@ -34,7 +34,7 @@ import keras
 import torch
 import torch.distributed as dist
 
-from ... import layouts
+from ...parallel import layouts
 from ...errors import OptionError
 from .. import keras_model
 

@@ -53,7 +53,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from .errors import LaunchError
+from ..errors import LaunchError
 
 #: Seconds of silence after which a host counts as lost (heartbeats go out every second).
 DEFAULT_PEER_TIMEOUT = 15.0

@@ -10,7 +10,7 @@ them), JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jax.distrib
 With the MXNet backend the launchers also start MXNet's parameter-server processes (:mod:`distkeras.backends.mxnet.launch`): node 0
 a scheduler, every node one server, all of them and the workers described by the ``DMLC_*`` variables.
 Every output line is prefixed with its rank (a worker's stdout and stderr, in the order it wrote them, on the
-launcher's stdout; progress bars in place on a terminal, collapsed elsewhere: :mod:`distkeras.relay`), ``--ranks``
+launcher's stdout; progress bars in place on a terminal, collapsed elsewhere: :mod:`distkeras.launch.relay`), ``--ranks``
 picks the ranks the console shows and ``--log-dir`` keeps each one's output in a file; SIGINT/SIGTERM are forwarded to every worker; when a
 worker fails, the others are stopped within ``--stop-timeout`` seconds and the launcher exits with the
 failing worker's code, saying which rank (or which scheduler or server) died and how. It never waits on a
@@ -31,9 +31,10 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import backends, processes, relay
-from .backends.base import LaunchJob
-from .errors import LaunchError
+from .. import backends
+from . import processes, relay
+from ..backends.base import LaunchJob
+from ..errors import LaunchError
 from .network import INTERFACE_ENV, free_port, parse_address  # noqa: F401 (part of this module's API)
 from .processes import EXIT_PREEMPTED, LAUNCHER_ENV, orphan_proof, python_command  # noqa: F401 (part of this module's API)
 
@@ -117,7 +118,7 @@ class _Worker(object):
 
 
 #: The cgroup's out-of-memory kills when this module was imported (before any worker starts): a worker's SIGKILL
-#: is named the OOM killer's where the count grew since (:func:`distkeras.processes.memory_hint`).
+#: is named the OOM killer's where the count grew since (:func:`distkeras.launch.processes.memory_hint`).
 _OOM_KILLS_AT_START = processes.oom_kills()
 
 
@@ -340,7 +341,7 @@ def plan(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_rank
     """Commands, environments and ranks for this host's workers (pure: no process is started).
 
     On one host the engine's rendezvous is ``coordinator`` (default: 127.0.0.1 and a free port). Across
-    hosts ``coordinator`` is where the launchers meet (:mod:`distkeras.rendezvous`), and the engines use the
+    hosts ``coordinator`` is where the launchers meet (:mod:`distkeras.launch.rendezvous`), and the engines use the
     ports after it: torch.distributed's store and jax.distributed's service PORT+1, TensorFlow's workers
     PORT+1 .. PORT+nproc_per_node on every host, at each host's address in ``addresses``.
 
@@ -458,7 +459,7 @@ def from_scheduler(nnodes: Optional[int] = None,
     Raises:
         ClusterError: a Slurm step with several tasks on a node, or Slurm variables that disagree.
     """
-    from .environments import slurm
+    from ..environments import slurm
 
     if nnodes is not None and node_rank is not None and coordinator is not None:
         return nnodes, node_rank, coordinator  # all given: Slurm's variables aren't even read
@@ -472,14 +473,14 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
             hosts: Optional[List[str]] = None, interface: Optional[str] = None, stop_timeout: Optional[float] = None, join_timeout: Optional[float] = None, peer_timeout: Optional[float] = None, environ: Optional[Dict[str, str]] = None,
             token_file: Optional[str] = None, log_dir: Optional[str] = None, ranks: Optional[str] = None) -> int:
     """``distkeras launch``: on one host, start and watch the workers; across hosts, meet the other hosts'
-    launchers first (:mod:`distkeras.rendezvous`), then start this host's workers and watch the whole job.
+    launchers first (:mod:`distkeras.launch.rendezvous`), then start this host's workers and watch the whole job.
 
     Everything that can be checked before a worker starts is: the counts, the coordinator (an address of
     node 0's host with free ports; reachable from the others), the interface, ``--hosts`` (one address of
     this host at this node's rank, the same list everywhere), and that every host agrees.
 
     Across hosts the launchers authenticate each other with the job's secret (``token_file``, else
-    DISTKERAS_TOKEN_FILE / DISTKERAS_TOKEN: :func:`distkeras.rendezvous.secret`); the workers don't get it.
+    DISTKERAS_TOKEN_FILE / DISTKERAS_TOKEN: :func:`distkeras.launch.rendezvous.secret`); the workers don't get it.
 
     ``log_dir`` and ``ranks`` (``"0,2"``: the ranks the console shows, :func:`parse_ranks`) are
     :class:`Launcher`'s ``log_dir`` and ``show``.

@@ -29,7 +29,7 @@ import logging
 import os
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
-from .errors import DataError, OptionError
+from ..errors import DataError, OptionError
 
 logger = logging.getLogger("distkeras")
 

@@ -36,8 +36,8 @@ import time
 from typing import Mapping, Optional, Tuple
 
 from . import network
-from .cluster import Cluster
-from .errors import ClusterError
+from ..cluster import Cluster
+from ..errors import ClusterError
 
 #: Seconds a worker waits for the store and for the other ranks' addresses.
 TIMEOUT_ENV = "DISTKERAS_EXCHANGE_TIMEOUT"
@@ -98,7 +98,7 @@ def address(host: str, port: int) -> str:
 def own_host(master_addr: str, routed: str) -> str:
     """The host name under which the other workers reach this one.
 
-    ``routed`` is this host's address that reaches MASTER_ADDR (:func:`distkeras.network.choose`). On node 0 that
+    ``routed`` is this host's address that reaches MASTER_ADDR (:func:`distkeras.launch.network.choose`). On node 0 that
     can be a loopback address: MASTER_ADDR is node 0's own name, which stock Debian and Ubuntu hosts resolve to
     127.0.1.1 themselves. The other nodes reached node 0's store under that very name, so it is the one to
     publish; a job on one host (MASTER_ADDR "localhost" or a loopback address) publishes the loopback address.

@@ -25,7 +25,7 @@ one device, and a job of several TensorFlow workers, whose primitives don't gath
 import logging
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
-from .errors import OptionError, VerifyError
+from ..errors import OptionError, VerifyError
 
 logger = logging.getLogger("distkeras")
 
@@ -40,7 +40,7 @@ ATOL = 1e-5
 
 def mode(option: object = None, environ: Optional[Dict[str, str]] = None) -> Optional[str]:
     """The check's mode: ``"raise"``, ``"warn"`` or None (off, the default), from ``distribute()``'s ``verify``
-    option, else from :data:`ENV` (:func:`distkeras.datacheck.switch`).
+    option, else from :data:`ENV` (:func:`distkeras.verify.datacheck.switch`).
 
     Raises:
         OptionError: a value that is none of True, False, None, "raise", "warn" (or, in the environment, 1/0).

@@ -18,7 +18,7 @@ Pure, framework-free, Python 3.6-compatible.
 import re
 from typing import Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from .errors import OptionError
+from ..errors import OptionError
 
 BATCH = "batch"
 MODEL = "model"

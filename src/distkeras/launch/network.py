@@ -29,7 +29,7 @@ import struct
 import typing
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from .errors import LaunchError, NetworkError
+from ..errors import LaunchError, NetworkError
 
 #: Names the interface (or an address of it) every engine of this worker uses; overrides the choice.
 INTERFACE_ENV = "DISTKERAS_INTERFACE"

@@ -23,7 +23,7 @@ a :class:`Stage` object. What doesn't is here:
 
 from typing import NamedTuple, Optional, Tuple
 
-from .errors import OptionError
+from ..errors import OptionError
 
 SCHEDULES = ("gpipe", "1f1b")
 #: The instance attribute of a model cut into stages, on every backend: its backend's plan.
