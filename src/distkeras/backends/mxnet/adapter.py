@@ -22,7 +22,7 @@ Nothing is rebuilt from a config, and ``save()`` writes the plain model.
 
 **Across processes** (``distkeras launch --backend mxnet``, which also starts MXNet's scheduler and servers
 with the ``DMLC_*`` variables) each worker's module adds its contexts' gradients and the other workers' in
-one ``dist_sync`` KVStore per process (:class:`_Job`): the servers sum what the workers push, every worker
+one ``dist_sync`` KVStore per process (:class:`.job._Job`): the servers sum what the workers push, every worker
 pulls the sum and applies the same update with its own copy of the optimizer. The optimizer can't run on
 the servers: keras-mxnet's optimizers are classes local to a function, which MXNet can't pickle to them.
 The module itself is bound without a KVStore (``model._kvstore = None``) and the train step pushes and
@@ -73,26 +73,22 @@ Keras calls before every fit/evaluate/predict; they are instance attributes and 
 Each private name used is commented where it is used, and pinned by tests/mxnet/test_internals.py.
 """
 
-import atexit
 import functools
 import os
-import socket
-import time
 from typing import Mapping
 
 from ... import sharding
 from ...cluster import Cluster
 from ...devices import Device
-from ...errors import ClusterError, DistKerasError, NetworkError, OptionError, ShardError
+from ...errors import ClusterError, OptionError, ShardError
 from .. import policies
 from ..base import Adapter
+from . import job as mxnet_job
 
 _KVSTORES = ("device", "local")
 #: The KVStores of a multi-worker job: 'dist_sync' adds a worker's contexts on the CPU, 'dist_sync_device'
 #: on its GPUs, before pushing to the servers.
 _DIST_KVSTORES = ("dist_sync", "dist_sync_device")
-#: Seconds a worker waits for MXNet's scheduler to listen before it gives up.
-SCHEDULER_TIMEOUT = 60.0
 #: MXNet hyper-parameters that keras-mxnet's optimizers take but leave out of get_config()
 #: (``clipnorm`` becomes ``clip_gradient``; ``wd`` and the rest come in through ``**kwargs``).
 _OPTIMIZER_EXTRAS = ("clip_gradient", "wd", "rescale_grad", "multi_precision")
@@ -239,7 +235,7 @@ class MXNetAdapter(Adapter):
             raise OptionError("compression is not supported across MXNet workers in this version of distkeras "
                               "(only within one process, kvstore='device'). Received: compression={!r}".format(compression))
         if self._job is None:
-            self._job = _Job(kvstore, cluster)
+            self._job = mxnet_job._Job(kvstore, cluster)
         elif self._job.kv.type != kvstore:
             raise OptionError("This worker's job already uses kvstore={!r}; one KVStore per process. Received: "
                               "kvstore={!r}".format(self._job.kv.type, kvstore))
@@ -249,7 +245,7 @@ class MXNetAdapter(Adapter):
         model._kvstore = None
         model._distkeras_compression = None
         model._distkeras_job = self._job
-        _seed_by_rank(cluster.rank)
+        mxnet_job._seed_by_rank(cluster.rank)
         _compile_again(model)
         model._make_train_function = functools.partial(_install, model, "train_function", _train_step)
         model._make_test_function = functools.partial(_install, model, "test_function", _test_step)
@@ -267,100 +263,6 @@ class MXNetAdapter(Adapter):
         then (on ps-lite's rank 0) stops the servers. Registered to run at exit; no training may follow."""
         if self._job is not None:
             self._job.close()
-
-
-class _Job(object):
-    """This worker's ``dist_sync`` KVStore and the keys the adapter made in it."""
-
-    def __init__(self, kvstore, cluster):
-        import mxnet as mx
-
-        env = os.environ
-        if env.get("DMLC_ROLE") != "worker" or not env.get("DMLC_PS_ROOT_URI") or not env.get("DMLC_PS_ROOT_PORT"):
-            raise DistKerasError(
-                "This process is rank {} of {} workers ({}), but not a worker of an MXNet parameter-server job: "
-                "DMLC_ROLE={!r}, DMLC_PS_ROOT_URI={!r}, DMLC_PS_ROOT_PORT={!r}. Start the job with `distkeras launch "
-                "--backend mxnet --nproc-per-node N script.py`, which starts MXNet's scheduler and servers too.".format(
-                    cluster.rank, cluster.world_size, cluster.source, env.get("DMLC_ROLE"),
-                    env.get("DMLC_PS_ROOT_URI"), env.get("DMLC_PS_ROOT_PORT")))
-        wait_for_scheduler(env["DMLC_PS_ROOT_URI"], int(env["DMLC_PS_ROOT_PORT"]),
-                           float(env.get("DISTKERAS_SCHEDULER_TIMEOUT", SCHEDULER_TIMEOUT)))
-        self.kv = mx.kv.create(kvstore)  # ps-lite starts; returns once every process of the job is connected
-        self.rank, self.workers = cluster.rank, cluster.world_size
-        if self.kv.num_workers != cluster.world_size:
-            raise ClusterError("The launch environment ({}) says {} workers, but MXNet's KVStore has {} "
-                               "(DMLC_NUM_WORKER={}).".format(cluster.source, cluster.world_size, self.kv.num_workers,
-                                                             env.get("DMLC_NUM_WORKER")))
-        self.modules = 0
-        self.sizes = set()
-        atexit.register(self.close)
-
-    def key(self, *parts):
-        return "/".join(str(p) for p in parts)
-
-    def init(self, key, value):
-        """``kv.init`` of a new key (every worker, same order): allocates it on the servers."""
-        self.kv.init(key, value)
-
-    def sum(self, key, value, out):
-        """Push ``value`` (one array, or one per context) under ``key``; ``out`` gets the job's sum."""
-        self.kv.pushpull(key, value, out=out)
-
-    def all_sum(self, vector):
-        """The sum over the workers of a float32 numpy ``vector`` (every worker calls it, in the same order)."""
-        import mxnet as mx
-
-        key = self.key("sum", len(vector))
-        array = mx.nd.array(vector, dtype="float32")
-        if len(vector) not in self.sizes:
-            self.sizes.add(len(vector))
-            self.init(key, array)
-        self.sum(key, array, array)
-        return array.asnumpy()
-
-    def close(self):
-        if getattr(self, "kv", None) is not None:
-            kv, self.kv = self.kv, None
-            del kv  # the KVStore's destructor: a barrier of every worker, then the servers stop
-
-
-#: The seed keras-mxnet gives MXNet's generators whenever it builds a Dropout layer given no seed (its
-#: ``backend.dropout`` calls ``mx.random.seed(seed or int(10e6))``).
-_KERAS_MXNET_DROPOUT_SEED = int(10e6)
-
-
-def _seed_by_rank(rank):
-    """Reseed MXNet's random generators on every worker but rank 0 by its rank.
-
-    keras-mxnet reseeds MXNet's generators whenever it builds a Dropout layer (``mx.random.seed(seed or 10e6)``), the
-    same on every worker: each would draw the same dropout masks for its rows as the others. The model is built
-    before distribute(), so reseeding here, after it, makes the workers draw independent masks; rank 0 keeps the
-    seed it had (a one-process run's). Not one process's masks: MXNet draws a batch's masks in one stream, which no
-    split of the batch repeats. The spacing of 1000 keeps apart the streams of MXNet's per-device generators, which
-    it seeds from the seed and the device id."""
-    import mxnet as mx
-
-    if rank:
-        mx.random.seed(_KERAS_MXNET_DROPOUT_SEED + 1000 * rank)
-
-
-def wait_for_scheduler(host, port, timeout):
-    """Return once MXNet's scheduler accepts connections at ``host:port``; raise a clear error after ``timeout`` s.
-
-    ps-lite itself would retry the connection forever, with nothing said.
-    """
-    deadline = time.time() + timeout
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=2).close()
-            return
-        except OSError as exc:
-            if time.time() > deadline:
-                raise NetworkError(
-                    "MXNet's scheduler at {}:{} (DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT) can't be reached after {:.0f} s "
-                    "({}). Start the job with `distkeras launch --backend mxnet`, whose node rank 0 runs the "
-                    "scheduler, and check that this host reaches that address.".format(host, port, timeout, exc))
-            time.sleep(0.2)
 
 
 def _fresh_optimizer(optimizer):
