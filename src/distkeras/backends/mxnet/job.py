@@ -1,8 +1,8 @@
 """This worker's place in MXNet's parameter-server job (``distkeras launch --backend mxnet``): its ``dist_sync``
 KVStore, one per process (:class:`_Job`), which sums what the workers push and gives every worker the sum; the
 wait for MXNet's scheduler before ps-lite connects (:func:`wait_for_scheduler`); and the reseeding of MXNet's random
-generators by rank (:func:`_seed_by_rank`). What goes through the KVStore at each step, and when a model joins a
-job at all, are :mod:`.adapter`'s.
+generators by rank (:func:`_seed_by_rank`). What goes through the KVStore at each step is :mod:`.steps`' business;
+whether a model joins a job at all, :mod:`.adapter`'s.
 """
 
 import atexit
