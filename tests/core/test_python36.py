@@ -21,7 +21,8 @@ CORE = ["__init__.py", "__main__.py", "api.py", "devices.py", "cluster/__init__.
         "backends/agreement.py",  # policies' saves wait on it, framework-free
         # the two Keras 2 backends, whole (keras-mxnet 2.2.4.3 itself is at home on Python 3.6-3.8)
         "backends/cntk/__init__.py", "backends/cntk/adapter.py", "backends/cntk/launch.py",
-        "backends/mxnet/__init__.py", "backends/mxnet/adapter.py", "backends/mxnet/launch.py", "backends/mxnet/shims.py"]
+        "backends/mxnet/__init__.py", "backends/mxnet/adapter.py", "backends/mxnet/job.py", "backends/mxnet/launch.py",
+        "backends/mxnet/loops.py", "backends/mxnet/shims.py", "backends/mxnet/steps.py"]
 OPTIONAL = []  # checked as soon as they exist
 #: Outside the package, what CNTK users run: the scenario-1 example.
 SCRIPTS = [os.path.join(os.path.dirname(os.path.dirname(SRC)), "examples", "mnist_mlp_cntk.py")]

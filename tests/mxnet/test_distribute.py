@@ -549,7 +549,7 @@ def test_contexts_draw_independent_dropout_masks():
 def test_workers_calling_fit_differently_are_told_what_each_rank_passed():
     # What every rank of a job raises when their fit() calls differ (here rank 1 has one sample fewer); the job's
     # all-sum is stood in for by one that fills in rank 1's row (tests/mxnet/test_multiworker.py runs it for real).
-    from distkeras.backends.mxnet import adapter
+    from distkeras.backends.mxnet import loops
     from distkeras.errors import ShardError
 
     class Job(object):
@@ -562,8 +562,8 @@ def test_workers_calling_fit_differently_are_told_what_each_rank_passed():
             return rows.ravel()
 
     with pytest.raises(ShardError) as caught:
-        adapter._check_same_everywhere(Job(), "fit", [("samples", 24), ("batch_size", 8), ("epochs", 2), ("shuffle", 2),
-                                                      ("validation_samples", -1), ("validation_split", 250000)])
+        loops._check_same_everywhere(Job(), "fit", [("samples", 24), ("batch_size", 8), ("epochs", 2), ("shuffle", 2),
+                                                    ("validation_samples", -1), ("validation_split", 250000)])
     assert str(caught.value) == (
         "Every worker must call fit() with the same full arrays, batch_size, epochs, shuffle, validation_samples and "
         "validation_split (distkeras shards the data itself). "

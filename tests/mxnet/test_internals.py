@@ -1,6 +1,6 @@
 """The keras-mxnet 2.2.4.3 and MXNet 1.9 internals the MXNet adapter relies on, one test each: that each
-exists and behaves as src/distkeras/backends/mxnet/adapter.py's comments say. A new keras-mxnet or MXNet that
-changes one fails here, by name, before the training tests fail by a number.
+exists and behaves as the comments of src/distkeras/backends/mxnet/ (adapter.py, steps.py) say. A new keras-mxnet
+or MXNet that changes one fails here, by name, before the training tests fail by a number.
 """
 
 import mxnet as mx
@@ -9,7 +9,7 @@ import pytest
 
 from tests.mxnet.harness import keras  # noqa: F401 (skips without keras-mxnet)
 
-from distkeras.backends.mxnet import adapter
+from distkeras.backends.mxnet import steps
 
 BATCH = 6
 
@@ -121,7 +121,7 @@ def test_fit_calls_make_train_function_and_feeds_x_y_then_sample_weights():
     model.fit(x, [np.zeros((4, 2)), np.zeros((4, 1))], sample_weight=[weights, 2 * weights], batch_size=4,
               shuffle=False, verbose=0)
     assert (len(model._feed_inputs), len(model._feed_targets), len(model._feed_sample_weights)) == (1, 2, 2)
-    assert list(adapter._sample_weight_positions(model)) == [3, 4]
+    assert list(steps._sample_weight_positions(model)) == [3, 4]
     np.testing.assert_array_equal(fed[0][3], weights)
     np.testing.assert_array_equal(fed[0][4], 2 * weights)
 
@@ -133,7 +133,7 @@ def test_metrics_names_follow_compiles_order_of_losses_metrics_and_weighted_metr
     names = model.metrics_names
     # Weighed by samples: the loss, the outputs' losses and the weighted metrics; by rows: the metrics.
     expected = [name == "loss" or name.endswith("_loss") or "_weighted_" in name for name in names]
-    assert adapter._counted_by_samples(model, len(names)) == expected
+    assert steps._counted_by_samples(model, len(names)) == expected
     assert expected.count(False) == 3 and expected.count(True) == 5, names
 
 

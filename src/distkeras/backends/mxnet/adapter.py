@@ -22,7 +22,7 @@ Nothing is rebuilt from a config, and ``save()`` writes the plain model.
 
 **Across processes** (``distkeras launch --backend mxnet``, which also starts MXNet's scheduler and servers
 with the ``DMLC_*`` variables) each worker's module adds its contexts' gradients and the other workers' in
-one ``dist_sync`` KVStore per process (:class:`_Job`): the servers sum what the workers push, every worker
+one ``dist_sync`` KVStore per process (:class:`.job._Job`): the servers sum what the workers push, every worker
 pulls the sum and applies the same update with its own copy of the optimizer. The optimizer can't run on
 the servers: keras-mxnet's optimizers are classes local to a function, which MXNet can't pickle to them.
 The module itself is bound without a KVStore (``model._kvstore = None``) and the train step pushes and
@@ -66,33 +66,33 @@ Sample weights that give a context (or worker) of a step rows of nonzero weight 
 another make Keras 2 compute that output's loss there as 0/0 (NaN gradient, NaN weights): the step raises a
 ``ShardError`` before it updates anything, on every worker of a job.
 
-The per-step code talks to keras-mxnet's Model internals (``_adjust_module``, ``_module``,
+The per-step code (:mod:`.steps`) talks to keras-mxnet's Model internals (``_adjust_module``, ``_module``,
 ``_update``...), as keras-mxnet's own train/test/predict functions do: it has no public hook between
 backward and update. Those functions are replaced per model through the ``_make_*_function`` methods
 Keras calls before every fit/evaluate/predict; they are instance attributes and nothing of them is saved.
 Each private name used is commented where it is used, and pinned by tests/mxnet/test_internals.py.
+
+This module distributes the model; the steps it installs are :mod:`.steps`, the multi-worker ``fit()``,
+``evaluate()`` and ``predict()`` :mod:`.loops`, and this process's KVStore in the parameter-server job :mod:`.job`.
 """
 
-import atexit
 import functools
 import os
-import socket
-import time
 from typing import Mapping
 
-from ... import sharding
 from ...cluster import Cluster
 from ...devices import Device
-from ...errors import ClusterError, DistKerasError, NetworkError, OptionError, ShardError
+from ...errors import ClusterError, OptionError
 from .. import policies
 from ..base import Adapter
+from . import job as mxnet_job
+from . import loops as mxnet_loops
+from . import steps as mxnet_steps
 
 _KVSTORES = ("device", "local")
 #: The KVStores of a multi-worker job: 'dist_sync' adds a worker's contexts on the CPU, 'dist_sync_device'
 #: on its GPUs, before pushing to the servers.
 _DIST_KVSTORES = ("dist_sync", "dist_sync_device")
-#: Seconds a worker waits for MXNet's scheduler to listen before it gives up.
-SCHEDULER_TIMEOUT = 60.0
 #: MXNet hyper-parameters that keras-mxnet's optimizers take but leave out of get_config()
 #: (``clipnorm`` becomes ``clip_gradient``; ``wd`` and the rest come in through ``**kwargs``).
 _OPTIMIZER_EXTRAS = ("clip_gradient", "wd", "rescale_grad", "multi_precision")
@@ -221,10 +221,7 @@ class MXNetAdapter(Adapter):
         model._kvstore = kvstore  # keras-mxnet's init_optimizer(kvstore=Model._kvstore); it has no public setter
         model._distkeras_compression = _compression_params(compression, kvstore)
         _compile_again(model)
-        # Keras calls these before every fit/evaluate/predict; they install the steps below.
-        model._make_train_function = functools.partial(_install, model, "train_function", _train_step)
-        model._make_test_function = functools.partial(_install, model, "test_function", _test_step)
-        model._make_predict_function = functools.partial(_install, model, "predict_function", _predict_step)
+        _install_steps(model)
         policies.rank0_writes(model, cluster.rank)  # one process: its saves atomic
         return model
 
@@ -239,7 +236,7 @@ class MXNetAdapter(Adapter):
             raise OptionError("compression is not supported across MXNet workers in this version of distkeras "
                               "(only within one process, kvstore='device'). Received: compression={!r}".format(compression))
         if self._job is None:
-            self._job = _Job(kvstore, cluster)
+            self._job = mxnet_job._Job(kvstore, cluster)
         elif self._job.kv.type != kvstore:
             raise OptionError("This worker's job already uses kvstore={!r}; one KVStore per process. Received: "
                               "kvstore={!r}".format(self._job.kv.type, kvstore))
@@ -249,16 +246,14 @@ class MXNetAdapter(Adapter):
         model._kvstore = None
         model._distkeras_compression = None
         model._distkeras_job = self._job
-        _seed_by_rank(cluster.rank)
+        mxnet_job._seed_by_rank(cluster.rank)
         _compile_again(model)
-        model._make_train_function = functools.partial(_install, model, "train_function", _train_step)
-        model._make_test_function = functools.partial(_install, model, "test_function", _test_step)
-        model._make_predict_function = functools.partial(_install, model, "predict_function", _predict_step)
+        _install_steps(model)
         if not getattr(model, "_distkeras_fit", False):
             policies.rank0_speaks_and_writes(model, cluster.rank)  # first: it binds verbose in Keras' signature
-            model.fit = functools.partial(_fit, model, model.fit)
-            model.evaluate = functools.partial(_evaluate, model, model.evaluate)
-            model.predict = functools.partial(_predict, model, model.predict)
+            model.fit = functools.partial(mxnet_loops._fit, model, model.fit)
+            model.evaluate = functools.partial(mxnet_loops._evaluate, model, model.evaluate)
+            model.predict = functools.partial(mxnet_loops._predict, model, model.predict)
             model._distkeras_fit = True
         return model
 
@@ -267,100 +262,6 @@ class MXNetAdapter(Adapter):
         then (on ps-lite's rank 0) stops the servers. Registered to run at exit; no training may follow."""
         if self._job is not None:
             self._job.close()
-
-
-class _Job(object):
-    """This worker's ``dist_sync`` KVStore and the keys the adapter made in it."""
-
-    def __init__(self, kvstore, cluster):
-        import mxnet as mx
-
-        env = os.environ
-        if env.get("DMLC_ROLE") != "worker" or not env.get("DMLC_PS_ROOT_URI") or not env.get("DMLC_PS_ROOT_PORT"):
-            raise DistKerasError(
-                "This process is rank {} of {} workers ({}), but not a worker of an MXNet parameter-server job: "
-                "DMLC_ROLE={!r}, DMLC_PS_ROOT_URI={!r}, DMLC_PS_ROOT_PORT={!r}. Start the job with `distkeras launch "
-                "--backend mxnet --nproc-per-node N script.py`, which starts MXNet's scheduler and servers too.".format(
-                    cluster.rank, cluster.world_size, cluster.source, env.get("DMLC_ROLE"),
-                    env.get("DMLC_PS_ROOT_URI"), env.get("DMLC_PS_ROOT_PORT")))
-        wait_for_scheduler(env["DMLC_PS_ROOT_URI"], int(env["DMLC_PS_ROOT_PORT"]),
-                           float(env.get("DISTKERAS_SCHEDULER_TIMEOUT", SCHEDULER_TIMEOUT)))
-        self.kv = mx.kv.create(kvstore)  # ps-lite starts; returns once every process of the job is connected
-        self.rank, self.workers = cluster.rank, cluster.world_size
-        if self.kv.num_workers != cluster.world_size:
-            raise ClusterError("The launch environment ({}) says {} workers, but MXNet's KVStore has {} "
-                               "(DMLC_NUM_WORKER={}).".format(cluster.source, cluster.world_size, self.kv.num_workers,
-                                                             env.get("DMLC_NUM_WORKER")))
-        self.modules = 0
-        self.sizes = set()
-        atexit.register(self.close)
-
-    def key(self, *parts):
-        return "/".join(str(p) for p in parts)
-
-    def init(self, key, value):
-        """``kv.init`` of a new key (every worker, same order): allocates it on the servers."""
-        self.kv.init(key, value)
-
-    def sum(self, key, value, out):
-        """Push ``value`` (one array, or one per context) under ``key``; ``out`` gets the job's sum."""
-        self.kv.pushpull(key, value, out=out)
-
-    def all_sum(self, vector):
-        """The sum over the workers of a float32 numpy ``vector`` (every worker calls it, in the same order)."""
-        import mxnet as mx
-
-        key = self.key("sum", len(vector))
-        array = mx.nd.array(vector, dtype="float32")
-        if len(vector) not in self.sizes:
-            self.sizes.add(len(vector))
-            self.init(key, array)
-        self.sum(key, array, array)
-        return array.asnumpy()
-
-    def close(self):
-        if getattr(self, "kv", None) is not None:
-            kv, self.kv = self.kv, None
-            del kv  # the KVStore's destructor: a barrier of every worker, then the servers stop
-
-
-#: The seed keras-mxnet gives MXNet's generators whenever it builds a Dropout layer given no seed (its
-#: ``backend.dropout`` calls ``mx.random.seed(seed or int(10e6))``).
-_KERAS_MXNET_DROPOUT_SEED = int(10e6)
-
-
-def _seed_by_rank(rank):
-    """Reseed MXNet's random generators on every worker but rank 0 by its rank.
-
-    keras-mxnet reseeds MXNet's generators whenever it builds a Dropout layer (``mx.random.seed(seed or 10e6)``), the
-    same on every worker: each would draw the same dropout masks for its rows as the others. The model is built
-    before distribute(), so reseeding here, after it, makes the workers draw independent masks; rank 0 keeps the
-    seed it had (a one-process run's). Not one process's masks: MXNet draws a batch's masks in one stream, which no
-    split of the batch repeats. The spacing of 1000 keeps apart the streams of MXNet's per-device generators, which
-    it seeds from the seed and the device id."""
-    import mxnet as mx
-
-    if rank:
-        mx.random.seed(_KERAS_MXNET_DROPOUT_SEED + 1000 * rank)
-
-
-def wait_for_scheduler(host, port, timeout):
-    """Return once MXNet's scheduler accepts connections at ``host:port``; raise a clear error after ``timeout`` s.
-
-    ps-lite itself would retry the connection forever, with nothing said.
-    """
-    deadline = time.time() + timeout
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=2).close()
-            return
-        except OSError as exc:
-            if time.time() > deadline:
-                raise NetworkError(
-                    "MXNet's scheduler at {}:{} (DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT) can't be reached after {:.0f} s "
-                    "({}). Start the job with `distkeras launch --backend mxnet`, whose node rank 0 runs the "
-                    "scheduler, and check that this host reaches that address.".format(host, port, timeout, exc))
-            time.sleep(0.2)
 
 
 def _fresh_optimizer(optimizer):
@@ -414,6 +315,13 @@ def _compression_params(compression, kvstore):
     return {"type": "2bit", "threshold": float(threshold)}
 
 
+def _install_steps(model):
+    """Have Keras install the steps of :mod:`.steps` on ``model``: it calls these before every fit/evaluate/predict."""
+    model._make_train_function = functools.partial(_install, model, "train_function", mxnet_steps._train_step)
+    model._make_test_function = functools.partial(_install, model, "test_function", mxnet_steps._test_step)
+    model._make_predict_function = functools.partial(_install, model, "predict_function", mxnet_steps._predict_step)
+
+
 def _install(model, attribute, step):
     """Set ``model.<attribute>`` (``train_function``...) to ``step`` bound to ``model``.
 
@@ -425,483 +333,3 @@ def _install(model, attribute, step):
     if params is not None and module is not None and not module.binded:
         module._compression_params = params
     setattr(model, attribute, functools.partial(step, model))
-
-
-# ---- the per-step functions: keras-mxnet's, with padding and per-context weights
-
-
-def _split(rows, contexts):
-    """MXNet's own split of ``rows`` over ``contexts``, or None where it refuses (a context left empty)."""
-    from mxnet.executor_manager import _split_input_slice  # what the module's executor group calls
-
-    try:
-        return _split_input_slice(rows, [1] * contexts)
-    except ValueError:
-        return None
-
-
-def _rows_to_feed(batch, contexts):
-    """The smallest row count >= ``batch`` that MXNet splits so the ``batch`` real rows fill whole contexts."""
-    rows = batch
-    while True:
-        slices = _split(rows, contexts)
-        if slices is not None and any(s.stop == batch for s in slices):
-            return rows
-        rows += 1
-
-
-def _pad(model, inputs):
-    """``inputs`` padded to a size MXNet can split (see :func:`_rows_to_feed`); returns it and the real size."""
-    import numpy as np
-
-    batch = len(inputs[0])
-    rows = _rows_to_feed(batch, len(model._context))
-    if rows == batch:
-        return inputs, batch
-    padded = []
-    for value in inputs:  # arrays of the batch; the learning-phase flag Keras appends is a scalar
-        if getattr(value, "ndim", 0) and len(value) == batch:
-            value = np.concatenate([value, np.repeat(value[:1], rows - batch, axis=0)])
-        padded.append(value)
-    return padded, batch
-
-
-def _sample_weight_positions(model):
-    """Where the sample weights are in the inputs of a step: Keras feeds x..., y..., sample weights..., [phase].
-
-    Keras 2's ``_feed_*`` lists are what its fit loop builds those inputs from; nothing public counts them."""
-    first = len(model._feed_inputs) + len(model._feed_targets)
-    return range(first, first + len(model._feed_sample_weights))
-
-
-def _context_counts(model, inputs, batch):
-    """Each context's count of samples: its real rows with nonzero sample weight (padding rows count 0)."""
-    import numpy as np
-
-    # The executor group's slices: which rows of the batch each context got (MXNet's _split_input_slice).
-    slices = model._module._curr_module._exec_group.slices
-    positions = _sample_weight_positions(model)
-    index = positions[0] if len(positions) else len(inputs)
-    weights = inputs[index] if len(inputs) > index and getattr(inputs[index], "ndim", 0) else np.ones(batch)
-    return [int(np.count_nonzero(weights[s])) if s.start < batch else 0 for s in slices]
-
-
-def _unweighted_output(model, inputs, batch):
-    """Where a context of this step has rows of nonzero sample weight for one output and none for another: a
-    sentence saying so, else None. Keras 2 divides each context's loss of an output by its count of nonzero sample
-    weights, so that loss is 0/0 (NaN) there, its gradient NaN, and no weighing of the contexts' values repairs it
-    (one device divides by the whole batch's count)."""
-    import numpy as np
-
-    names = [name for name, fn in zip(model.output_names, model.loss_functions) if fn is not None]
-    positions = _sample_weight_positions(model)
-    if len(positions) < 2 or len(names) != len(positions) or len(inputs) < positions[-1] + 1:
-        return None
-    slices = model._module._curr_module._exec_group.slices
-    counts = [[int(np.count_nonzero(inputs[i][s])) if s.start < batch else 0 for s in slices] for i in positions]
-    for context, per_output in enumerate(zip(*counts)):
-        if any(per_output) and not all(per_output):
-            return ("context {} ({}) has rows of nonzero sample weight for output {!r} but none for output {!r}".format(
-                context, model._context[context], names[per_output.index(max(per_output))], names[per_output.index(0)]))
-    return None
-
-
-def _unweighted_output_error(where):
-    return ShardError(
-        "The sample weights of this step leave an output without any sample of nonzero weight on one replica while "
-        "another output has some there ({}). Keras 2 computes that replica's loss of the output as 0/0 (NaN), and "
-        "its gradient would turn the weights into NaN. Give every output its zero sample weights in the same rows, "
-        "or choose a batch size where every replica gets rows of nonzero weight for every output.".format(where))
-
-
-def _context_rows(model, batch, real=None):
-    """Each context's count of real rows: padding rows count 0, and every row where ``real`` is 0 (a worker's
-    step on a copy of a row, weighted 0, because the global batch had no row for it)."""
-    slices = model._module._curr_module._exec_group.slices
-    if real == 0:
-        return [0] * len(slices)
-    return [max(0, min(s.stop, batch) - s.start) for s in slices]
-
-
-def _context_weights(model, inputs, batch):
-    """Each context's share of the batch (:func:`~distkeras.backends.policies.batch_shares`): its rows with
-    nonzero sample weight over the batch's.
-
-    Keras divides each context's weighted loss by its own count of nonzero sample weights, so these
-    shares make the weighted sum of the contexts' losses and gradients the single-device ones.
-    """
-    counts = _context_counts(model, inputs, batch)
-    if not sum(counts):  # every sample weight is 0: fall back to row counts
-        return policies.batch_shares(_context_rows(model, batch), batch)
-    return policies.batch_shares(counts)
-
-
-def _counted_by_samples(model, count):
-    """For each of the ``count`` values a step reports (``[loss] + metrics_tensors``): True where Keras 2 divides
-    it by the batch's count of nonzero sample weights (the loss, each output's loss, ``weighted_metrics``),
-    False where by its rows (``metrics``: they ignore sample weights). So a value of several contexts or workers
-    is their values weighed by sample counts or by rows. The order is compile()'s: the loss, the outputs'
-    losses (more than one output), then per output with a loss its metrics and then its weighted metrics."""
-    from keras.engine.training_utils import collect_metrics  # compile()'s own grouping of metrics per output
-
-    live = [i for i, fn in enumerate(model.loss_functions) if fn is not None]
-    kinds = [True] + ([True] * len(live) if len(model.outputs) > 1 else [])
-    plain = collect_metrics(model.metrics, model.output_names)
-    weighted = collect_metrics(model.weighted_metrics, model.output_names)
-    for i in live:
-        kinds += [False] * len(plain[i]) + [True] * len(weighted[i])
-    return (kinds + [True] * count)[:count]
-
-
-def _batch(model, inputs, phase):
-    import mxnet as mx
-    from keras import backend
-
-    backend.set_model(model)  # keras-mxnet reads variables back from the model last set here, as its steps do
-    data, label, _, data_shapes, label_shapes = model._adjust_module(inputs, phase)
-    if getattr(model, "_distkeras_job", None) is not None:
-        _start_from_rank0(model)
-    return mx.io.DataBatch(data=data, label=label, bucket_key=phase, provide_data=data_shapes, provide_label=label_shapes)
-
-
-def _weighted_outputs(model, count, inputs, batch):
-    """The step's ``count`` values of the whole batch: the contexts' values weighed by their shares of the
-    batch's samples or rows (:func:`_counted_by_samples`)."""
-    by_samples = _context_weights(model, inputs, batch)
-    by_rows = policies.batch_shares(_context_rows(model, batch), batch)
-    outputs = model._module.get_outputs(merge_multi_context=False)[:count]
-    # A context with nothing to count (all its sample weights 0) has a value of 0/0 in Keras: left out, as NaN * 0
-    # would be NaN.
-    return [sum(w * float(out.asnumpy().mean()) for w, out in zip(by_samples if kind else by_rows, per_context) if w)
-            for kind, per_context in zip(_counted_by_samples(model, count), outputs)]
-
-
-def _keys(model):
-    """The adapter's keys of the model's MXNet module in the job's KVStore: ``{name: key}`` of the arrays
-    already synchronised, under a prefix of its own (a module of a model compiled again gets new keys)."""
-    module, job = model._module, model._distkeras_job
-    if getattr(module, "_distkeras_prefix", None) is None:
-        job.modules += 1
-        module._distkeras_prefix = job.key("module", job.modules)
-        module._distkeras_keys = {}
-    return module._distkeras_keys
-
-
-def _start_from_rank0(model):
-    """Give the arrays of the module's current bucket that no step has seen yet rank 0's values, on every
-    worker: rank 0 pushes them, the others zeros, and every context pulls the sum. Every worker binds the
-    same buckets in the same order (the same fit/evaluate/predict calls), so the keys agree."""
-    import mxnet as mx
-
-    module, job = model._module, model._distkeras_job
-    if not module.optimizer_initialized:  # a predict-only binding: nothing trains, nothing to agree on
-        return
-    keys = _keys(model)
-    # The executor group holds, per parameter (param_names) and auxiliary state (aux_names), one array per
-    # context: param_arrays/aux_arrays are what the contexts compute with; no public API writes them in place.
-    group = module._curr_module._exec_group
-    new = sorted((kind, name, arrays) for kind, names, all_arrays in (("param", group.param_names, group.param_arrays),
-                                                                     ("aux", group.aux_names, group.aux_arrays))
-                 for name, arrays in zip(names, all_arrays) if (kind, name) not in keys)
-    if not new:
-        return
-    names = [job.key(module._distkeras_prefix, kind, name) for kind, name, _ in new]
-    values = [arrays[0].copy() if job.rank == 0 else mx.nd.zeros_like(arrays[0]) for _, _, arrays in new]
-    job.init(names, values)
-    job.sum(names, values, [arrays for _, _, arrays in new])
-    for (kind, name, _), key in zip(new, names):
-        keys[kind, name] = key
-    # Module.get_params() returns a cached copy unless _params_dirty; a BucketingModule hands its own flag to
-    # its current module, so both are set. keras-mxnet's get_weights() reads the module only if _weights_dirty.
-    module._params_dirty = module._curr_module._params_dirty = True
-    model._weights_dirty = True
-
-
-def _my_rows(model, inputs, weighted=True):
-    """This worker's rows ``[rank::workers]`` of the global batch Keras' fit loop gathered, and their count.
-
-    A worker with no row in a short last batch takes a copy of its first row, with sample weight 0 and
-    counted as no row, so that every worker takes every step (the KVStore's rounds are collective)."""
-    import numpy as np
-
-    rank, workers = model._distkeras_shard
-    size = len(inputs[0])
-    real = len(range(rank, size, workers))
-    weights = _sample_weight_positions(model) if weighted else ()  # predict() feeds x alone
-    mine = []
-    for index, value in enumerate(inputs):  # arrays of the batch; the learning-phase flag is a scalar
-        if getattr(value, "ndim", 0) and len(value) == size:
-            value = value[rank::workers] if real else (np.zeros_like(value[:1]) if index in weights else value[:1])
-        mine.append(value)
-    return mine, real
-
-
-def _train_step_in_job(model, inputs):
-    """One step of a multi-worker job: the gradient of the global batch, summed through the KVStore.
-
-    In ``fit()`` on arrays (:func:`_fit`) Keras' loop gathers the global batch, in the order of its own
-    shuffle, and this worker trains on its rows of it (:func:`_my_rows`); otherwise on all it is given."""
-    import mxnet as mx
-
-    real = None
-    if getattr(model, "_distkeras_shard", None) is not None:
-        inputs, real = _my_rows(model, inputs)
-    inputs, batch = _pad(model, inputs)
-    model._module.forward_backward(_batch(model, inputs, "train"))
-    module, job = model._module, model._distkeras_job
-    counts = _context_counts(model, inputs, batch)
-    rows = _context_rows(model, batch, real)
-    outputs = module.get_outputs(merge_multi_context=False)[: model._ntrain]
-    kinds = _counted_by_samples(model, len(outputs))
-    # What each value adds to the job's: its contexts' values weighed by their counts of samples or of rows
-    # (_counted_by_samples). A context with nothing to count has a loss of 0/0 in Keras: left out, its
-    # gradient zeroed (not multiplied: NaN * 0).
-    unweighted = _unweighted_output(model, inputs, batch)
-    stats = [float(sum(counts)), float(sum(rows))] + [
-        sum(c * float(out.asnumpy().mean()) for c, out in zip(counts if kind else rows, per) if c)
-        for kind, per in zip(kinds, outputs)] + [float(bool(unweighted))]  # last: how many workers hit that
-    # grad_arrays: per parameter, each context's gradient after backward; module.update() applies them as they
-    # are then, so weighing them in place here is the hook between backward and update keras-mxnet lacks.
-    group = module._curr_module._exec_group
-    keys = _keys(model)
-    names, grads = [], []
-    for name, per_context in zip(group.param_names, group.grad_arrays):
-        if per_context[0] is None:  # a weight that doesn't train
-            continue
-        for grad, count in zip(per_context, counts):
-            if count:
-                grad *= count
-            else:
-                grad[:] = 0
-        names.append(keys["param", name])
-        grads.append(per_context)
-    stats_key = job.key(module._distkeras_prefix, "stats")
-    totals = mx.nd.array(stats, dtype="float32")
-    if ("stats", len(stats)) not in keys:
-        job.init(stats_key, totals)
-        keys["stats", len(stats)] = stats_key
-    job.sum(names + [stats_key], grads + [totals], None)  # in place: the job's sums
-    totals = totals.asnumpy()
-    if totals[-1]:  # on every worker, before update(): nothing is applied
-        raise _unweighted_output_error(unweighted or "on {:.0f} other worker(s)".format(totals[-1]))
-    for per_context in grads:
-        for grad in per_context:
-            grad /= float(totals[0])
-    module.update()  # no KVStore in the module: each context's optimizer applies the summed gradient
-    model._update(model._train_updates)  # keras-mxnet's own step does these two: state updates (BatchNorm)
-    model._weights_dirty = True  # and get_weights() reads the module again
-    return [float(value) / float(totals[0 if kind else 1]) for kind, value in zip(kinds, totals[2:])]
-
-
-def _train_step(model, inputs):
-    model._check_trainable_weights_consistency()
-    if getattr(model, "_distkeras_job", None) is not None:
-        return _train_step_in_job(model, inputs)
-    inputs, batch = _pad(model, inputs)
-    model._module.forward_backward(_batch(model, inputs, "train"))
-    unweighted = _unweighted_output(model, inputs, batch)
-    if unweighted:  # before update(): nothing is applied
-        raise _unweighted_output_error(unweighted)
-    weights = _context_weights(model, inputs, batch)
-    for per_context in model._module._curr_module._exec_group.grad_arrays:  # see _train_step_in_job
-        if per_context[0] is None:  # a weight that doesn't train
-            continue
-        for grad, weight in zip(per_context, weights):
-            if weight:
-                grad *= weight
-            else:  # a context with no sample of nonzero weight: Keras' loss there is 0/0, its gradient NaN
-                grad[:] = 0
-    model._module.update()
-    model._update(model._train_updates)
-    model._weights_dirty = True
-    return _weighted_outputs(model, model._ntrain, inputs, batch)
-
-
-def _forward(model, inputs, phase):
-    """A forward pass without training, then the state updates, as keras-mxnet's test and predict do."""
-    inputs, batch = _pad(model, inputs)
-    model._module.forward(_batch(model, inputs, phase), is_train=False)
-    if model._test_updates:
-        model._update(model._test_updates)
-        model._weights_dirty = True
-    return inputs, batch
-
-
-def _test_step(model, inputs):
-    if getattr(model, "_distkeras_shard", None) is not None:
-        return _test_step_in_job(model, inputs)
-    inputs, batch = _forward(model, inputs, "test")
-    unweighted = _unweighted_output(model, inputs, batch)
-    if unweighted:
-        raise _unweighted_output_error(unweighted)
-    return _weighted_outputs(model, model._ntrain, inputs, batch)
-
-
-def _test_step_in_job(model, inputs):
-    """One test step of ``evaluate()`` or of ``fit()``'s validation on arrays in a multi-worker job: this worker
-    evaluates its rows ``[rank::workers]`` of the global batch (:func:`_my_rows`), and the job adds every worker's
-    values weighed by their counts of samples or rows, as the train step does: the global batch's values."""
-    import numpy as np
-
-    inputs, real = _my_rows(model, inputs)
-    inputs, batch = _forward(model, inputs, "test")
-    counts = _context_counts(model, inputs, batch)
-    rows = _context_rows(model, batch, real)
-    outputs = model._module.get_outputs(merge_multi_context=False)[: model._ntrain]
-    kinds = _counted_by_samples(model, len(outputs))
-    unweighted = _unweighted_output(model, inputs, batch)
-    stats = [float(sum(counts)), float(sum(rows))] + [  # see _train_step_in_job
-        sum(c * float(out.asnumpy().mean()) for c, out in zip(counts if kind else rows, per) if c)
-        for kind, per in zip(kinds, outputs)] + [float(bool(unweighted))]
-    totals = model._distkeras_job.all_sum(np.array(stats, "float32"))
-    if totals[-1]:
-        raise _unweighted_output_error(unweighted or "on {:.0f} other worker(s)".format(totals[-1]))
-    return [float(value) / float(totals[0 if kind else 1]) for kind, value in zip(kinds, totals[2:])]
-
-
-def _predict_step(model, inputs):
-    if not model.compiled:  # as keras-mxnet does: predict without compile builds a predict-only module
-        model._num_data = len(model.inputs)
-        model._num_label = len(model.outputs) + len(model.output_names)
-        model._create_predict_module()
-        model._module = model._predict_only_module
-    shard = getattr(model, "_distkeras_shard", None)
-    if shard is None:
-        _, batch = _forward(model, inputs, "pred")
-        return [out.asnumpy()[:batch] for out in model._module.get_outputs()[: model._npred]]
-    return _predict_step_in_job(model, inputs, shard)
-
-
-def _predict_step_in_job(model, inputs, shard):
-    """One step of ``predict()`` on arrays in a multi-worker job: this worker predicts its rows ``[rank::workers]``
-    of the global batch and writes them at their places in zeros of the global batch's shape; the job's sum of
-    those is the global batch's prediction, in order, on every worker (exact: each value is added to zeros)."""
-    import numpy as np
-
-    rank, workers = shard
-    size = len(inputs[0])
-    mine, real = _my_rows(model, inputs, weighted=False)
-    _, batch = _forward(model, mine, "pred")
-    outputs = [out.asnumpy()[:batch] for out in model._module.get_outputs()[: model._npred]]
-    full = [np.zeros((size,) + out.shape[1:], "float32") for out in outputs]
-    if real:
-        for whole, out in zip(full, outputs):
-            whole[rank::workers] = out
-    summed = model._distkeras_job.all_sum(np.concatenate([whole.ravel() for whole in full]))
-    result, start = [], 0
-    for whole, out in zip(full, outputs):
-        result.append(summed[start:start + whole.size].reshape(whole.shape).astype(out.dtype, copy=False))
-        start += whole.size
-    return result
-
-
-# ---- fit() in a multi-worker job: each worker its rows of every global batch
-
-
-def _fit(model, fit, *args, **kwargs):
-    """Keras' ``fit`` on arrays, as one process runs it at ``batch_size``: Keras' loop shuffles, splits off
-    ``validation_split``, weighs classes and gathers every global batch, the same on every worker (each
-    takes rank 0's NumPy random state before every epoch, :func:`_same_random_state`), and the train step
-    keeps the worker's rows ``[rank::workers]`` of it (:func:`_my_rows`). So every step is one process's,
-    and Keras' epoch averages, which weigh each step by the rows Keras gathered, are one process's too.
-    Generators and ``steps_per_epoch`` pass through (each worker trains on what it is given)."""
-    job = model._distkeras_job
-    bound, data = sharding.fit_on_arrays(fit, args, kwargs)
-    if data is None:
-        return fit(*bound.args, **bound.kwargs)
-    given = bound.arguments
-    shuffle = given["shuffle"]
-    validation = given["validation_data"]
-    _check_same_everywhere(job, "fit", policies.array_call_values(
-        sharding.num_samples([part for part in data if part is not None]), given["batch_size"]) + [
-        (name, policies.fit_code(name, value)) for name, value in (
-            ("epochs", given["epochs"]), ("shuffle", shuffle),
-            ("validation_samples", sharding.num_samples([p for p in validation if p is not None]) if _arrays(validation) else None),
-            ("validation_split", given["validation_split"]))])
-    given["callbacks"] = list(given["callbacks"] or []) + [_same_random_state(job)]  # last: after any user's draw
-    model._distkeras_shard = (job.rank, job.workers)
-    try:
-        return fit(*bound.args, **bound.kwargs)
-    finally:
-        model._distkeras_shard = None
-
-
-def _evaluate(model, evaluate, *args, **kwargs):
-    """Keras' ``evaluate`` on arrays, as one process runs it at ``batch_size``: every worker runs Keras' loop over
-    the global arrays, each test step keeps the worker's rows ``[rank::workers]`` of the global batch and the
-    job adds up the values (:func:`_test_step_in_job`). Tensors and ``steps`` pass through, whole on every worker."""
-    bound, samples = sharding.on_arrays(evaluate, args, kwargs)
-    if samples is None:
-        return evaluate(*bound.args, **bound.kwargs)
-    job = model._distkeras_job
-    _check_same_everywhere(job, "evaluate", policies.array_call_values(samples, bound.arguments["batch_size"]))
-    return _sharded(model, job, evaluate, bound)
-
-
-def _predict(model, predict, *args, **kwargs):
-    """Keras' ``predict`` on arrays, as one process runs it: each worker predicts its rows ``[rank::workers]`` of
-    every global batch, and every worker gets the whole prediction, in order (:func:`_predict_step_in_job`)."""
-    bound, samples = sharding.on_arrays(predict, args, kwargs)
-    if samples is None:
-        return predict(*bound.args, **bound.kwargs)
-    job = model._distkeras_job
-    _check_same_everywhere(job, "predict", policies.array_call_values(samples, bound.arguments["batch_size"]))
-    if not model.compiled:
-        # A model never compiled predicts with a module of its own made at every step (keras-mxnet), which no
-        # train step has given rank 0's weights: every worker takes them here, each worker's rows being one model's.
-        _take_rank0_weights(model, job)
-    return _sharded(model, job, predict, bound)
-
-
-def _sharded(model, job, method, bound):
-    """``method`` with the steps keeping this worker's rows of each global batch (``model._distkeras_shard``)."""
-    before = getattr(model, "_distkeras_shard", None)
-    model._distkeras_shard = (job.rank, job.workers)
-    try:
-        return method(*bound.args, **bound.kwargs)
-    finally:
-        model._distkeras_shard = before
-
-
-def _take_rank0_weights(model, job):
-    """Every worker takes rank 0's weights (collective): rank 0 pushes them, the others zeros, all take the sum."""
-    import numpy as np
-
-    weights = model.get_weights()
-    if not weights:
-        return
-    flat = np.concatenate([np.asarray(w, "float32").ravel() for w in weights])
-    summed = job.all_sum(flat if job.rank == 0 else np.zeros_like(flat))
-    taken, start = [], 0
-    for w in weights:
-        taken.append(summed[start:start + w.size].reshape(w.shape).astype(w.dtype))
-        start += w.size
-    model.set_weights(taken)
-
-
-def _same_random_state(job):
-    """A Keras callback that gives every worker rank 0's state of NumPy's (and Python's) global random generator
-    at the start of every epoch, before Keras' fit loop shuffles with it (``np.random.shuffle``; ``shuffle='batch'``
-    too): :func:`~distkeras.backends.policies.sync_random_state`, its bytes summed through the job's KVStore."""
-    import keras
-
-    broadcast = policies.broadcast_by_sum(job.all_sum, job.rank)
-
-    class SameRandomState(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            policies.sync_random_state(broadcast)
-
-    return SameRandomState()
-
-
-def _arrays(value):
-    """True where ``value`` is a tuple/list of NumPy arrays (fit()'s validation_data on arrays)."""
-    import numpy as np
-
-    return isinstance(value, (list, tuple)) and bool(value) and all(
-        isinstance(a, np.ndarray) for part in value if part is not None for a in sharding.parts(part))
-
-
-def _check_same_everywhere(job, call, values):
-    """:func:`~distkeras.backends.policies.check_same_everywhere` over this job's workers."""
-    policies.check_same_everywhere(job.all_sum, job.rank, job.workers, call, values)
