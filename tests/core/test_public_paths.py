@@ -98,3 +98,20 @@ def test_runnable_with_python_m(module):
     assert importlib.util.find_spec(module + ".__main__" if module == "distkeras" else module) is not None
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_every_dotted_path_the_docs_name_is_listed_here():
+    """A ```distkeras.x.y``` the docs, README.md or an example names is a path users copy: it must be in PUBLIC, so
+    the test above keeps it working when code moves."""
+    import glob
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    files = (glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True) + [os.path.join(root, "README.md")]
+             + glob.glob(os.path.join(root, "examples", "*.py")))
+    named = set()
+    for path in files:
+        named.update(re.findall(r"`(distkeras(?:\.[A-Za-z_]\w*)+)", open(path).read()))
+    assert named, "no dotted path found: the pattern is wrong"
+    assert not named - set(PUBLIC), "named in the docs, not in PUBLIC: {}".format(sorted(named - set(PUBLIC)))
