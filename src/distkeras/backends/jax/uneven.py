@@ -344,7 +344,6 @@ def _replicate_uneven_batches():
     _pad_uneven_batches()
 
 
-
 def _pad_uneven_batches():
     """Pad a batch the "batch" mesh axis doesn't divide where that is exact (:mod:`.uneven`).
 
@@ -362,23 +361,21 @@ def _pad_uneven_batches():
     original = getattr(trainer, "_distribute_data", None)
     if original is None or getattr(original, "distkeras", False):
         return
-    from . import uneven as jax_uneven
-
     @functools.wraps(original)
     def _distribute_data(data, layouts=None):
         import jax
         import keras
 
-        call = jax_uneven.current()
-        current = keras.distribution.distribution()
-        warned = _ours.get(current) if current is not None else None
+        call = current()
+        active = keras.distribution.distribution()
+        warned = _ours.get(active) if active is not None else None
         first = [layout for layout in keras.tree.flatten(layouts) if layout is not None] if layouts is not None else []
         if call is None or warned is None or not first or not isinstance(first[0], jax.sharding.NamedSharding):
             return original(data, layouts)
         axis, parts = _batch_axis(first[0])
         if axis != 0 or parts == 1:
             return original(data, layouts)
-        padded, why_not = jax_uneven.pad(data, parts, call)
+        padded, why_not = pad(data, parts, call)
         if padded is not None:
             return original(padded)  # the layouts of the padded structure (sample weights added)
         if why_not is not None:
@@ -388,7 +385,6 @@ def _pad_uneven_batches():
 
     _distribute_data.distkeras = True
     trainer._distribute_data = _distribute_data
-
 
 
 def _batch_axis(sharding):
