@@ -53,7 +53,7 @@ What the adapter changes so that every step is exactly the single-device step at
 - **The optimizer sees the global gradient.** Keras 3 clips (``clipnorm``, ``global_clipnorm``,
   ``clipvalue``), accumulates and checks loss-scaled gradients for overflow in ``optimizer.apply``
   *before* its TensorFlow optimizer all-reduces them, i.e. on each replica's partial gradient. The
-  adapter all-reduces first, in ``apply``, and turns the optimizer's own later all-reduce off.
+  adapter all-reduces first, in ``apply``, and turns the optimizer's own later all-reduce off (:mod:`.mirror`).
 - **Synchronized BatchNormalization** (``sync_batchnorm=True``, the default): in training, every
   replica normalises with the mean and variance of the whole global batch (one all-reduce, with
   gradients through it), so N devices train what one device trains; which layers, and what happens to
