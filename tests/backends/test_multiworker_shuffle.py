@@ -50,21 +50,21 @@ def test_tensorflow_builds_the_shuffle_of_arrays_under_the_held_seed_and_keeps_i
     from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
     from tensorflow.python.eager import context
 
-    from distkeras.backends.tensorflow import adapter
+    from distkeras.backends.tensorflow import batches
 
     def permutations(epochs=2):
         dataset = ArrayDataAdapter(np.arange(64), batch_size=64, shuffle=True).get_tf_dataset()
         return [next(iter(dataset)).numpy().tolist() for _ in range(epochs)]
 
-    assert adapter._build_shuffles_under_held_seed("keras")
+    assert batches._build_shuffles_under_held_seed("keras")
     tf.random.set_seed(7)
     seeded = permutations()
     tf.random.set_seed(None)
-    adapter._shuffle_seed.value = 7
+    batches._shuffle_seed.value = 7
     try:
         held = permutations()
     finally:
-        adapter._shuffle_seed.value = None
+        batches._shuffle_seed.value = None
     assert held == seeded and held[0] == held[1] and sorted(held[0]) == list(range(64))
     assert context.global_seed() is None
     assert permutations(1)[0] != seeded[0]  # unseeded again: a permutation of its own (equal with p = 1/64!)

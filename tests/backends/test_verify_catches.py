@@ -30,12 +30,12 @@ def _verified(monkeypatch):
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the trainable-flag defect was TensorFlow's")
 @pytest.mark.parametrize("reverted", [False, True], ids=["fixed", "reverted"])
 def test_defect_1_trainable_flag(monkeypatch, reverted):
-    from distkeras.backends.tensorflow import adapter
+    from distkeras.backends.tensorflow import mirror
     from tests.backends.test_tensorflow_round2 import _fine_tune
 
     _verified(monkeypatch)
     if reverted:
-        monkeypatch.setattr(adapter, "_storage_trainable", lambda storage, flag: flag)
+        monkeypatch.setattr(mirror, "_storage_trainable", lambda storage, flag: flag)
         with pytest.raises(distkeras.VerifyError, match=r"weight base/dense.*/kernel"):
             _fine_tune(2)
     else:
@@ -46,14 +46,14 @@ def test_defect_1_trainable_flag(monkeypatch, reverted):
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_defect_1_reverted_is_caught_under_mixed_precision(monkeypatch, policy):
     """The check's tolerance follows the compute dtype (verify.tolerance_for) and still catches a real defect."""
-    from distkeras.backends.tensorflow import adapter
+    from distkeras.backends.tensorflow import mirror
     from tests.backends.test_tensorflow_round2 import _fine_tune
 
     _verified(monkeypatch)
     keras.config.set_dtype_policy(policy)
     try:
         _fine_tune(2)  # fixed: quiet
-        monkeypatch.setattr(adapter, "_storage_trainable", lambda storage, flag: flag)
+        monkeypatch.setattr(mirror, "_storage_trainable", lambda storage, flag: flag)
         with pytest.raises(distkeras.VerifyError, match=r"weight base/dense"):
             _fine_tune(2)
     finally:

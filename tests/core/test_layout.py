@@ -1,6 +1,6 @@
 """The package's shape, checked from its source: one package per backend, no import circles (imports inside
 functions included), no upward imports, no branch on a backend's name outside the registry (each backend's
-differences live in its adapter), and no module past 800 lines but the listed ones still to split."""
+differences live in its adapter), and no module past 800 lines."""
 
 import ast
 import os
@@ -107,22 +107,16 @@ def test_the_circle_check_sees_function_level_imports():
 
 #: A module grows past this many lines only by splitting by idea (docs/contributing.md has the map).
 MAX_LINES = 800
-#: Modules past MAX_LINES still waiting for their split; the list only shrinks.
-TOO_LONG_FOR_NOW = {"backends/tensorflow/adapter.py"}
 
 
 def test_no_module_past_800_lines():
-    too_long, split = {}, []
+    too_long = {}
     for path in modules().values():
-        relative = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
         with open(path) as handle:
             lines = sum(1 for _ in handle)
-        if lines > MAX_LINES and relative not in TOO_LONG_FOR_NOW:
-            too_long[relative] = lines
-        elif lines <= MAX_LINES and relative in TOO_LONG_FOR_NOW:
-            split.append(relative)
+        if lines > MAX_LINES:
+            too_long[os.path.relpath(path, PACKAGE).replace(os.sep, "/")] = lines
     assert not too_long, "modules past {} lines (split them by idea): {}".format(MAX_LINES, too_long)
-    assert not split, "split already: take them off TOO_LONG_FOR_NOW: {}".format(split)
 
 
 def test_backends_import_nothing_above_them_and_nothing_of_each_other():

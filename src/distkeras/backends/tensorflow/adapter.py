@@ -53,7 +53,7 @@ What the adapter changes so that every step is exactly the single-device step at
 - **The optimizer sees the global gradient.** Keras 3 clips (``clipnorm``, ``global_clipnorm``,
   ``clipvalue``), accumulates and checks loss-scaled gradients for overflow in ``optimizer.apply``
   *before* its TensorFlow optimizer all-reduces them, i.e. on each replica's partial gradient. The
-  adapter all-reduces first, in ``apply``, and turns the optimizer's own later all-reduce off.
+  adapter all-reduces first, in ``apply``, and turns the optimizer's own later all-reduce off (:mod:`.mirror`).
 - **Synchronized BatchNormalization** (``sync_batchnorm=True``, the default): in training, every
   replica normalises with the mean and variance of the whole global batch (one all-reduce, with
   gradients through it), so N devices train what one device trains; which layers, and what happens to
@@ -61,13 +61,10 @@ What the adapter changes so that every step is exactly the single-device step at
 """
 
 import functools
-import inspect
 import itertools
 import json
 import logging
 import os
-import random
-import threading
 import weakref
 from typing import List
 
@@ -79,12 +76,12 @@ from ...environments import tf_config
 from ...errors import ClusterError, DistKerasError, ModelError, NetworkError, OptionError, TooLateError
 from .. import agreement, batchnorm, keras_model, policies, when_imported
 from ..base import COMPRESSION_HELP, Adapter, check_compression, pin_local_gpus
+from . import batches as tensorflow_batches
 from . import loops as tensorflow_loops
+from . import mirror as tensorflow_mirror
 from . import steps as tensorflow_steps
 
 _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
-#: The wire dtype of each ``compression`` (TensorFlow's names).
-_WIRE = {"bf16": "bfloat16", "fp16": "float16"}
 #: Strategy -> its traced any_process collective.
 _agreements = weakref.WeakKeyDictionary()
 #: distribute()'s ``batch_logs`` values.
@@ -93,15 +90,6 @@ _BATCH_LOGS = ("global", "local")
 #: here: importing that module imports TensorFlow).
 _PIPELINE = "_distkeras_pipeline"
 _strategy_serial = itertools.count(1)  # 0 stays the base of strategies made without distkeras
-#: Strategy -> its traced sum over the workers (each worker's vector once).
-_worker_sums = weakref.WeakKeyDictionary()
-#: The global seed a multi-worker fit() call builds Keras' shuffle of arrays under (``value``; None outside one).
-_shuffle_seed = threading.local()
-#: Where Keras builds the tf.data pipeline of arrays, shuffle included: (module, class, method), by Keras package.
-_SHUFFLE_BUILDERS = {
-    "keras": ("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter", "get_tf_dataset"),
-    "tf_keras": ("tf_keras.src.engine.data_adapter", "TensorLikeDataAdapter", "__init__"),
-}
 logger = logging.getLogger("distkeras")
 
 
@@ -254,7 +242,8 @@ class TensorFlowAdapter(Adapter):
         if strategy is None or _PIPELINE in getattr(model, "__dict__", {}):
             logger.info("the data check doesn't run on a TensorFlow model cut into pipeline stages")
             return
-        datawatch.hook(model, datacheck.Watch(mode, rank, workers, _sum_over_workers(tf, strategy), self.name,
+        all_sum = tensorflow_batches.sum_over_workers(tf, strategy)
+        datawatch.hook(model, datacheck.Watch(mode, rank, workers, all_sum, self.name,
                                               wrap_adapter=tensorflow_datacheck.wrapper(tf),
                                               read=tensorflow_datacheck.read))
 
@@ -307,10 +296,10 @@ class TensorFlowAdapter(Adapter):
                 _weigh_replicas_by_batch_share(model, tf, strategy.num_replicas_in_sync, global_batch)
         else:
             # Hand-written loops (distkeras.loops): before the optimizers' apply is hooked, which wraps the checked one.
-            tensorflow_loops.install(model, tf, strategy, functools.partial(adopt, tf=tf, strategy=strategy,
-                                                                            compression=compression))
-            _mirror_in_place(model, tf, strategy, compression)
-            _global_gradient_first(model, tf, strategy, compression)
+            tensorflow_loops.install(model, tf, strategy, functools.partial(
+                tensorflow_mirror.adopt, tf=tf, strategy=strategy, compression=compression))
+            tensorflow_mirror.mirror_in_place(model, tf, strategy, compression)
+            tensorflow_mirror.global_gradient_first(model, tf, strategy, compression)
             _batchnorm_moments(model, tf, sync_batchnorm, cluster.rank)
             # Each replica told its rows of the global batch; losses and random draws follow one device's rules.
             tensorflow_steps.tell_replicas_their_rows(tf, strategy, exact_loss_scaling)
@@ -325,11 +314,11 @@ class TensorFlowAdapter(Adapter):
                                                   keras_steps=batch_logs == "global" and not cluster.is_multi_worker)
             _predict_on_batch_as_one_batch(model)
             _steps_of_an_execution_one_by_one(model, tf)
-        _build_from_one_replica(model, tf, strategy)
+        tensorflow_mirror.build_from_one_replica(model, tf, strategy)
         if cluster.is_multi_worker:
             _reducible_step_logs(model, tf)
-            _py_datasets_as_global_batches(model, tf)
-            _same_shuffle_on_every_worker(model, tf, strategy, cluster.rank)
+            tensorflow_batches.py_datasets_as_global_batches(model, tf)
+            tensorflow_batches.same_shuffle_on_every_worker(model, tf, strategy, cluster.rank)
         agreement.use(_board(cluster) if cluster.is_multi_worker else None)  # saves and predict()/evaluate()
         policies.rank0_speaks_and_writes(model, cluster.rank)
         return model
@@ -492,44 +481,6 @@ def _cross_device_ops(tf, name):
     return tf.distribute.ReductionToOneDevice()
 
 
-def _mirror_in_place(model, tf, strategy, compression=None):
-    """Make ``model`` (Keras 3) what it would be had it been created inside ``strategy.scope()``.
-
-    Each variable's storage is re-created in the scope from its current value: a mirrored variable (a
-    sync-on-read one for metrics), one variable at a time, so the weights are never held twice. This
-    reaches into Keras' TensorFlow ``Variable``: its storage is the private ``_value`` (a ``tf.Variable``)
-    and ``_initialize(value)`` makes a new one, exactly as when the variable was first created; no
-    public API re-creates a variable under another strategy. The model's and the optimizers' private
-    ``_distribute_strategy`` / ``_distribution_strategy`` are the strategy Keras read from the scope at
-    their construction; the optimizer's variable index is keyed by the storage's id, so it is rebuilt.
-    tests/backends/test_tensorflow.py pins all of these.
-    """
-    for target in list(model._flatten_layers()) + _every_optimizer(model):
-        keras_model.unhook(target)  # an earlier distribute()'s hooks
-    _mirror_variables(tf, strategy, _state_variables(model))
-    object.__setattr__(model, "_distribute_strategy", strategy)
-    for optimizer in _every_optimizer(model):
-        _adopt_optimizer(optimizer, strategy)
-    # Steps traced before (a model trained before distribute()) hold the old variables.
-    model.train_function = model.test_function = model.predict_function = None
-
-    compile_ = model.compile
-
-    @functools.wraps(compile_)
-    def compile(*args, **kwargs):
-        # A new optimizer and new metrics: created, and their variables built, under the strategy.
-        with strategy.scope():
-            compile_(*args, **kwargs)
-        # Optimizers (and metrics) a compile() of the model's own was given, created outside the scope.
-        _mirror_variables(tf, strategy, _state_variables(model))
-        for optimizer in _every_optimizer(model):
-            keras_model.unhook(optimizer)
-            _adopt_optimizer(optimizer, strategy)
-        _global_gradient_first(model, tf, strategy, compression)
-
-    keras_model.hook(model, "compile", compile)
-
-
 def _steps_of_an_execution_one_by_one(model, tf):
     """``steps_per_execution > 1`` under the strategy: the execution's steps run one by one from Python.
 
@@ -596,255 +547,6 @@ def _predict_on_batch_as_one_batch(model):
     keras_model.hook(model, "predict_on_batch", predict_on_batch)
 
 
-def _every_optimizer(model):
-    """Every optimizer of the model (:func:`keras_model.all_optimizers`) and the optimizers they wrap."""
-    found = []
-    for optimizer in keras_model.all_optimizers(model):
-        while optimizer is not None and all(optimizer is not known for known in found):
-            found.append(optimizer)
-            optimizer = getattr(optimizer, "inner_optimizer", None)
-    return found
-
-
-def _state_variables(model):
-    """:func:`keras_model.state_variables`, with the variables of every other optimizer the model holds."""
-    variables = keras_model.state_variables(model)
-    seen = {id(v) for v in variables}
-    for optimizer in _every_optimizer(model):
-        for variable in optimizer.variables:
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                variables.append(variable)
-    return variables
-
-
-def _mirror_variables(tf, strategy, variables):
-    """Re-create each variable's storage under ``strategy`` from its value (those already there are kept)."""
-    with tf.init_scope():
-        for variable in variables:
-            storage = getattr(variable, "_value", None)
-            if storage is None:  # not created yet: it will be, under the strategy (see below)
-                continue
-            if getattr(storage, "distribute_strategy", None) is strategy:
-                continue
-            value = storage.read_value()
-            # Keras' ``_initialize`` passes the variable's *current* Keras flag as the tf.Variable's ``trainable``,
-            # and a GradientTape watches only trainable tf.Variables: a layer frozen now (transfer learning's
-            # base) and unfrozen later would never get a gradient. The new storage keeps the flag the old
-            # storage was created with, as on one device (where freezing a built layer changes Keras' flag
-            # only; Keras' steps take the gradients of ``trainable_variables``, which follow that flag).
-            flag = variable.trainable
-            variable.trainable = _storage_trainable(storage, flag)
-            try:
-                with strategy.scope():
-                    variable._initialize(value)
-            finally:
-                variable.trainable = flag
-
-
-def _storage_trainable(storage, flag):
-    """The ``trainable`` of a variable's new mirrored storage: its old ``tf.Variable``'s own, not Keras' ``flag``
-    at this moment (see :func:`_mirror_variables`)."""
-    return bool(getattr(storage, "trainable", flag))
-
-
-def _adopt_optimizer(optimizer, strategy):
-    object.__setattr__(optimizer, "_distribution_strategy", strategy)
-    _rekey(optimizer)
-    if not keras_model.is_hooked(optimizer, "build"):
-        keras_model.hook(optimizer, "build", _built_in_scope(optimizer.build, strategy))
-
-
-def _built_in_scope(build, strategy):
-    """An optimizer's ``build``, run in the strategy's scope when called outside any (``optimizer.build(
-    model.trainable_variables)`` by hand, as on one device): Keras' TensorFlow optimizer creates its slots next to
-    each variable through the strategy, which raises "Need to be inside with strategy.scope()" out of it, and
-    only for variables of the strategy's own."""
-    import tensorflow as tf
-
-    @functools.wraps(build)
-    def build_in_scope(*args, **kwargs):
-        if tf.distribute.has_strategy():  # in a scope or a replica's step: Keras' own path
-            return build(*args, **kwargs)
-        variables = args[0] if args else kwargs.get("var_list", ())
-        _mirror_variables(tf, strategy, list(variables))  # created since distribute(), out of the scope (model(x))
-        with strategy.scope():
-            return build(*args, **kwargs)
-
-    return build_in_scope
-
-
-def _rekey(optimizer):
-    """A built optimizer's index of its variables, keyed anew: Keras' TensorFlow optimizer keys each by its storage
-    (``_var_key``: the ``tf.Variable`` or its mirrored container), which :func:`_mirror_variables` replaces."""
-    if getattr(optimizer, "built", False) and hasattr(optimizer, "_trainable_variables_indices"):
-        optimizer._trainable_variables_indices = {
-            optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)
-        }
-
-
-def adopt(obj, tf, strategy, compression=None):
-    """An optimizer or metric a hand-written loop made (:func:`distkeras.attach`), distributed as the model's own:
-    variables mirrored; an optimizer told the strategy and given the global gradient."""
-    optimizers = [o for o in [obj, getattr(obj, "inner_optimizer", None)] if o is not None and hasattr(o, "apply")]
-    _mirror_variables(tf, strategy, list(obj.variables))
-    for optimizer in optimizers:
-        if keras_model.is_hooked(optimizer, "apply"):
-            continue  # the model's own, adopted already
-        _adopt_optimizer(optimizer, strategy)
-        if hasattr(optimizer, "_all_reduce_sum_gradients"):
-            keras_model.hook(optimizer, "_all_reduce_sum_gradients", list)
-        if hasattr(optimizer, "_backend_apply_gradients") and hasattr(optimizer, "gradient_accumulation_steps"):
-            keras_model.hook(optimizer, "_backend_apply_gradients", _decided_across_replicas(optimizer, tf))
-    if optimizers and not keras_model.is_hooked(optimizers[0], "apply"):
-        keras_model.hook(optimizers[0], "apply", _apply_global(optimizers[0], tf, compression))
-
-
-def _global_gradient_first(model, tf, strategy, compression=None):
-    """All-reduce the gradients when they reach ``optimizer.apply`` (of every optimizer the model holds),
-    before clipping, accumulation or the loss-scale overflow check, and skip the all-reduce Keras'
-    TensorFlow optimizer would do after them.
-
-    ``_all_reduce_sum_gradients`` is the private method of Keras' TFOptimizer that sums the replicas'
-    gradients inside ``_backend_update_step``; with the gradients already summed it must pass them
-    through (on the wrapped optimizer of a LossScaleOptimizer too). Pinned by a test.
-
-    With ``compression`` the gradients are cast to bfloat16/float16 for the all-reduce and back to their
-    own dtype after it (half the bytes on the wire; Horovod's ``Compression.fp16``).
-    """
-    optimizers = _every_optimizer(model)
-    for optimizer in optimizers:
-        if hasattr(optimizer, "_all_reduce_sum_gradients"):
-            keras_model.hook(optimizer, "_all_reduce_sum_gradients", list)
-        if hasattr(optimizer, "_backend_apply_gradients") and hasattr(optimizer, "gradient_accumulation_steps"):
-            keras_model.hook(optimizer, "_backend_apply_gradients", _decided_across_replicas(optimizer, tf))
-    inner = {id(getattr(o, "inner_optimizer", None)) for o in optimizers}
-    for outer in optimizers:
-        if id(outer) not in inner:  # the optimizer a step calls, not one a LossScaleOptimizer wraps
-            keras_model.hook(outer, "apply", _apply_global(outer, tf, compression))
-
-
-def _apply_global(optimizer, tf, compression):
-    """``optimizer.apply`` given the global gradient: sparse gradients made dense, each replica's weighed by
-    its share of the global batch (see steps.py), all-reduced, then Keras' own ``apply``."""
-    apply = type(optimizer).apply.__get__(optimizer)
-
-    def apply_global(grads, trainable_variables=None):
-        tensorflow_loops.check_apply(tf, optimizer, trainable_variables)  # a hand-written loop's mistakes, said
-        context = tf.distribute.get_replica_context()
-        grads = list(grads)
-        if not optimizer.built and trainable_variables is not None and context is not None:
-            # An optimizer first used inside a step (a GAN's d_optimizer): its slots created once, in the
-            # cross-replica context, as mirrored variables, rather than by every replica's thread.
-            variables = list(trainable_variables)
-            context.merge_call(lambda _: _build(tf, optimizer, variables))
-        if context is not None and context.num_replicas_in_sync > 1:
-            present = [i for i, g in enumerate(grads) if g is not None]
-            if present:
-                # An IndexedSlices gradient (a gather: Embedding, ops.take) stays one: all-reduced, the replicas'
-                # slices are concatenated in replica order, i.e. one slice per lookup of the global batch, as
-                # one device's gradient has them. Not made dense (Horovod's sparse_as_dense): Keras' TensorFlow
-                # optimizers treat slices apart (Adam squares each slice, ``ops.square`` being elementwise on
-                # IndexedSlices), so a dense sum would train something else than one device.
-                sent = [grads[i] for i in present]
-                share = tensorflow_steps.batch_share(tf, sent[0].dtype)
-                if share is not None:
-                    sent = [_scaled(tf, g, share) for g in sent]
-                if compression is not None:
-                    sent = [tf.cast(g, _WIRE[compression]) for g in sent]
-                # A lookup that is no sample's (a position embedding's arange(maxlen)): the same indices on
-                # every replica, and one device has one slice per index with the whole batch's sum, not the
-                # replicas' slices side by side. Its values are summed as a dense tensor.
-                common = [isinstance(g, tf.IndexedSlices) and not tensorflow_steps.depends_on_batch(tf, g.indices)
-                          for g in sent]
-                sent = [g.values if shared else g for g, shared in zip(sent, common)]
-                summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
-                for i, g, shared in zip(present, summed, common):
-                    if shared:
-                        g = tf.IndexedSlices(g, grads[i].indices, grads[i].dense_shape)
-                    grads[i] = tf.cast(g, grads[i].dtype) if compression is not None else g
-        return apply(grads, trainable_variables)
-
-    return apply_global
-
-
-def _build(tf, optimizer, variables):
-    with tf.init_scope():
-        optimizer.build(variables)
-
-
-def _scaled(tf, gradient, factor):
-    factor = tf.cast(factor, gradient.dtype)
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
-    return gradient * factor
-
-
-def _decided_across_replicas(optimizer, tf):
-    """Keras' gradient accumulation and EMA overwriting, with their ``cond`` taken across replicas.
-
-    Keras 3 decides "update now, or only accumulate?" (``gradient_accumulation_steps``) and "overwrite the
-    weights with their moving averages now?" (``ema_overwrite_frequency``) with a ``cond`` in the replica
-    context whose branch updates mirrored variables, i.e. calls ``merge_call``, which TensorFlow refuses
-    inside a ``cond``: plain Keras 3 + MirroredStrategy fails with either option. The gradients here are
-    already the global ones (see :func:`_global_gradient_first`), so the decision is the same on every
-    replica and is taken once in the cross-replica context, where each branch runs the replicas' part with
-    ``call_for_each_replica`` (the pattern Keras' own LossScaleOptimizer uses). The replicas' part is Keras'
-    own ``_backend_apply_gradients`` with both options off while it runs; accumulating, resetting the
-    accumulators and overwriting are Keras' own private methods and variables
-    (``_backend_increment_gradient_accumulators``, ``_accumulated_gradients``,
-    ``_overwrite_model_variables_with_average_value``). Pinned by tests.
-    """
-    original = type(optimizer)._backend_apply_gradients.__get__(optimizer)
-
-    def backend_apply_gradients(grads, trainable_variables):
-        context = tf.distribute.get_replica_context()
-        steps = optimizer.gradient_accumulation_steps
-        overwrite = optimizer.use_ema and optimizer.ema_overwrite_frequency
-        if context is None or context.num_replicas_in_sync == 1 or not (steps or overwrite):
-            return original(grads, trainable_variables)
-        return context.merge_call(across_replicas, args=(list(grads), list(trainable_variables)))
-
-    def across_replicas(distribution, grads, trainable_variables):
-        steps = optimizer.gradient_accumulation_steps
-        frequency = optimizer.ema_overwrite_frequency if optimizer.use_ema else None
-        call = distribution.extended.call_for_each_replica
-        accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in trainable_variables] if steps else []
-
-        def update(grads, variables):
-            if steps:
-                grads = [(g + a) / steps for g, a in zip(grads, accumulators)]
-            original(grads, variables)
-
-        def update_and_reset():
-            call(update, args=(grads, trainable_variables))
-            for accumulator in accumulators:
-                distribution.extended.update(accumulator.value, lambda a: a.assign(tf.zeros_like(a)), group=False)
-
-        def accumulate(grads):
-            optimizer._backend_increment_gradient_accumulators(grads, accumulators)
-
-        optimizer.gradient_accumulation_steps = None
-        optimizer.ema_overwrite_frequency = None
-        try:
-            if steps:
-                is_update_step = tf.equal((optimizer.iterations + 1) % steps, 0)
-                tf.cond(is_update_step, update_and_reset, lambda: call(accumulate, args=(grads,)))
-            else:
-                call(update, args=(grads, trainable_variables))
-        finally:
-            optimizer.gradient_accumulation_steps = steps
-            optimizer.ema_overwrite_frequency = frequency if optimizer.use_ema else optimizer.ema_overwrite_frequency
-        if frequency:
-            tf.cond(
-                tf.equal((optimizer.iterations + 1) % frequency, 0),
-                lambda: optimizer._overwrite_model_variables_with_average_value(optimizer._trainable_variables),
-                lambda: None,
-            )
-
-    return backend_apply_gradients
-
-
 def _batchnorm_moments(model, tf, sync_batchnorm, rank):
     """BatchNormalization layers normalise, in training, with the statistics of the global batch, by the
     rule of :mod:`distkeras.backends.batchnorm` (:func:`~distkeras.backends.batchnorm.select`; a warning
@@ -891,90 +593,6 @@ def _moments(layer, keras_moments, tf, synchronized):
     return moments
 
 
-def _build_from_one_replica(model, tf, strategy):
-    """Build metrics and optimizer before the first step, as Keras 3 does under a strategy, without drawing a batch.
-
-    Keras 3's TensorFlow trainer builds them from one batch (``_maybe_symbolic_build``) before fit() and
-    evaluate() start: under a strategy it takes the batch from a fresh iterator of the distributed dataset and
-    resets it, so a shuffling pipeline (``tf.data`` ``shuffle()``, a ``PyDataset`` under ``shuffle=True``, a
-    shuffling torch ``DataLoader``) spends one of its permutations there, and training runs on the dataset's
-    second pass where one device runs on its first; on an empty dataset (an empty ``validation_data``) the
-    peek raises a bare ``StopIteration`` where one device only warns. Only the batch's shapes and dtypes are
-    used there, so they are read from the distributed dataset's ``element_spec`` (the first replica's: a
-    batch the replica count doesn't divide, 32 on 3 devices, splits 11+11+10), which iterates nothing. A
-    dataset whose spec leaves a non-batch dimension unknown, given to a model with unbuilt layers, is still
-    peeked (no shape to build them from otherwise). The epoch iterator's ``_distributed_dataset`` is Keras'
-    private attribute (pinned by tests/backends/test_tensorflow_round2.py). Installed only where Keras has the
-    method this replaces; an instance attribute, never saved.
-    """
-    if not (hasattr(model, "_maybe_symbolic_build") and hasattr(model, "_symbolic_build")):
-        return
-
-    def local(value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return strategy.experimental_local_results(value)[0]
-        return value
-
-    keras = keras_model.keras_module(model)
-    inherited = (getattr(keras.Model, "call", None), getattr(keras.layers.Layer, "call", None))
-
-    def maybe_symbolic_build(iterator=None, data_batch=None):
-        if not model.built and getattr(type(model), "call", None) in inherited:
-            # A wrapper with no call() of its own (a GAN of built sub-models): nothing to build from a batch;
-            # its step builds what it uses, as Keras does on one device (where it skips this build). An
-            # unbuilt model with a call() is built here, in the scope, as Keras builds it under a strategy.
-            return
-        if iterator is not None:
-            data_batch = _batch_spec(tf, model, iterator)
-        if iterator is not None and data_batch is None:
-            for _, _, batches in iterator:
-                try:
-                    data_batch = tf.nest.map_structure(local, next(batches))
-                except (StopIteration, tf.errors.OutOfRangeError):
-                    return  # an empty dataset: no step will run to need the build (one device warns later)
-                break
-            if data_batch is None:
-                return
-        # Variables created after distribute() outside the scope (an unbuilt model called eagerly, ``model(x)``,
-        # before fit()) are mirrored before the optimizer is built from them: it keys its slots by each
-        # variable's storage, which mirroring afterwards would replace ("Unknown variable" at the first step).
-        _mirror_variables(tf, strategy, _state_variables(model))
-        for optimizer in _every_optimizer(model):
-            _rekey(optimizer)  # one built by hand from those variables (``optimizer.build(...)``) too
-        with strategy.scope():
-            model._symbolic_build(data_batch=data_batch)
-        # Keras builds metrics in a stateless scope and creates their variables only when it exits, under
-        # tf.init_scope(), which leaves the strategy scope behind: plain variables every replica would
-        # update (a compiled metric a custom step updates read half the rows). Mirrored like the rest.
-        _mirror_variables(tf, strategy, _state_variables(model))
-
-    keras_model.hook(model, "_maybe_symbolic_build", maybe_symbolic_build)
-
-
-def _batch_spec(tf, model, iterator):
-    """The shapes and dtypes of the first replica's batch of ``iterator`` (a Keras ``TFEpochIterator``), read
-    from its distributed dataset's ``element_spec`` without iterating; None where they can't be read so or
-    leave a layer of an unbuilt model without the dimensions it builds from."""
-    dataset = getattr(iterator, "_distributed_dataset", None)
-    try:
-        spec = dataset.element_spec
-    except (AttributeError, NotImplementedError, TypeError, ValueError):
-        return None
-
-    def first_replica(leaf):
-        values = getattr(leaf, "_value_specs", None)  # a PerReplicaSpec: one spec per local replica
-        return values[0] if values else leaf
-
-    spec = tf.nest.map_structure(first_replica, spec)
-    leaves = tf.nest.flatten(spec)
-    if not all(hasattr(leaf, "shape") and hasattr(leaf, "dtype") and leaf.shape.rank is not None for leaf in leaves):
-        return None
-    unbuilt = not all(layer.built for layer in model._flatten_layers())
-    if unbuilt and not all(leaf.shape.rank is not None and leaf.shape[1:].is_fully_defined() for leaf in leaves):
-        return None
-    return spec
-
-
 def _reducible_step_logs(model, tf):
     """Let Keras 3 average a step's logs over the workers of a MultiWorkerMirroredStrategy.
 
@@ -992,176 +610,6 @@ def _reducible_step_logs(model, tf):
     for name in ("train_step", "test_step"):
         step = getattr(model, name)
         keras_model.hook(model, name, lambda data, _step=step: tf.nest.map_structure(vector, _step(data)))
-
-
-def _py_datasets_as_global_batches(model, tf):
-    """Give a ``keras.utils.PyDataset`` the meaning arrays and batched tf.data datasets have across workers.
-
-    Every worker is given the whole data; each item is one global batch, split over the workers.
-    tf.distribute does that for a dataset whose last op is ``batch(G)`` (it rebatches, then shards),
-    but a PyDataset reaches it as a generator whose elements it can only deal out whole, one per
-    worker. So the PyDataset is read as such a batched dataset: its items, unbatched, batched again by
-    the first item's size (the last item may be shorter, as with arrays).
-    """
-    keras = keras_model.keras_module(model)
-    for name in ("fit", "evaluate", "predict"):
-        method = getattr(model, name)
-
-        @functools.wraps(method)  # Keras' signature, which rank0_speaks_and_writes binds verbose=0 into
-        def call(*args, _method=method, **kwargs):
-            data = args[0] if args else kwargs.get("x")
-            if isinstance(data, keras.utils.PyDataset):
-                dataset = _batched_dataset(tf, data)
-                args = (dataset,) + tuple(args[1:]) if args else args
-                if "x" in kwargs:
-                    kwargs["x"] = dataset
-            return _method(*args, **kwargs)
-
-        keras_model.hook(model, name, call)
-
-
-def _same_shuffle_on_every_worker(model, tf, strategy, rank):
-    """fit() across workers: every worker shuffles arrays as rank 0 does.
-
-    Every worker is given the whole arrays and takes its part of each global batch from its own tf.data pipeline
-    (Keras' ``AutoShardPolicy.DATA``), so the pipelines must shuffle alike, or a step mixes two permutations and an
-    epoch trains on some samples twice and skips others. Keras builds the pipeline in fit(), its permutation a
-    ``tf.random.shuffle`` whose seed is fixed when the pipeline is built, from TensorFlow's global seed: each
-    worker's own seed, or, unseeded, a draw from the operating system on every iterator. So at fit()'s start every
-    worker takes rank 0's global seed for that build (:func:`_build_shuffles_under_held_seed`), and rank 0's Python
-    and NumPy random states (:func:`~distkeras.backends.policies.sync_random_state`, with the seed; a callback takes
-    them again at every epoch's start, for whatever the user's code draws from them). A seeded rank 0's shuffle is
-    then the one it draws alone. Where rank 0 has no global seed, it draws one for the call from the operating
-    system: every worker shuffles alike, and, as Keras' shuffle does once a seed is set, keeps the call's first
-    permutation for each of its epochs. A Keras whose pipeline distkeras can't reach gets a warning instead.
-    """
-    from tensorflow.python.eager import context
-
-    broadcast = policies.broadcast_by_sum(_sum_over_workers(tf, strategy), rank)
-
-    def rank0_seed():  # what rank 0 sends; the other workers' values are not used
-        seed = context.global_seed()
-        return random.SystemRandom().randrange(1, 2 ** 31 - 1) if seed is None else seed
-
-    def hold(seed):
-        _shuffle_seed.value = seed
-
-    package = keras_model.keras_package(model)
-    reached = _build_shuffles_under_held_seed(package)
-    callback_class = keras_model.keras_module(model).callbacks.Callback
-    fit = model.fit
-    signature = inspect.signature(type(model).fit.__get__(model))  # Keras' own, whatever wraps it
-
-    @functools.wraps(fit)
-    def same_shuffle_fit(*args, **kwargs):
-        bound = keras_model.Arguments(signature, args, kwargs)
-        callbacks = policies.with_callback(bound.get("callbacks"), policies.every_epoch(callback_class, broadcast))
-        if callbacks is not None:
-            bound.set("callbacks", callbacks)
-        if bound.get("shuffle", True) and (not reached or callbacks is None):
-            logger.warning(
-                "fit(shuffle=True) across workers: %s, so the workers' shuffles of arrays differ unless every worker "
-                "sets the same seed (keras.utils.set_random_seed) before fit().",
-                "fit() was given a CallbackList" if reached else
-                "distkeras can't reach where {} {} builds its shuffle".format(package, _SHUFFLE_BUILDERS.get(package)))
-        policies.sync_random_state(broadcast, (rank0_seed, hold))
-        try:
-            return fit(*bound.args, **bound.kwargs)
-        finally:
-            _shuffle_seed.value = None
-
-    keras_model.hook(model, "fit", same_shuffle_fit)
-
-
-def _build_shuffles_under_held_seed(package):
-    """Have Keras build its tf.data pipeline of arrays (``package``'s builder in :data:`_SHUFFLE_BUILDERS`) under
-    the global seed a multi-worker fit() call holds (``_shuffle_seed.value``), and give TensorFlow back its own
-    global seed afterwards. The permutation op's seed is fixed while its function is traced, from the global seed
-    then current; only the pipeline is built in the window. Private API, on purpose: no public hook reaches the
-    pipeline Keras builds inside fit(), and TensorFlow's eager global seed is the context's private ``_seed``
-    (with ``_rng``, its operation-seed generator, made by the first ``tf.random.set_seed``), which
-    ``tf.random.set_seed`` sets (also clearing the kernel cache, not wanted here). Patched once, guarded; pinned by tests/backends/test_multiworker_shuffle.py.
-
-    Returns:
-        Whether the builder is patched.
-    """
-    import importlib
-
-    from tensorflow.python.eager import context
-
-    target = _SHUFFLE_BUILDERS.get(package)
-    if target is None:
-        return False
-    try:
-        cls = getattr(importlib.import_module(target[0]), target[1])
-    except (ImportError, AttributeError):
-        return False
-    original = cls.__dict__.get(target[2])
-    if original is None or not hasattr(context.context(), "_seed"):
-        return False
-    if getattr(original, "distkeras", False):
-        return True
-
-    @functools.wraps(original)
-    def build(self, *args, **kwargs):
-        seed = getattr(_shuffle_seed, "value", None)
-        if seed is None:
-            return original(self, *args, **kwargs)
-        current = context.context()
-        saved = current._seed, current.__dict__.get("_rng")  # no _rng before the first tf.random.set_seed
-        current._seed, current._rng = seed, random.Random(seed)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            current._seed = saved[0]
-            if saved[1] is None:
-                del current._rng
-            else:
-                current._rng = saved[1]
-
-    build.distkeras = True
-    setattr(cls, target[2], build)
-    return True
-
-
-def _sum_over_workers(tf, strategy):
-    """The sum over the workers of a 1-D float32 vector, each worker's counted once (its first replica's), through
-    the strategy's collectives: the ``all_sum`` of :func:`~distkeras.backends.policies.broadcast_by_sum`."""
-    total = _worker_sums.get(strategy)
-    if total is None:  # traced once per strategy
-        local = len(strategy.extended.worker_devices)
-
-        def first_replica(value):
-            context = tf.distribute.get_replica_context()
-            first = tf.equal(tf.math.floormod(context.replica_id_in_sync_group, local), 0)
-            return tf.where(first, value, tf.zeros_like(value))
-
-        @tf.function
-        def total(value):
-            return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(first_replica, (value,)), axis=None)
-
-        _worker_sums[strategy] = total
-    return lambda vector: total(tf.constant(vector)).numpy()
-
-
-def _batched_dataset(tf, py_dataset):
-    first = py_dataset[0]
-    batch = len(tf.nest.flatten(first)[0])
-
-    def spec(value):
-        value = tf.convert_to_tensor(value)
-        return tf.TensorSpec((None,) + tuple(value.shape[1:]), value.dtype)
-
-    signature = tf.nest.map_structure(spec, first)
-
-    def one_epoch():  # then the dataset's own end of epoch, as Keras' PyDatasetAdapter calls it (a reshuffle)
-        for index in range(len(py_dataset)):
-            yield py_dataset[index]
-        py_dataset.on_epoch_end()
-
-    items = tf.data.Dataset.from_generator(one_epoch, output_signature=signature)
-    # Items of equal size but the last: as many global batches as items.
-    return items.unbatch().batch(batch).apply(tf.data.experimental.assert_cardinality(len(py_dataset)))
 
 
 def _uses_default_compute_loss(model):

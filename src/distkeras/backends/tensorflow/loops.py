@@ -157,7 +157,7 @@ def _check_every_apply(tf):
 def check_apply(tf, optimizer, trainable_variables):
     """Raise :class:`LoopError` where ``optimizer.apply(grads, trainable_variables)`` would fail or compute the
     whole batch on one device: the variables are a distributed model's, and the optimizer was not attached to it
-    or runs outside a replica step. Also called first by the adapter's ``apply`` hook (an attached optimizer)."""
+    or runs outside a replica step. Also called first by the ``apply`` hook of :mod:`.mirror` (attached optimizers)."""
     if isinstance(trainable_variables, (list, tuple)) and trainable_variables:
         storage = getattr(trainable_variables[0], "_value", None)
         if isinstance(storage, tf.distribute.DistributedValues):

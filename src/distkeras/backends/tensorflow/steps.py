@@ -12,7 +12,7 @@ compiled loss that reduces over the batch, ``add_loss`` terms) and not others (a
 returns a scalar, a loss written by hand with ops, a ``Loss`` object whose value a custom step reports),
 and undoes its division for the loss it logs. While a replica runs a step, :func:`gate_keras_loss_scaling`
 makes both functions the identity, so every loss a replica computes, however it is written, is its own
-mean over its own rows, as one device computes it over the whole batch; the optimizer hook in the adapter
+mean over its own rows, as one device computes it over the whole batch; the optimizer hook (:mod:`.mirror`)
 then hands the optimizer ``sum_r (n_r / N) * g_r`` (:func:`batch_share`), the gradient of the global
 mean. A ``Loss`` object with ``reduction="sum"`` returns N / n_r times its replica's sum, so its gradient
 and logged value are one device's sum. The logged loss is one device's too: Keras' loss tracker and a
