@@ -1,12 +1,12 @@
 """The one-device check (``verify=True``) beyond replicas: pipeline stages (TensorFlow and JAX in one process,
 PyTorch over processes: a stage each, and 2 replicas of a 2-stage pipeline over 4), sharded training state
-(``shard=``) and model shards (``strategy="model"``) on JAX.
+(``shard=``) on JAX and PyTorch (2 processes), and model shards (``strategy="model"``) on JAX.
 
 Each layout's first step is replayed as one device's (the whole state on one device, the model class' own
 ``train_step``, no distkeras hook) and compared. A correct run raises nothing and trains bit for bit as it does
 without the check; a defect of distkeras' own in the layout is caught: the pipeline's loss weighed as a mean for a
 ``reduction="sum"`` loss (issue 50's defect, its fix reverted), and sharded gradients halved on their way to the
-optimizer. PyTorch's model shards (``strategy="model"``) are processes: there the check says it is off (see
+optimizer (JAX) or before their owners apply them (PyTorch). PyTorch's model shards (``strategy="model"``) are processes: there the check says it is off (see
 ``test_torch_tensor.py``).
 """
 
@@ -93,13 +93,39 @@ def test_a_summed_loss_weighed_as_a_mean_in_the_pipeline_is_caught():
     assert "log loss" in got["error"] and "pipeline stages" in got["error"], got["error"]
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="sharded training state and model shards in one process: JAX's")
+MODEL_SHARDS_OFF = pytest.mark.skipif(BACKEND != "jax", reason="model shards in one process: JAX's (PyTorch's "
+                                      "are processes, where the check says it is off: test_torch_tensor.py)")
+
+
+@pytest.mark.skipif(BACKEND not in ("jax", "torch"), reason="sharded training state: JAX's and PyTorch's")
 @pytest.mark.parametrize("options", [
     pytest.param({"shard": "optimizer"}, marks=only_in_full("a part of what shard='all' shards")),
     pytest.param({"shard": "gradients"}, marks=only_in_full("a part of what shard='all' shards")),
-    {"shard": "all"}, {"strategy": "model"}], ids=lambda o: "-".join(map(str, o.values())))
+    {"shard": "all"}, pytest.param({"strategy": "model"}, marks=MODEL_SHARDS_OFF)],
+    ids=lambda o: "-".join(map(str, o.values())))
 def test_sharded_state_and_model_shards_are_checked_and_training_unchanged(options):
     assert_checked_and_unchanged("sum_over_batch_size", **options)
+
+
+def train_with_owned_gradients_halved(*args, **options):
+    """:func:`train` with a defect in PyTorch's sharded update: every averaged gradient halved before the owners
+    apply it."""
+    from distkeras.backends.torch import shard
+
+    own = shard.Sharding.apply
+    shard.Sharding.apply = lambda self, optimizer, keras_apply, grads, variables: own(
+        self, optimizer, keras_apply, [g if g is None else g * 0.5 for g in grads], variables)
+    try:
+        return train(*args, **options)
+    finally:
+        shard.Sharding.apply = own
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="sharded training state over processes: PyTorch's")
+def test_a_defect_in_the_update_of_a_state_sharded_over_processes_is_caught():
+    got = run(train_with_owned_gradients_halved, "sum_over_batch_size", True, shard="all")
+    assert "error" in got, got
+    assert "differ beyond" in got["error"] and "weight" in got["error"], got["error"]
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="sharded training state: JAX's")

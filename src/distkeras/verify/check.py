@@ -18,8 +18,8 @@ The neutral part is here: the switch, the snapshot-and-compare, the message. Eac
 ``backends/<name>/verify.py`` supplies its primitives: how its step function receives a batch, how the global
 batch is put together from the replicas' parts, and how plain Keras' step runs on one device.
 
-Where it can't run, it says so once and trains on: a sharded model (``shard=``), whose state is not whole on any
-one device, and a job of several TensorFlow workers, whose primitives don't gather the batch across them yet.
+Where it can't run, it says so once and trains on: PyTorch's ``strategy="model"`` over processes, whose layers
+are whole on no one process (``shard=`` is gathered for the check), and ``steps_per_execution > 1``.
 """
 
 import logging

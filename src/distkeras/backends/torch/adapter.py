@@ -268,7 +268,8 @@ class TorchAdapter(Adapter):
 
     def verify(self, model, check):
         """The one-device check (:mod:`.verify`): every rank runs the one-device step on the gathered global batch;
-        a model cut into pipeline stages is gathered whole on every process of its replica for that step."""
+        a model cut into pipeline stages is gathered whole on every process of its replica for that step, and a
+        sharded one (``shard=``) on every process."""
         from . import pipeline as torch_pipeline
         from . import verify as torch_verify
         from .. import verifying

@@ -6,7 +6,14 @@ the whole batch, all of it. The checked step gathers the rows (one all_gather pe
 order) and, after the distributed step, every rank runs the model class' own ``train_step`` on the whole global
 batch with every distkeras hook off: no collective, one device's arithmetic. Every rank compares the same
 values, so every rank comes to the same verdict (and raises together: no rank is left waiting in a collective).
+
+With ``shard=`` (the training state split over the ranks, :mod:`.shard`) the checked step reads the state whole:
+every weight and optimizer slot gathered on every rank (collective, as a save gathers them) for the snapshot,
+sharded again for the distributed step (which runs exactly as unchecked), gathered again for its result and the
+replay, and sharded again after, each rank keeping its part of the distributed result.
 """
+
+import contextlib
 
 from .. import verifying
 from . import collectives
@@ -78,28 +85,56 @@ def wrap(model, check, replica):
         def train_function(data):
             if not check.due:
                 return function(data)
-            if replica.shard is not None:
-                check.skip("a sharded model (shard=...) is whole on no one device")
-                return function(data)
             batch = global_batch(replica, data[0])
             handed = []
+            whole = _Whole(replica.shard)
 
             def distributed():
                 # The step's logs for Keras as without the check (the rank's own where nothing reads them); the
                 # global ones the step read for the check (trainer._train_step) are what is compared.
                 replica.checked_logs = None
-                handed.append(function(data))
+                with whole.sharded():
+                    handed.append(function(data))
                 logs, replica.checked_logs = replica.checked_logs, None
                 return handed[0] if logs is None else logs
 
-            verifying.checked_in_place(
-                model, check, verifying.numpy, distributed, lambda: type(model).train_step(model, batch),
-                random_state=_rng(), reduce=summed_metrics, rows=verifying.rows_of(batch))
+            with whole:
+                verifying.checked_in_place(
+                    model, check, verifying.numpy, distributed, lambda: type(model).train_step(model, batch),
+                    random_state=_rng(), reduce=summed_metrics, rows=verifying.rows_of(batch))
             return handed[0]
 
         return train_function
 
     return wrapping
+
+
+class _Whole(object):
+    """A sharded model's training state whole on every rank inside ``with`` (nothing without ``shard=``), and
+    sharded as training holds it inside :meth:`sharded`."""
+
+    def __init__(self, sharding):
+        self.sharding = sharding
+        self.held = None
+
+    def __enter__(self):
+        if self.sharding is not None:
+            self.held = contextlib.ExitStack()
+            self.held.enter_context(self.sharding.gathered())  # collective: every rank gathers together
+        return self
+
+    def __exit__(self, *exc):
+        if self.held is not None:
+            held, self.held = self.held, None
+            held.close()  # each rank keeps its part of what the whole holds now
+
+    @contextlib.contextmanager
+    def sharded(self):
+        self.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.__enter__()
 
 
 def wrap_pipeline(model, check, plan, replica=None):
