@@ -27,7 +27,9 @@ AGREE = ("seeded-shuffle", "numpy-shuffle", "image-dir-seeded", "list-files-sort
          "evaluate-predict")
 #: PyTorch only: a DataLoader(shuffle=True) draws its order from torch's generator when a pass starts, and distkeras
 #: gives every process rank 0's random state at fit()'s start and every epoch's: seeded or not, they agree.
-TORCH_AGREE = ("torch-dataloader", "torch-dataloader-seeded")
+TORCH_AGREE = ("torch-dataloader", "torch-dataloader-seeded", "pipeline-seeded")
+#: PyTorch only: a model split over the processes (a stage each, a layer's shards each) draws apart too.
+TORCH_DIFFER = ("pipeline-unseeded", "model-shards-unseeded")
 #: Cases whose workers draw different batches: DataError on every worker.
 DIFFER = ("unseeded-shuffle", "image-dir-unseeded", "list-files", "files-order", "length", "augment", "numpy-rank",
           "pydataset-epoch2", "generator-unseeded", "predict-unseeded")
@@ -183,6 +185,16 @@ def run(out_dir, case):
         net.fit(x, y, batch_size=BATCH, validation_data=(x[:48], y[:48]), **fit)
         net.evaluate(x, y, batch_size=BATCH, verbose=0)
         net.predict(x, batch_size=BATCH, verbose=0)
+    elif case in TORCH_DIFFER + ("pipeline-seeded",):
+        import tensorflow as tf
+
+        data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(ROWS, seed=1 if case == "pipeline-seeded" else None)
+        net = keras.Sequential([keras.Input((32,)), keras.layers.Dense(8, activation="relu"),
+                                keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+        net.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        split = dict(strategy="model") if case == "model-shards-unseeded" else dict(pipeline_stages=2, microbatches=2)
+        net = distkeras.distribute(net, **split)
+        net.fit(data.batch(BATCH), **fit)
     elif case in ("torch-dataloader", "torch-dataloader-seeded"):
         import torch
 

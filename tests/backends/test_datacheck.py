@@ -23,7 +23,8 @@ from tests.backends import datacheck_job as job
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 420
 
-CASES = job.AGREE + job.DIFFER + job.SWITCHED + (job.TORCH_AGREE if BACKEND == "torch" else ())
+TORCH = BACKEND == "torch"
+CASES = job.AGREE + job.DIFFER + job.SWITCHED + ((job.TORCH_AGREE + job.TORCH_DIFFER) if TORCH else ())
 
 #: What each differing case's message must say it found.
 FOUND = {
@@ -37,6 +38,8 @@ FOUND = {
     "pydataset-epoch2": "in x, y",
     "generator-unseeded": "in x, y",
     "predict-unseeded": "first step of predict()",
+    "pipeline-unseeded": "in x, y",
+    "model-shards-unseeded": "in x, y",
 }
 
 
@@ -65,7 +68,7 @@ def results(outcome, case):
     return got
 
 
-@pytest.mark.parametrize("case", job.DIFFER)
+@pytest.mark.parametrize("case", job.DIFFER + (job.TORCH_DIFFER if TORCH else ()))
 def test_workers_drawing_different_batches_stop_with_a_data_error_on_every_worker(outcome, case):
     for result in results(outcome, case):
         assert result.startswith("DataError Expected every worker to draw the global batch one process draws"), result
@@ -73,7 +76,7 @@ def test_workers_drawing_different_batches_stop_with_a_data_error_on_every_worke
         assert "at the first step of" in result and "The usual causes: " in result  # where, and the usual fixes
 
 
-@pytest.mark.parametrize("case", job.AGREE + (job.TORCH_AGREE if BACKEND == "torch" else ()))
+@pytest.mark.parametrize("case", job.AGREE + (job.TORCH_AGREE if TORCH else ()))
 def test_workers_drawing_the_same_batches_train_on_and_were_compared(outcome, case):
     for result in results(outcome, case):
         assert result.startswith("ok "), result

@@ -199,6 +199,37 @@ def test_workers_that_pass_different_data_get_an_error_instead_of_a_hang(tmp_pat
                 "2: (14, 6, 1).") == result["error"]
 
 
+def test_workers_that_shard_the_data_themselves_evenly_get_a_data_error_on_every_worker(tmp_path):
+    """The CNTK recipe's own sharding where it splits evenly: the calls agree in every count, so only the data
+    check sees that each worker passes other rows (distkeras would shard each worker's shard again). evaluate()
+    with arrays drawn apart is caught the same way."""
+    body = """
+        import distkeras
+        from tests.cntk import toy
+        x, y = toy.data(40)
+        model = distkeras.distribute(toy.model(seed=1))
+        mine = slice(toy.rank() * 20, (toy.rank() + 1) * 20)   # the CNTK recipe's own sharding, even
+        found = {}
+        try:
+            model.fit(x[mine], y[mine], batch_size=6, verbose=0)
+        except distkeras.DataError as exc:
+            found["fit"] = str(exc)
+        try:
+            model.evaluate(x + toy.rank(), y, batch_size=8, verbose=0)
+        except distkeras.DataError as exc:
+            found["evaluate"] = str(exc)
+        toy.report(**found)
+    """
+    job = run(tmp_path, body, workers=2)
+    assert job.returncode == 0, job
+    assert sorted(job.results) == [0, 1]
+    for result in job.results.values():
+        assert "at the first step of fit() on the cntk backend (2 workers)" in result["fit"], result
+        assert "worker 1's batch differs from worker 0's in x, y." in result["fit"], result
+        assert "at the first step of evaluate() on the cntk backend" in result["evaluate"], result
+        assert "worker 1's batch differs from worker 0's in x." in result["evaluate"], result
+
+
 def test_a_global_batch_the_workers_do_not_divide_is_refused_on_every_worker(tmp_path):
     body = """
         import distkeras

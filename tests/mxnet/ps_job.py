@@ -74,6 +74,12 @@ def main(out_dir, contexts, cases):
                     f.write("{}\n{}".format(moved, exc))
             np.savez(os.path.join(out_dir, "case{}-rank{}-rows.npz".format(index, rank)),
                      **{"{}-{}".format(i, phase): fed for i, (phase, fed) in enumerate(rows)})
+            # The data check: arrays drawn apart before fit() (here: rank-dependent) raise DataError on every rank.
+            try:
+                distkeras.distribute(build(seed=rank), devices=contexts).fit(x + rank, y, batch_size=4, verbose=0)
+            except distkeras.DataError as exc:
+                with open(os.path.join(out_dir, "case{}-rank{}-data.txt".format(index, rank)), "w") as f:
+                    f.write(str(exc))
             continue
         if case == "dropout":  # one step on a row of ones per context of the job: the masks each drew
             model = distkeras.distribute(dropout_model(), devices=contexts)

@@ -2,7 +2,8 @@
 on 127.0.0.1, a scheduler and a server beside them, training through a dist_sync KVStore.
 
 Each job runs several cases in the same processes (each case a new model, so new KVStore keys) to keep
-the suite fast: weights equal to one process at the same global batch and equal on every rank; N workers
+the suite fast: weights equal to one process at the same global batch and equal on every rank (the data check
+comparing each call's arrays on the way, and raising DataError for arrays drawn apart); N workers
 as MXNet's KVStore counts them; History equal to one process's; rank 0 alone prints and saves; uneven last
 batches, one smaller than the number of workers, sample weights, shuffle=True and 'batch'. Two launchers on
 127.0.0.1 as two nodes of one worker each. A killed worker, server or scheduler ends the job in bounded time,
@@ -183,6 +184,12 @@ def check_evaluate_and_predict(out_dir, workers, index):
         with open(os.path.join(str(out_dir), "case{}-rank{}-unweighted.txt".format(index, rank))) as f:
             moved, message = f.read().split("\n", 1)
         assert float(moved) == 0.0 and message.startswith("The sample weights of this step leave an output"), message
+    for rank in range(workers):  # the data check: x drawn apart (x + rank) before fit(), caught on every rank
+        with open(os.path.join(str(out_dir), "case{}-rank{}-data.txt".format(index, rank))) as f:
+            message = f.read()
+        assert message.startswith("Expected every worker to draw the global batch one process draws"), message
+        assert "at the first step of fit() on the mxnet backend ({} workers)".format(workers) in message, message
+        assert "batch differs from worker 0's in x." in message, message
     assert sorted(results[0]) == sorted(expected)
     assert any(k.startswith("split_val_") for k in expected) and any(k.startswith("data_val_") for k in expected)
     for name in sorted(expected):

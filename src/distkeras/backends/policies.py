@@ -412,6 +412,47 @@ def check_same_everywhere(all_sum, rank, workers, call, values):
         raise error
 
 
+def array_watch(mode, rank, workers, all_sum, backend):
+    """The data check (:class:`~distkeras.verify.datacheck.Watch`) of a Keras 2 backend's job, whose calls take
+    global arrays (MXNet, CNTK): ``all_sum`` is its sum over the workers of a 1-D float32 NumPy vector. Records
+    are numbers below 2 ** 24, so float32 sums them exactly."""
+    import numpy as np
+
+    from ..verify import datacheck
+
+    return datacheck.Watch(mode, rank, workers, lambda vector: all_sum(np.asarray(vector, "float32")), backend)
+
+
+def check_arrays(watch, call, data, batch_size):
+    """Every worker's arrays of ``call`` (``data``: fit's ``(x, y, sample_weight)``, or evaluate's and predict's
+    ``(x, y, sample_weight)`` with None for what is not given) compared across the job before its first step: the
+    whole arrays' digests (:func:`~distkeras.verify.datacheck.digest_array`), by name. Keras 2's loops draw each
+    global batch from these arrays with rank 0's random state, so arrays alike mean batches alike; arrays drawn
+    apart (NumPy draws before the call, files read in another order) raise ``DataError`` on every worker, or warn
+    (``watch.mode``). Collective: every worker calls it, in the same order as every other collective."""
+    if watch is None:
+        return
+    from ..verify import datacheck
+
+    found = []
+    for position, part in enumerate(data):
+        if part is None:
+            continue
+        if isinstance(part, dict):
+            leaves = [([position, key], part[key]) for key in sorted(part)]
+        elif isinstance(part, (list, tuple)):
+            leaves = [([position, index], leaf) for index, leaf in enumerate(part)]
+        else:
+            leaves = [([position], part)]
+        for path, leaf in leaves:
+            if leaf is not None:
+                found.append(datacheck.digest_array(leaf)._replace(name=datacheck.part_name(path)))
+    samples = found[0].rows if found else 0
+    watch.call = call
+    watch.note(found, -(-samples // (batch_size or DEFAULT_BATCH_SIZE)))
+    watch.check("{}()".format(call))
+
+
 # ---- random-state sync
 
 

@@ -106,6 +106,16 @@ class CNTKAdapter(Adapter):
                 "CNTK computes on one device per process, so the CPU can't be split into {0} devices. Run {0} "
                 "processes instead: distkeras launch --backend cntk --nproc-per-node {0} script.py".format(count))
 
+    def check_data(self, model, mode, rank, workers):
+        """The data check across the MPI ranks: the arrays of every ``fit``/``evaluate``/``predict`` compared before
+        its first step (:func:`~distkeras.backends.policies.check_arrays`), summed through :meth:`all_sum`;
+        generators and tensors pass through unchecked, as they pass through whole."""
+        state = getattr(model, "_distkeras_cntk", None)
+        if state is None or state.workers == 1:
+            return super(CNTKAdapter, self).check_data(model, mode, rank, workers)
+        state.watch = policies.array_watch(mode, rank, workers, self.all_sum, self.name)
+        model._distkeras_data_watch = state.watch
+
     def distribute(self, model, devices, cluster, num_quantization_bits=32, distributed_after=0, compression=None):
         """Make ``model`` train data-parallel over the job's MPI ranks (in place; it is returned).
 
@@ -299,6 +309,7 @@ class _Replica(object):
     def __init__(self, adapter, rank, workers, bits):
         self.adapter, self.rank, self.workers, self.bits = adapter, rank, workers, bits
         self.split = False  # True while evaluate(), predict() or fit() on arrays runs: the steps keep their rows
+        self.watch = None  # the data check (policies.array_watch), set by check_data in a job of several ranks
 
     def broadcast(self, variables):
         """Give Keras ``variables`` rank 0's values on every worker."""
@@ -457,6 +468,8 @@ def _split(model, call, method, args, kwargs):
     if samples is None or state.workers == 1:
         return method(*bound.args, **bound.kwargs)
     _check_same_everywhere(state, call, policies.array_call_values(samples, bound.arguments["batch_size"]))
+    policies.check_arrays(state.watch, call, tuple(
+        bound.arguments.get(name) for name in ("x", "y", "sample_weight")), bound.arguments["batch_size"])
     return _splitting(state, method, bound.args, bound.kwargs)
 
 
@@ -502,6 +515,7 @@ def _fit(model, fit, *args, **kwargs):
     if state.workers > 1:
         _check_same_everywhere(state, "fit", [("samples", n), ("batch_size", batch), ("epochs", given["epochs"])] + (
             [("validation_samples", sharding.num_samples([p for p in validation if p is not None]))] if arrays else []))
+        policies.check_arrays(state.watch, "fit", data, batch)
     rows, weights = sharding.batch_rows(n, batch, state.rank, state.workers)
     weights = None if weights is None else np.asarray(weights, dtype="float32")
     given.update(x=sharding.select(data[0], rows), y=None if data[1] is None else sharding.select(data[1], rows),

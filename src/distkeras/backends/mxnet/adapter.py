@@ -180,6 +180,15 @@ class MXNetAdapter(Adapter):
         """Use ``count`` CPU contexts. MXNet takes any ``cpu(i)`` at any time, so this is never too late."""
         self._cpu_devices = count
 
+    def check_data(self, model, mode, rank, workers):
+        """The data check across the job's workers: the arrays of every ``fit``/``evaluate``/``predict`` compared
+        before its first step (:func:`~distkeras.backends.policies.check_arrays`); generators and tensors pass
+        through unchecked, as they pass through whole."""
+        job = getattr(model, "_distkeras_job", None)
+        if job is None:
+            return super(MXNetAdapter, self).check_data(model, mode, rank, workers)
+        setattr(model, mxnet_loops.WATCH, policies.array_watch(mode, rank, workers, job.all_sum, self.name))
+
     def distribute(self, model, devices, cluster, kvstore=None, compression=None):
         """``model`` itself, made to train data-parallel over ``devices`` (see the module docstring).
 

@@ -5,12 +5,21 @@ Every worker runs Keras' loop at the global ``batch_size`` (:func:`_fit`, :func:
 the adapter puts in place of the model's methods), with rank 0's NumPy random state at every epoch's start so that
 every worker shuffles alike (:func:`_same_random_state`); the steps (:mod:`.steps`) keep the worker's rows of each
 global batch while ``model._distkeras_shard`` is set (:func:`_sharded`). The calls are compared across the workers
-first (:func:`_check_same_everywhere`): a mismatch raises a ``ShardError`` on every worker where it would hang.
+first (:func:`_check_same_everywhere`): a mismatch raises a ``ShardError`` on every worker where it would hang; then
+the arrays themselves (the data check, :func:`~distkeras.backends.policies.check_arrays`).
 Tensors, generators and ``steps`` pass through, whole on every worker.
 """
 
 from ... import sharding
 from .. import policies
+
+#: The model's data check (:func:`~distkeras.backends.policies.array_watch`), set by the adapter's check_data.
+WATCH = "_distkeras_data_watch"
+
+
+def _given(bound):
+    """evaluate()'s or predict()'s ``(x, y, sample_weight)`` (None for what the call doesn't take or wasn't given)."""
+    return tuple(bound.arguments.get(name) for name in ("x", "y", "sample_weight"))
 
 
 def _fit(model, fit, *args, **kwargs):
@@ -33,6 +42,7 @@ def _fit(model, fit, *args, **kwargs):
             ("epochs", given["epochs"]), ("shuffle", shuffle),
             ("validation_samples", sharding.num_samples([p for p in validation if p is not None]) if _arrays(validation) else None),
             ("validation_split", given["validation_split"]))])
+    policies.check_arrays(getattr(model, WATCH, None), "fit", data, given["batch_size"])
     given["callbacks"] = list(given["callbacks"] or []) + [_same_random_state(job)]  # last: after any user's draw
     model._distkeras_shard = (job.rank, job.workers)
     try:
@@ -51,6 +61,7 @@ def _evaluate(model, evaluate, *args, **kwargs):
         return evaluate(*bound.args, **bound.kwargs)
     job = model._distkeras_job
     _check_same_everywhere(job, "evaluate", policies.array_call_values(samples, bound.arguments["batch_size"]))
+    policies.check_arrays(getattr(model, WATCH, None), "evaluate", _given(bound), bound.arguments["batch_size"])
     return _sharded(model, job, evaluate, bound)
 
 
@@ -62,6 +73,7 @@ def _predict(model, predict, *args, **kwargs):
         return predict(*bound.args, **bound.kwargs)
     job = model._distkeras_job
     _check_same_everywhere(job, "predict", policies.array_call_values(samples, bound.arguments["batch_size"]))
+    policies.check_arrays(getattr(model, WATCH, None), "predict", _given(bound), bound.arguments["batch_size"])
     if not model.compiled:
         # A model never compiled predicts with a module of its own made at every step (keras-mxnet), which no
         # train step has given rank 0's weights: every worker takes them here, each worker's rows being one model's.

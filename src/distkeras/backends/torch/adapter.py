@@ -254,11 +254,9 @@ class TorchAdapter(Adapter):
     def check_data(self, model, mode, rank, workers):
         """The data check across processes: each process' whole global batch is noted where Keras' data adapter
         yields it (before the rows ``[rank::world]`` are taken, :func:`~.batches.sharded_batches`), and the
-        processes compare them with one all-reduce."""
-        if self.model_shards(model) > 1 or _REPLICA not in model.__dict__:
-            logger.info("the data check doesn't run on a model split over processes (strategy='model', "
-                        "pipeline_stages): every process runs the whole batch")
-            return
+        processes compare them with one all-reduce. A model split over processes (``pipeline_stages``,
+        ``strategy="model"``) is checked the same way: each of its processes draws the global batch too (stage 0
+        its inputs, the last stage its targets), and every process of the job must draw the same."""
         from ...verify import datacheck
         from .. import datawatch
         from . import collectives
