@@ -28,11 +28,12 @@ BLOCK_LAYOUT = {"embed/embeddings": ("model", None), "attn/query/kernel": (None,
                 "ff1/kernel": (None, "model"), "ff2/kernel": ("model", None)}
 
 
-def mlp():
+def mlp(l2=0.0):
     keras.utils.set_random_seed(1)
     inputs = keras.Input((6,))
-    h = keras.layers.Dense(8, activation="relu", name="up")(inputs)
-    h = keras.layers.Dense(6, name="down")(h)
+    regularizer = keras.regularizers.L2(l2) if l2 else None
+    h = keras.layers.Dense(8, activation="relu", name="up", kernel_regularizer=regularizer)(inputs)
+    h = keras.layers.Dense(6, name="down", kernel_regularizer=regularizer)(h)
     h = keras.layers.Dense(4, activation="tanh", name="alone")(h)
     model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
@@ -54,7 +55,8 @@ def block(attention_dropout=0.0):
     return model
 
 
-MODELS = {"mlp": (mlp, X_MLP, Y_MLP, MLP_LAYOUT), "block": (block, X_TOK, Y_TOK, BLOCK_LAYOUT)}
+MODELS = {"mlp": (mlp, X_MLP, Y_MLP, MLP_LAYOUT), "block": (block, X_TOK, Y_TOK, BLOCK_LAYOUT),
+          "mlp-l2": (lambda: mlp(l2=0.05), X_MLP, Y_MLP, MLP_LAYOUT)}
 
 
 def train(name, split, layout=None, epochs=2, save=None, backup=None, stop_at=None, shuffle=True):
@@ -93,7 +95,8 @@ def assert_same(one, split, atol=2e-5):
     np.testing.assert_allclose(one["predict"], split["predict"], rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("name, layout", [("mlp", "given"), ("block", "given"), ("block", "default")])
+@pytest.mark.parametrize("name, layout", [("mlp", "given"), ("block", "given"), ("block", "default"),
+                                          ("mlp-l2", "given")])
 def test_split_over_two_processes_trains_as_one_device(name, layout, tmp_path):
     one = train(name, split=False)
     given = MODELS[name][3] if layout == "given" else None
@@ -106,7 +109,7 @@ def test_split_over_two_processes_trains_as_one_device(name, layout, tmp_path):
     # Each process holds half of every split kernel (and of its Adam slots); the rest whole.
     halved = {"mlp": ["up/kernel", "up/bias", "down/kernel", "alone/kernel", "alone/bias"],
               "block": ["attn/query/kernel", "attn/key/kernel", "attn/value/kernel", "attn/attention_output/kernel",
-                        "attn/query/bias", "attn/key/bias", "attn/value/bias", "ff1/kernel", "ff1/bias", "ff2/kernel"] + (["embed/embeddings"] if layout == "given" else [])}[name]
+                        "attn/query/bias", "attn/key/bias", "attn/value/bias", "ff1/kernel", "ff1/bias", "ff2/kernel"] + (["embed/embeddings"] if layout == "given" else [])}[name.replace("-l2", "")]
     for path, shape in ranks[0]["local"].items():
         if path in halved:
             assert np.prod(shape) * 2 == np.prod(full[path]), (path, shape, full[path])

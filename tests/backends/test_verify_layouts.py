@@ -6,8 +6,8 @@ Each layout's first step is replayed as one device's (the whole state on one dev
 ``train_step``, no distkeras hook) and compared. A correct run raises nothing and trains bit for bit as it does
 without the check; a defect of distkeras' own in the layout is caught: the pipeline's loss weighed as a mean for a
 ``reduction="sum"`` loss (issue 50's defect, its fix reverted), and sharded gradients halved on their way to the
-optimizer (JAX) or before their owners apply them (PyTorch). PyTorch's model shards (``strategy="model"``) are processes: there the check says it is off (see
-``test_torch_tensor.py``).
+optimizer (JAX) or before their owners apply them (PyTorch). PyTorch's model shards (``strategy="model"``) are
+processes: there the check says it is off (see ``test_torch_tensor.py``).
 """
 
 import numpy as np
@@ -93,15 +93,13 @@ def test_a_summed_loss_weighed_as_a_mean_in_the_pipeline_is_caught():
     assert "log loss" in got["error"] and "pipeline stages" in got["error"], got["error"]
 
 
-MODEL_SHARDS_OFF = pytest.mark.skipif(BACKEND != "jax", reason="model shards in one process: JAX's (PyTorch's "
-                                      "are processes, where the check says it is off: test_torch_tensor.py)")
-
-
-@pytest.mark.skipif(BACKEND not in ("jax", "torch"), reason="sharded training state: JAX's and PyTorch's")
+@pytest.mark.skipif(BACKEND not in ("jax", "torch"), reason="sharded state and model shards: JAX's and PyTorch's")
 @pytest.mark.parametrize("options", [
     pytest.param({"shard": "optimizer"}, marks=only_in_full("a part of what shard='all' shards")),
     pytest.param({"shard": "gradients"}, marks=only_in_full("a part of what shard='all' shards")),
-    {"shard": "all"}, pytest.param({"strategy": "model"}, marks=MODEL_SHARDS_OFF)],
+    {"shard": "all"}, pytest.param({"strategy": "model"}, marks=pytest.mark.skipif(
+        BACKEND == "torch", reason="PyTorch's model shards are processes, where the check says it is off "
+                                   "(test_torch_tensor.py)"))],
     ids=lambda o: "-".join(map(str, o.values())))
 def test_sharded_state_and_model_shards_are_checked_and_training_unchanged(options):
     assert_checked_and_unchanged("sum_over_batch_size", **options)

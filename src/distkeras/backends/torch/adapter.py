@@ -279,6 +279,9 @@ class TorchAdapter(Adapter):
                                                                        model.__dict__.get(_REPLICA)))
             return
         if self.model_shards(model) > 1 or _REPLICA not in model.__dict__:
+            # Gathering the split variables for the replay works (torch_verify.wrap's ``whole``), but a backward
+            # pass on the whole Parameters leaves autograd's cached shape of each one whole, and the next split
+            # step's backward then fails; until the split Parameters are made anew, the check says it is off.
             check.skip("a model split over processes by strategy='model' is whole on no one process")
             return
         verifying.install(model, check, torch_verify.wrap(model, check, model.__dict__[_REPLICA]))
@@ -411,6 +414,7 @@ def _tensor_parallel(model, replica, layout_map, model_shards, sync_batchnorm, b
             data_group = group if s == shard else data_group
     table = layouts.rules(layout_map) if layout_map is not None else tensor.default_table(model, shards)
     splits = tensor.plan(model, table, shard, shards, model_group)
+    tensor.check_regularizers(splits)
 
     def split():
         tensor.shard_all(model, splits)
@@ -427,6 +431,7 @@ def _tensor_parallel(model, replica, layout_map, model_shards, sync_batchnorm, b
     else:
         torch_trainer.install_tensor_parallel(model, replica, whole, split)
     tensor.install(splits)  # after: installing the model's hooks takes off every earlier hook of its layers
+    tensor.sum_regularization(model, splits)
     keras_model.hook(model, tensor.SPLITS, splits)
     return model
 

@@ -356,6 +356,49 @@ def gather_all(model, splits):
             _set(variable, torch.cat(parts, dim=axis))
 
 
+#: Regularizers that add up over a variable's elements: each process' part then gives its part of the sum.
+_ADDITIVE = ("L1", "L2", "L1L2")
+
+
+def check_regularizers(splits):
+    """A split variable's regularizer must add up over its elements (L1, L2, L1L2): each process computes it on
+    its part, and the parts' sum is the whole's. Any other is refused, naming it."""
+    for split in splits:
+        for variable, _ in split.variables:
+            regularizer = variable.regularizer
+            if regularizer is not None and type(regularizer).__name__ not in _ADDITIVE:
+                raise OptionError(
+                    "Expected the regularizers of the variables strategy='model' splits to add up over their elements "
+                    "({}). Received: {} on {!r}, split over {} model shards. Keep that variable whole (a layout_map "
+                    "that doesn't name it), or use one of those regularizers.".format(
+                        ", ".join(_ADDITIVE), type(regularizer).__name__, variable.path, split.world))
+
+
+def sum_regularization(model, splits):
+    """Hook ``model._get_regularization_losses`` (a Keras private: what ``model.losses``, and so fit()'s
+    compute_loss, calls for every weight regularizer of the model; shard.py hooks it too, pinned by a test) so
+    that each split variable's loss, computed on this process' part, is summed over the model shards forward
+    (:class:`Reduce`; identity backward, so each part's gradient stays its own): the loss logged is one device's,
+    regularization included."""
+    groups = {id(v): split.group for split in splits for v, _ in split.variables if v.regularizer is not None}
+    if not groups:
+        return
+    own = type(model)._get_regularization_losses.__get__(model)
+
+    def hooked():
+        from keras.src import backend as keras_backend
+
+        losses = own()
+        weights = [v for v in model.trainable_weights if v.regularizer is not None]
+        if len(losses) != len(weights) or keras_backend.in_stateless_scope():
+            return losses
+        return [Reduce.apply(loss, groups[id(v)])
+                if id(v) in groups and isinstance(loss, torch.Tensor) and loss.device.type != "meta" else loss
+                for v, loss in zip(weights, losses)]
+
+    keras_model.hook(model, "_get_regularization_losses", hooked)
+
+
 def install(splits):
     """Replace each split layer's call (an instance hook) by its split computation."""
     for split in splits:

@@ -7,10 +7,10 @@ order) and, after the distributed step, every rank runs the model class' own ``t
 batch with every distkeras hook off: no collective, one device's arithmetic. Every rank compares the same
 values, so every rank comes to the same verdict (and raises together: no rank is left waiting in a collective).
 
-With ``shard=`` (the training state split over the ranks, :mod:`.shard`) the checked step reads the state whole:
-every weight and optimizer slot gathered on every rank (collective, as a save gathers them) for the snapshot,
-sharded again for the distributed step (which runs exactly as unchecked), gathered again for its result and the
-replay, and sharded again after, each rank keeping its part of the distributed result.
+With ``shard=`` (the training state split over the ranks, :mod:`.shard`) the checked step reads the state whole: every weight and optimizer slot gathered on every rank
+(collective, as a save gathers them) for the snapshot, split again for the distributed step (which runs exactly as
+unchecked), gathered again for its result and the replay, and split again after, each rank keeping its part of the
+distributed result.
 """
 
 import contextlib
@@ -78,30 +78,36 @@ def summed_metrics(entries):
     return entries
 
 
-def wrap(model, check, replica):
-    """``wrap(train_function)`` for :func:`verifying.install`."""
+def wrap(model, check, replica, whole=None):
+    """``wrap(train_function)`` for :func:`verifying.install`. ``replica``: the data-parallel replicas whose rows
+    are gathered (None: every process runs the whole batch). ``whole``: ``(gather, release)`` of a training state
+    split over the processes; by default ``replica``'s ``shard=`` state, if any."""
 
     def wrapping(function):
         def train_function(data):
             if not check.due:
                 return function(data)
-            batch = global_batch(replica, data[0])
+            batch = global_batch(replica, data[0]) if replica is not None else data[0]
             handed = []
-            whole = _Whole(replica.shard)
+            state = _Whole(*(whole or _sharded_state(replica)))
 
             def distributed():
                 # The step's logs for Keras as without the check (the rank's own where nothing reads them); the
                 # global ones the step read for the check (trainer._train_step) are what is compared.
-                replica.checked_logs = None
-                with whole.sharded():
+                if replica is not None:
+                    replica.checked_logs = None
+                with state.split():
                     handed.append(function(data))
-                logs, replica.checked_logs = replica.checked_logs, None
+                logs = None
+                if replica is not None:
+                    logs, replica.checked_logs = replica.checked_logs, None
                 return handed[0] if logs is None else logs
 
-            with whole:
+            with state:
                 verifying.checked_in_place(
                     model, check, verifying.numpy, distributed, lambda: type(model).train_step(model, batch),
-                    random_state=_rng(), reduce=summed_metrics, rows=verifying.rows_of(batch))
+                    random_state=_rng(), reduce=summed_metrics if replica is not None else None,
+                    rows=verifying.rows_of(batch))
             return handed[0]
 
         return train_function
@@ -109,27 +115,46 @@ def wrap(model, check, replica):
     return wrapping
 
 
-class _Whole(object):
-    """A sharded model's training state whole on every rank inside ``with`` (nothing without ``shard=``), and
-    sharded as training holds it inside :meth:`sharded`."""
+def _sharded_state(replica):
+    """``(gather, release)`` of ``replica``'s ``shard=`` state (:meth:`~.shard.Sharding.gathered`, entered and left
+    apart), or ``(None, None)``."""
+    sharding = replica.shard if replica is not None else None
+    if sharding is None:
+        return None, None
+    held = []
 
-    def __init__(self, sharding):
-        self.sharding = sharding
-        self.held = None
+    def gather():
+        stack = contextlib.ExitStack()
+        stack.enter_context(sharding.gathered())  # collective: every rank gathers together
+        held.append(stack)
+
+    def release():
+        held.pop().close()  # each rank keeps its part of what the whole holds now
+
+    return gather, release
+
+
+class _Whole(object):
+    """A training state split over the processes whole on every process inside ``with`` (``gather()``, collective),
+    and split as training holds it inside :meth:`split` (``release()``); nothing where both are None."""
+
+    def __init__(self, gather=None, release=None):
+        self.gather, self.release = gather, release
+        self.held = False
 
     def __enter__(self):
-        if self.sharding is not None:
-            self.held = contextlib.ExitStack()
-            self.held.enter_context(self.sharding.gathered())  # collective: every rank gathers together
+        if self.gather is not None:
+            self.gather()
+            self.held = True
         return self
 
     def __exit__(self, *exc):
-        if self.held is not None:
-            held, self.held = self.held, None
-            held.close()  # each rank keeps its part of what the whole holds now
+        if self.held:
+            self.held = False
+            self.release()
 
     @contextlib.contextmanager
-    def sharded(self):
+    def split(self):
         self.__exit__(None, None, None)
         try:
             yield
