@@ -152,9 +152,12 @@ def test_backup_and_restore_resumes_a_split_model_to_the_uninterrupted_run(tmp_p
 
 def refused(options, model="mlp"):
     try:
-        built = MODELS[model.replace("-clipped", "")][0]() if model.replace("-clipped", "") in MODELS else block(0.1)
+        name = model.replace("-clipped", "").replace("-orthogonal", "")
+        built = MODELS[name][0]() if name in MODELS else block(0.1)
         if model.endswith("-clipped"):
             built.compile(optimizer=keras.optimizers.SGD(0.1, global_clipnorm=1.0), loss="mse")
+        if model == "mlp-orthogonal":  # a regularizer that doesn't add up over the kernel's elements
+            built.get_layer("up").kernel.regularizer = keras.regularizers.OrthogonalRegularizer(0.01)
         distkeras.distribute(built, 2, strategy="model", **options)
     except distkeras.DistKerasError as exc:
         return type(exc).__name__, str(exc)
@@ -169,7 +172,8 @@ def refused(options, model="mlp"):
     ({"layout_map": {"up/kernel": ("rows", None)}}, "mlp", "Expected layout_map['up/kernel'] to be axes"),
     ({"layout_map": {"attn/query/kernel": (None, "model", None)}}, "dropout", "with dropout=0.1"),
     ({}, "mlp-clipped", "has global_clipnorm=1.0, a norm over whole gradients"),
-], ids=["model_shards", "shard", "rank", "axes", "attention dropout", "global_clipnorm"])
+    ({"layout_map": MLP_LAYOUT}, "mlp-orthogonal", "Received: OrthogonalRegularizer on 'up/kernel'"),
+], ids=["model_shards", "shard", "rank", "axes", "attention dropout", "global_clipnorm", "regularizer"])
 def test_what_cant_be_split_is_a_clear_error(options, model, expected):
     kind, message = job(2).run(refused, options, model)[0].result
     assert kind == "OptionError" and expected in message, message

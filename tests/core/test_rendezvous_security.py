@@ -340,7 +340,8 @@ def test_launchers_with_one_token_file_run_the_job_and_the_workers_never_see_it(
               "--backend", "torch", "--token-file", str(token)]
     node0 = distkeras_launch(tmp_path, probe, *common, "--node-rank", "0")
     node1 = distkeras_launch(tmp_path, probe, *common, "--node-rank", "1")
-    (code0, out0, err0), (code1, out1, err1) = finish(node0), finish(node1)
+    # Two PyTorch workers start here (torch imported in each): on a loaded 2-core host more than a minute.
+    (code0, out0, err0), (code1, out1, err1) = finish(node0, timeout=180), finish(node1, timeout=180)
     assert code0 == code1 == 0, err0 + err1
     assert "token seen False" in out0 and "token seen False" in out1 and "token seen True" not in out0 + out1
     # A host with another token is refused, told why, and node 0 waits on for the real one, then gives up cleanly.

@@ -279,7 +279,7 @@ class TorchAdapter(Adapter):
                                                                        model.__dict__.get(_REPLICA)))
             return
         if self.model_shards(model) > 1 or _REPLICA not in model.__dict__:
-            # Gathering the split variables for the replay works (torch_verify.wrap's ``whole``), but a backward
+            # Gathering the split variables for a replay (tensor.gather_all, as a save does) was tried: a backward
             # pass on the whole Parameters leaves autograd's cached shape of each one whole, and the next split
             # step's backward then fails; until the split Parameters are made anew, the check says it is off.
             check.skip("a model split over processes by strategy='model' is whole on no one process")

@@ -376,7 +376,7 @@ def check_regularizers(splits):
 
 def sum_regularization(model, splits):
     """Hook ``model._get_regularization_losses`` (a Keras private: what ``model.losses``, and so fit()'s
-    compute_loss, calls for every weight regularizer of the model; shard.py hooks it too, pinned by a test) so
+    compute_loss, calls for every weight regularizer of the model; shard.py hooks the same method per layer) so
     that each split variable's loss, computed on this process' part, is summed over the model shards forward
     (:class:`Reduce`; identity backward, so each part's gradient stays its own): the loss logged is one device's,
     regularization included."""

@@ -78,36 +78,30 @@ def summed_metrics(entries):
     return entries
 
 
-def wrap(model, check, replica, whole=None):
-    """``wrap(train_function)`` for :func:`verifying.install`. ``replica``: the data-parallel replicas whose rows
-    are gathered (None: every process runs the whole batch). ``whole``: ``(gather, release)`` of a training state
-    split over the processes; by default ``replica``'s ``shard=`` state, if any."""
+def wrap(model, check, replica):
+    """``wrap(train_function)`` for :func:`verifying.install`."""
 
     def wrapping(function):
         def train_function(data):
             if not check.due:
                 return function(data)
-            batch = global_batch(replica, data[0]) if replica is not None else data[0]
+            batch = global_batch(replica, data[0])
             handed = []
-            state = _Whole(*(whole or _sharded_state(replica)))
+            whole = _Whole(replica.shard)
 
             def distributed():
                 # The step's logs for Keras as without the check (the rank's own where nothing reads them); the
                 # global ones the step read for the check (trainer._train_step) are what is compared.
-                if replica is not None:
-                    replica.checked_logs = None
-                with state.split():
+                replica.checked_logs = None
+                with whole.split():
                     handed.append(function(data))
-                logs = None
-                if replica is not None:
-                    logs, replica.checked_logs = replica.checked_logs, None
+                logs, replica.checked_logs = replica.checked_logs, None
                 return handed[0] if logs is None else logs
 
-            with state:
+            with whole:
                 verifying.checked_in_place(
                     model, check, verifying.numpy, distributed, lambda: type(model).train_step(model, batch),
-                    random_state=_rng(), reduce=summed_metrics if replica is not None else None,
-                    rows=verifying.rows_of(batch))
+                    random_state=_rng(), reduce=summed_metrics, rows=verifying.rows_of(batch))
             return handed[0]
 
         return train_function
@@ -115,43 +109,24 @@ def wrap(model, check, replica, whole=None):
     return wrapping
 
 
-def _sharded_state(replica):
-    """``(gather, release)`` of ``replica``'s ``shard=`` state (:meth:`~.shard.Sharding.gathered`, entered and left
-    apart), or ``(None, None)``."""
-    sharding = replica.shard if replica is not None else None
-    if sharding is None:
-        return None, None
-    held = []
-
-    def gather():
-        stack = contextlib.ExitStack()
-        stack.enter_context(sharding.gathered())  # collective: every rank gathers together
-        held.append(stack)
-
-    def release():
-        held.pop().close()  # each rank keeps its part of what the whole holds now
-
-    return gather, release
-
-
 class _Whole(object):
-    """A training state split over the processes whole on every process inside ``with`` (``gather()``, collective),
-    and split as training holds it inside :meth:`split` (``release()``); nothing where both are None."""
+    """``sharding``'s training state (``shard=``) whole on every rank inside ``with`` (collective), and sharded as
+    training holds it inside :meth:`split`; nothing without ``shard=`` (``sharding`` None)."""
 
-    def __init__(self, gather=None, release=None):
-        self.gather, self.release = gather, release
-        self.held = False
+    def __init__(self, sharding):
+        self.sharding = sharding
+        self.held = None
 
     def __enter__(self):
-        if self.gather is not None:
-            self.gather()
-            self.held = True
+        if self.sharding is not None:
+            self.held = contextlib.ExitStack()
+            self.held.enter_context(self.sharding.gathered())  # every rank gathers together
         return self
 
     def __exit__(self, *exc):
-        if self.held:
-            self.held = False
-            self.release()
+        if self.held is not None:
+            held, self.held = self.held, None
+            held.close()  # each rank keeps its part of what the whole holds now
 
     @contextlib.contextmanager
     def split(self):
