@@ -19,7 +19,9 @@ LOOPS = ["keras", "distkeras", "distkeras, overlap off", "distkeras, no all-redu
 
 @pytest.mark.parametrize("feed", [
     pytest.param("pydataset", marks=only_in_full("the arrays feed runs the same seven loops and the same split")),
-    "arrays"])
+    pytest.param("arrays", marks=only_in_full(
+        "a benchmark's harness (benchmarks/torch_gap.py), not distkeras: seven 2-process loops, over a minute here; "
+        "test_refuses_to_run_as_one_process keeps its entry point in the default run"))])
 def test_seven_loops_timed_and_the_gap_split(tmp_path, feed):
     out = tmp_path / "gap.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_")}

@@ -137,6 +137,15 @@ def test_two_replicas_of_two_model_shards_on_four_processes_train_as_one_device(
         assert_same(one, outcome.result)
         assert outcome.result["describe"]["replicas"] == 2 and outcome.result["describe"]["model_shards"] == 2
     assert outcomes[0].result["local"]["ff1/kernel"] == (8, 8) and outcomes[3].result["local"]["ff1/kernel"] == (8, 8)
+    # verify=True on the mesh: each replica's rows gathered, the metrics summed over the replicas only; nothing
+    # found, and the training is the unchecked one's bit for bit.
+    pool = job(4, local_size=2)
+    checked = [o.result for o in pool.run(verified, "block", True)]
+    plain = [o.result for o in pool.run(verified, "block", False)]
+    for on, off in zip(checked, plain):
+        assert "error" not in on and on["checked"] == 1 and on["skipped"] is None, on
+        for a, b in zip(on["weights"], off["weights"]):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_backup_and_restore_resumes_a_split_model_to_the_uninterrupted_run(tmp_path):
@@ -262,13 +271,51 @@ def test_a_shard_holds_only_its_own_memory():
         assert storage == shard, path  # a row split (its first axis) was a view keeping the whole kernel alive
 
 
-def verified():
-    model = mlp()
-    distkeras.distribute(model, 2, strategy="model", layout_map=MLP_LAYOUT, verify=True)
-    model.fit(X_MLP, Y_MLP, batch_size=8, epochs=1, verbose=0)
-    return True
+def verified(name, verify, revert=False):
+    """Two epochs split over the 2 processes with ``verify``: the weights, the steps the check compared and why it
+    skipped any, or the VerifyError. ``revert``: the regularization of a split variable left unsummed over the
+    model shards (the fix of c737ff8 reverted: the loss each shard computes and logs leaves the other parts out)."""
+    from distkeras.backends.torch import tensor
+
+    build, x, y, layout = MODELS[name]
+    model = build()
+    summed = tensor.sum_regularization
+    if revert:
+        tensor.sum_regularization = lambda model, splits: None
+    try:
+        distkeras.distribute(model, 2, strategy="model", layout_map=layout, model_shards=2, verify=verify)
+    finally:
+        tensor.sum_regularization = summed  # the job's processes serve later tests too
+    try:
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    except distkeras.VerifyError as error:
+        return {"error": str(error)}
+    check = model.__dict__.get("_distkeras_check")
+    return {"weights": model.get_weights(), "checked": check.checked if check else None,
+            "skipped": check.skipped if check else None, "local": [tuple(v._value.shape) for v in model.weights]}
 
 
-def test_the_one_device_check_says_it_is_off_for_a_split_model():
-    outcome = job(2).run(verified)[0]
-    assert outcome.result is True and "one-device check is off for this model: a model split" in outcome.stderr
+@pytest.mark.parametrize("name", ["mlp", "block"])
+def test_the_one_device_check_replays_a_split_model_and_changes_nothing(name):
+    """verify=True on model shards: each fit's first step is replayed as one device (every split variable and slot
+    gathered whole on every process, in new Parameters), nothing is found, the training is bit for bit the
+    unchecked one's, and the next steps still run split (autograd kept no whole shape of a split Parameter)."""
+    pool = job(2)
+    checked = [o.result for o in pool.run(verified, name, True)]
+    plain = [o.result for o in pool.run(verified, name, False)]
+    for on, off in zip(checked, plain):
+        assert "error" not in on, on.get("error")
+        assert on["checked"] == 1 and on["skipped"] is None, on
+        assert on["local"] == off["local"]  # still split after the check
+        for a, b in zip(on["weights"], off["weights"]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_one_device_check_catches_a_split_regularizer_left_unsummed():
+    """The defect c737ff8 fixed, reverted: each model shard adds only its own part's L2 to the loss. Training
+    steps are the same (each part's gradient is its own), but the loss the step reports is not one device's; the
+    check names it on every process."""
+    outcomes = [o.result for o in job(2).run(verified, "mlp-l2", True, True)]
+    for result in outcomes:
+        assert "error" in result, result
+        assert "loss" in result["error"], result["error"]

@@ -7,7 +7,7 @@ Each layout's first step is replayed as one device's (the whole state on one dev
 without the check; a defect of distkeras' own in the layout is caught: the pipeline's loss weighed as a mean for a
 ``reduction="sum"`` loss (issue 50's defect, its fix reverted), and sharded gradients halved on their way to the
 optimizer (JAX) or before their owners apply them (PyTorch). PyTorch's model shards (``strategy="model"``) are
-processes: there the check says it is off (see ``test_torch_tensor.py``).
+processes: their check is tested in ``test_torch_tensor.py``.
 """
 
 import numpy as np
@@ -98,8 +98,8 @@ def test_a_summed_loss_weighed_as_a_mean_in_the_pipeline_is_caught():
     pytest.param({"shard": "optimizer"}, marks=only_in_full("a part of what shard='all' shards")),
     pytest.param({"shard": "gradients"}, marks=only_in_full("a part of what shard='all' shards")),
     {"shard": "all"}, pytest.param({"strategy": "model"}, marks=pytest.mark.skipif(
-        BACKEND == "torch", reason="PyTorch's model shards are processes, where the check says it is off "
-                                   "(test_torch_tensor.py)"))],
+        BACKEND == "torch", reason="PyTorch's model shards need a layout map of the MLP's kernels; "
+                                   "test_torch_tensor.py checks them (an MLP and a block, 2 and 2 x 2 processes)"))],
     ids=lambda o: "-".join(map(str, o.values())))
 def test_sharded_state_and_model_shards_are_checked_and_training_unchanged(options):
     assert_checked_and_unchanged("sum_over_batch_size", **options)

@@ -18,8 +18,9 @@ The neutral part is here: the switch, the snapshot-and-compare, the message. Eac
 ``backends/<name>/verify.py`` supplies its primitives: how its step function receives a batch, how the global
 batch is put together from the replicas' parts, and how plain Keras' step runs on one device.
 
-Where it can't run, it says so once and trains on: PyTorch's ``strategy="model"`` over processes, whose layers
-are whole on no one process (``shard=`` is gathered for the check), and ``steps_per_execution > 1``.
+Where it can't run, it says so once and trains on: ``steps_per_execution > 1``, and a first step that built
+variables (the next step is checked). Split state (``shard=``, ``strategy="model"``, pipeline stages) is
+gathered whole for the check.
 """
 
 import logging

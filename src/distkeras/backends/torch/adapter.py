@@ -267,8 +267,9 @@ class TorchAdapter(Adapter):
     def verify(self, model, check):
         """The one-device check (:mod:`.verify`): every rank runs the one-device step on the gathered global batch;
         a model cut into pipeline stages is gathered whole on every process of its replica for that step, and a
-        sharded one (``shard=``) on every process."""
+        sharded one (``shard=``) or one split over model shards (``strategy='model'``) on every process."""
         from . import pipeline as torch_pipeline
+        from . import tensor
         from . import verify as torch_verify
         from .. import verifying
 
@@ -278,11 +279,15 @@ class TorchAdapter(Adapter):
             verifying.install(model, check, torch_verify.wrap_pipeline(model, check, plan,
                                                                        model.__dict__.get(_REPLICA)))
             return
-        if self.model_shards(model) > 1 or _REPLICA not in model.__dict__:
-            # Gathering the split variables for a replay (tensor.gather_all, as a save does) was tried: a backward
-            # pass on the whole Parameters leaves autograd's cached shape of each one whole, and the next split
-            # step's backward then fails; until the split Parameters are made anew, the check says it is off.
-            check.skip("a model split over processes by strategy='model' is whole on no one process")
+        splits = model.__dict__.get(tensor.SPLITS)
+        if splits:
+            # strategy='model': every model shard of a replica runs the replica's whole batch, so the rows are
+            # gathered and the metrics summed over the data-parallel replicas only (None: one replica).
+            replicas = model.__dict__.get(_REPLICA)
+            check.backend += ", {} model shards".format(splits[0].world)
+            verifying.install(model, check, torch_verify.wrap(
+                model, check, replicas, gathered=lambda: tensor.gathered(model, splits),
+                reduce=torch_verify.summed_metrics if replicas is not None else None))
             return
         verifying.install(model, check, torch_verify.wrap(model, check, model.__dict__[_REPLICA]))
 
@@ -433,6 +438,8 @@ def _tensor_parallel(model, replica, layout_map, model_shards, sync_batchnorm, b
     tensor.install(splits)  # after: installing the model's hooks takes off every earlier hook of its layers
     tensor.sum_regularization(model, splits)
     keras_model.hook(model, tensor.SPLITS, splits)
+    if grid.replicas > 1:
+        keras_model.hook(model, _REPLICA, replicas)  # for verify(): the rows of the data-parallel replicas
     return model
 
 

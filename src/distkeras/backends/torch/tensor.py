@@ -28,6 +28,7 @@ are public torch (``torch.autograd.Function``); the variables' storage is Keras'
 them).
 """
 
+import contextlib
 import re
 
 import keras
@@ -354,6 +355,37 @@ def gather_all(model, splits):
             parts = [torch.empty_like(local) for _ in range(split.world)]
             dist.all_gather(parts, local, group=split.group)
             _set(variable, torch.cat(parts, dim=axis))
+
+
+@contextlib.contextmanager
+def gathered(model, splits):
+    """Every split variable (and its optimizer slots) whole inside the ``with`` block, on every process
+    (collective, one all-gather each); after it, each process keeps its part of the whole value as it is then.
+
+    The whole values live in new Parameters, and the split ones are put back after: the one-device check runs a
+    backward pass on the whole model, and autograd keeps each leaf's gradient accumulator (with the shape it had)
+    while that step's graph lives, so resizing the split Parameter in place (as :func:`gather_all` does for a
+    save) made the next split step's backward fail ("returned an invalid gradient ... expected shape")."""
+    held = []
+    for split in splits:
+        for variable, axis in _with_slots(model, split):
+            own = variable._value
+            local = own.data.contiguous()
+            parts = [torch.empty_like(local) for _ in range(split.world)]
+            dist.all_gather(parts, local, group=split.group)
+            whole = torch.cat(parts, dim=axis)
+            # Keras' torch Variable: storage in _value, shape in _shape (privates, see the module doc).
+            variable._value = torch.nn.Parameter(whole, requires_grad=own.requires_grad)
+            variable._shape = tuple(whole.shape)
+            held.append((variable, own, axis, split))
+    try:
+        yield
+    finally:
+        for variable, own, axis, split in held:
+            part = variable._value.data.chunk(split.world, dim=axis)[split.rank]
+            own.data = part.clone(memory_format=torch.contiguous_format)
+            variable._value = own
+            variable._shape = tuple(own.shape)
 
 
 #: Regularizers that add up over a variable's elements: each process' part then gives its part of the sum.

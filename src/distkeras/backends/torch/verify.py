@@ -7,7 +7,8 @@ order) and, after the distributed step, every rank runs the model class' own ``t
 batch with every distkeras hook off: no collective, one device's arithmetic. Every rank compares the same
 values, so every rank comes to the same verdict (and raises together: no rank is left waiting in a collective).
 
-With ``shard=`` (the training state split over the ranks, :mod:`.shard`) the checked step reads the state whole: every weight and optimizer slot gathered on every rank
+With ``shard=`` (the training state split over the ranks, :mod:`.shard`), and with ``strategy="model"``
+(variables split over the model shards, :mod:`.tensor`), the checked step reads the state whole: every weight and optimizer slot gathered on every rank
 (collective, as a save gathers them) for the snapshot, split again for the distributed step (which runs exactly as
 unchecked), gathered again for its result and the replay, and split again after, each rank keeping its part of the
 distributed result.
@@ -78,30 +79,40 @@ def summed_metrics(entries):
     return entries
 
 
-def wrap(model, check, replica):
-    """``wrap(train_function)`` for :func:`verifying.install`."""
+def wrap(model, check, replica, gathered=None, reduce=summed_metrics):
+    """``wrap(train_function)`` for :func:`verifying.install`. ``gathered()``: a context manager under which
+    the model's state is whole on every rank (collective), split as training holds it outside; by default the
+    ``shard=`` state's (``replica.shard.gathered``), nothing without ``shard=``. ``reduce``: the distributed
+    state over the job from this rank's (:func:`summed_metrics` over the data-parallel group; None where every
+    rank ran the whole batch, as the model shards of one replica do)."""
+    if gathered is None and replica is not None and replica.shard is not None:
+        gathered = replica.shard.gathered
 
     def wrapping(function):
         def train_function(data):
             if not check.due:
                 return function(data)
-            batch = global_batch(replica, data[0])
+            # replica None: every rank runs the whole batch (the model shards of one replica).
+            batch = global_batch(replica, data[0]) if replica is not None else data[0]
             handed = []
-            whole = _Whole(replica.shard)
+            whole = _Whole(gathered)
 
             def distributed():
                 # The step's logs for Keras as without the check (the rank's own where nothing reads them); the
                 # global ones the step read for the check (trainer._train_step) are what is compared.
-                replica.checked_logs = None
+                if replica is not None:
+                    replica.checked_logs = None
                 with whole.split():
                     handed.append(function(data))
+                if replica is None:
+                    return handed[0]
                 logs, replica.checked_logs = replica.checked_logs, None
                 return handed[0] if logs is None else logs
 
             with whole:
                 verifying.checked_in_place(
                     model, check, verifying.numpy, distributed, lambda: type(model).train_step(model, batch),
-                    random_state=_rng(), reduce=summed_metrics, rows=verifying.rows_of(batch))
+                    random_state=_rng(), reduce=reduce, rows=verifying.rows_of(batch))
             return handed[0]
 
         return train_function
@@ -110,17 +121,17 @@ def wrap(model, check, replica):
 
 
 class _Whole(object):
-    """``sharding``'s training state (``shard=``) whole on every rank inside ``with`` (collective), and sharded as
-    training holds it inside :meth:`split`; nothing without ``shard=`` (``sharding`` None)."""
+    """The training state whole on every rank inside ``with`` (``gathered()``, collective), and split as training
+    holds it inside :meth:`split`; nothing where ``gathered`` is None (the state is whole already)."""
 
-    def __init__(self, sharding):
-        self.sharding = sharding
+    def __init__(self, gathered):
+        self.gathered = gathered
         self.held = None
 
     def __enter__(self):
-        if self.sharding is not None:
+        if self.gathered is not None:
             self.held = contextlib.ExitStack()
-            self.held.enter_context(self.sharding.gathered())  # every rank gathers together
+            self.held.enter_context(self.gathered())  # every rank gathers together
         return self
 
     def __exit__(self, *exc):
