@@ -48,6 +48,11 @@ FULL_ONLY = {
     "(test_model_shards_2_in_one_process_equals_one_device[gemma]), 4 model shards run over 2x2 devices "
     "(2x2proc-block-4) and Gemma across processes on 1x2proc-gemma-2",
 }
+if HUB:  # without keras-hub, the MLP is 2x2proc's only model and runs by default
+    FULL_ONLY["2x2proc", "mlp-2"] = (
+        "the 2x2 mesh ('batch' across the processes, 'model' within each) trains Llama by its own layout map "
+        "(2x2proc-llama-2, whose saved file is loaded too); the MLP's layout runs across processes on 1x2proc-mlp-2 "
+        "and in one process")
 ALL_JOBS = JOBS
 if not HUB:
     JOBS = {key: (d, p, [c for c in cases if not c.startswith(("gemma", "llama"))]) for key, (d, p, cases) in
