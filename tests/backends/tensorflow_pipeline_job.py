@@ -25,11 +25,13 @@ def cpu_index(device):
     return spec.device_index
 
 
-def train(name, stages=None, devices=2, save=None, eager=False, **options):
+def train(name, stages=None, devices=2, save=None, eager=False, rows=None, **options):
     """Two epochs at batch 8 (the last batch smaller), then evaluate and predict; for a pipelined model also where
     TensorFlow holds each stage's variables and optimizer slots, and where each stage's output was computed (eager:
-    the device it ran on; traced: the device its op was placed on)."""
+    the device it ran on; traced: the device its op was placed on). ``rows``: the data's first rows only (16: every
+    batch whole, one micro-batch shape to trace per stage)."""
     build, x, y = MODELS[name]
+    x, y = x[:rows], y[:rows]
     model = build()
     model.run_eagerly = eager
     if stages is not None:
@@ -64,6 +66,7 @@ def train(name, stages=None, devices=2, save=None, eager=False, **options):
 
 
 def four_stages():
+    # The one-device runs are deterministic (each build() seeds every generator): one of each serves every check.
     one = train("mlp-dropout")
     four = train("mlp-dropout", ["d1", "d2", "d3"], devices=4, microbatches=3, schedule="1f1b")
     assert four["stages"] == [["d1"], ["d2"], ["drop", "d3"], ["d4"]], four["stages"]
@@ -71,24 +74,25 @@ def four_stages():
     assert four["outputs"] == [0, 1, 2, 3], four["outputs"]
     assert four["describe"]["replicas"] == 1 and four["describe"]["model_shards"] == 4, four["describe"]
     assert_same(one, four)
-    # The functional transformer stack, balanced by parameters over 4 devices (cuts between blocks only).
-    one = train("transformer")
-    four = train("transformer", 4, devices=4, microbatches=2, schedule="gpipe")
+    # 2 stages x 2 replicas on the 4 devices: each micro-batch split by rows over a stage's 2 devices (stage 0 on
+    # CPU:0 and CPU:2, stage 1 on CPU:1 and CPU:3); the variables on each stage's first.
+    two = train("mlp-dropout", ["d2"], devices=4, microbatches=3, schedule="gpipe")
+    assert two["placed"] == two["expected"], two["placed"]
+    assert two["ran"] == [[0, 2], [1, 3]], two["ran"]
+    assert_same(one, two)
+    # The functional transformer stack, balanced by parameters over 4 devices (cuts between blocks only), on 16
+    # of its 20 rows: every batch 8 rows, one micro-batch shape per stage to trace (the MLPs above and the
+    # 2-stage tests cover an epoch's smaller last batch).
+    one = train("transformer", rows=16)
+    four = train("transformer", 4, devices=4, microbatches=2, schedule="gpipe", rows=16)
     assert four["placed"] == four["expected"], four["placed"]
     assert four["outputs"] == [0, 1, 2, 3], four["outputs"]
     assert four["describe"]["model_shards"] == 4 and all(four["stages"]), four["stages"]
     assert_same(one, four)
-    # 2 stages x 2 replicas on the 4 devices: each micro-batch split by rows over a stage's 2 devices (stage 0 on
-    # CPU:0 and CPU:2, stage 1 on CPU:1 and CPU:3); the variables on each stage's first.
-    two = train("transformer", 2, devices=4, microbatches=2, schedule="1f1b")
+    two = train("transformer", 2, devices=4, microbatches=2, schedule="1f1b", rows=16)
     assert two["placed"] == two["expected"], two["placed"]
     assert two["ran"] == [[0, 2], [1, 3]], two["ran"]
     assert two["describe"]["replicas"] == 2 and two["describe"]["model_shards"] == 2, two["describe"]
-    assert_same(one, two)
-    one = train("mlp-dropout")
-    two = train("mlp-dropout", ["d2"], devices=4, microbatches=3, schedule="gpipe")
-    assert two["placed"] == two["expected"], two["placed"]
-    assert two["ran"] == [[0, 2], [1, 3]], two["ran"]
     assert_same(one, two)
 
 

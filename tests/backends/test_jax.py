@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="JAX adapter tests; KER
 
 from tests.backends import scenarios  # noqa: E402
 from tests.backends.test_distribute import ATOL, RTOL, assert_weights_close  # noqa: E402
+from tests.full import only_in_full  # noqa: E402
 
 import distkeras  # noqa: E402
 from distkeras import backends  # noqa: E402
@@ -821,7 +822,12 @@ def test_all_optimizers_finds_optimizers_in_attributes_lists_and_dicts_once_each
     assert sorted(map(id, found[3:])) == sorted(map(id, [extra, scaled, scaled.inner_optimizer]))
 
 
-@pytest.mark.parametrize("devices, trained_before", [(2, False), (3, True)])
+@pytest.mark.parametrize("devices, trained_before", [
+    pytest.param(2, False, marks=only_in_full(
+        "[3-True] lays the same two optimizers (built in compile(), before distribute) on the mesh and trains them "
+        "as one device, from a state trained before distribute (non-zero slots and iterations); 2 devices: the "
+        "other tests of this module")),
+    (3, True)])
 def test_a_gan_with_optimizers_of_its_own_equals_one_device(devices, trained_before):
     """Both optimizers (set in compile(), built before distribute, trained before it in one case) are laid out on
     the mesh with the model: weights, both optimizers' slots and History equal one device's."""

@@ -2,9 +2,10 @@
 
 The models and the worker are in :mod:`tests.backends.model_parallel_job`: an MLP (Megatron's column-then-row
 pair), a transformer block (attention split by heads, a feed-forward pair) and tiny KerasHub causal LMs (Gemma,
-Llama) laid out by their backbone's own ``get_layout_map``. Three jobs run side by side while the one-process
+Llama) laid out by their backbone's own ``get_layout_map``. The jobs run side by side while the one-process
 cases run here: 2 processes x 1 CPU device (the "model" axis across processes), 2 processes x 2 devices (2x2
-"batch" x "model", and 1x4) and one process of 4 devices. Each is compared with the same model trained on one
+"batch" x "model", and 1x4) and, in the full run only, one process of 4 devices (FULL_ONLY: the cases the
+default run leaves to the others). Each is compared with the same model trained on one
 device here (weights, History losses, evaluate, predict, and the optimizer's state through the saved file, which a
 fresh process loads without distkeras).
 """
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.backends.harness import BACKEND, keras
+from tests.full import FULL, only_in_full
 
 import distkeras
 
@@ -37,10 +39,27 @@ JOBS = {
     "2x2proc": (2, 2, ["mlp-2", "llama-2", "block-4"]),  # 2x2: "batch" across processes; 1x4: "model" across
     "4dev": (4, 1, ["gemma-4"]),  # one process, 4 devices
 }
+#: (job, case) -> why the default run doesn't need it: the full run (DISTKERAS_FULL_TESTS=1) runs these too.
+FULL_ONLY = {
+    ("1x2proc", "block-2"): "the transformer block's layout runs at 2 model shards in one process "
+    "(test_model_shards_2_in_one_process_equals_one_device[block]) and with the 'model' axis across the processes "
+    "at 4 shards (2x2proc-block-4); the 'model' axis across 2 processes of 1 device: 1x2proc-mlp-2 and -gemma-2",
+    ("4dev", "gemma-4"): "one process of several devices runs Gemma's own layout map at 2 model shards "
+    "(test_model_shards_2_in_one_process_equals_one_device[gemma]), 4 model shards run over 2x2 devices "
+    "(2x2proc-block-4) and Gemma across processes on 1x2proc-gemma-2",
+}
+if HUB:  # without keras-hub, the MLP is 2x2proc's only model and runs by default
+    FULL_ONLY["2x2proc", "mlp-2"] = (
+        "the 2x2 mesh ('batch' across the processes, 'model' within each) trains Llama by its own layout map "
+        "(2x2proc-llama-2, whose saved file is loaded too); the MLP's layout runs across processes on 1x2proc-mlp-2 "
+        "and in one process")
+ALL_JOBS = JOBS
 if not HUB:
     JOBS = {key: (d, p, [c for c in cases if not c.startswith(("gemma", "llama"))]) for key, (d, p, cases) in
             JOBS.items()}
-    JOBS = {key: value for key, value in JOBS.items() if value[2]}
+if not FULL:
+    JOBS = {key: (d, p, [c for c in cases if (key, c) not in FULL_ONLY]) for key, (d, p, cases) in JOBS.items()}
+JOBS = {key: value for key, value in JOBS.items() if value[2]}
 _references = {}
 
 
@@ -152,10 +171,13 @@ def test_shard_and_compression_are_refused_saying_why(options, message):
 #: processes (1x4) and a KerasHub model on 2x2, its embeddings split over both axes (Llama's own layout).
 SAVED = [(key, case) for key, case in [("1x2proc", "mlp-2"), ("2x2proc", "block-4"), ("2x2proc", "llama-2")]
          if key in JOBS and case in JOBS[key][2]]
-CASES = [(key, case) for key, (_, _, cases) in JOBS.items() for case in cases if not case.startswith("resume")]
+CASES = [pytest.param(key, case, id="{}-{}".format(key, case), marks=[
+    only_in_full(FULL_ONLY[key, case])] if (key, case) in FULL_ONLY else [])
+    for key, (_, _, cases) in ALL_JOBS.items() for case in cases if not case.startswith("resume")
+    if HUB or not case.startswith(("gemma", "llama"))]
 
 
-@pytest.mark.parametrize("key, case", CASES, ids=["{}-{}".format(*c) for c in CASES])
+@pytest.mark.parametrize("key, case", CASES)
 def test_across_processes_equals_one_device(jobs, key, case):
     out = jobs(key)
     devices, processes, _ = JOBS[key]

@@ -352,15 +352,30 @@ def test_private_api_pin_shard():
     assert callable(trainer.jit)
 
 
-def test_two_processes_shard_all_and_rank_0_saves_the_plain_model(tmp_path):
+@pytest.fixture(scope="module")
+def shard_job(tmp_path_factory):
+    """One job of 2 processes (distkeras launch, one CPU device each) for both tests below: it runs "shard" then
+    "shard-gradients", each on a fresh model, into a folder of its own (starting a job costs more than its
+    training). ``shard_job(mode)`` gives that mode's folder and its lines of the output."""
+    from tests.backends.test_multiworker import launch, mode_output
+
+    out = tmp_path_factory.mktemp("shard")
+    done, _ = launch(out, "shard,shard-gradients")
+
+    def part(mode):
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return os.path.join(str(out), mode), mode_output(done.stdout, mode)
+    return part
+
+
+def test_two_processes_shard_all_and_rank_0_saves_the_plain_model(shard_job):
     """Across processes (distkeras launch, one CPU device each) shard='all' splits the arrays over both
     processes' devices, so neither holds a whole kernel; save() gathers them and rank 0 writes the plain model,
     which trains what one process trains."""
-    from tests.backends.test_multiworker import launch, rank_weights, single_process_weights
+    from tests.backends.test_multiworker import rank_weights, single_process_weights
 
-    done, _ = launch(tmp_path, "shard")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "[rank 1] sharded spec (None, 'batch') local (5, 8)" in done.stdout, done.stdout[-3000:]
+    tmp_path, stdout = shard_job("shard")
+    assert "[rank 1] sharded spec (None, 'batch') local (5, 8)" in stdout, stdout[-3000:]
     expected = single_process_weights()
     loaded = keras.saving.load_model(os.path.join(str(tmp_path), "model.keras"))
     for e, a in zip(expected, loaded.get_weights()):
@@ -371,18 +386,18 @@ def test_two_processes_shard_all_and_rank_0_saves_the_plain_model(tmp_path):
     assert sorted(os.listdir(str(tmp_path))) == ["model.keras", "rank0.npz", "rank1.npz"]  # rank 1 wrote no file
 
 
-def test_two_processes_shard_gradients_train_as_one_process(tmp_path):
+def test_two_processes_shard_gradients_train_as_one_process(shard_job):
     """Across processes distkeras' shard step reduce-scatters the gradients and all-gathers the updated slices
     with rings of small ppermutes (steps._ring_reduce_scatter/_ring_all_gather; one process' devices use XLA's
-    collectives): the ranks stay equal and train what one process trains."""
-    from tests.backends.test_multiworker import launch, rank_weights, single_process_weights
+    collectives): the ranks stay equal and train what one process trains. (In the shared job it follows the
+    shard='all' fit in the same processes, on a model of its own.)"""
+    from tests.backends.test_multiworker import rank_weights, single_process_weights
 
-    done, _ = launch(tmp_path, "shard-gradients")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tmp_path, stdout = shard_job("shard-gradients")
     expected = single_process_weights()
     r0, r1 = rank_weights(tmp_path, 0), rank_weights(tmp_path, 1)
     for a, b in zip(r0, r1):
         np.testing.assert_array_equal(a, b)
     for e, a in zip(expected, r0):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
-    assert "framework replicas 2" in done.stdout
+    assert "framework replicas 2" in stdout

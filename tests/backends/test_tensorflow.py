@@ -65,9 +65,10 @@ def count_all_reduces(monkeypatch):
 @pytest.mark.parametrize("run_eagerly", [False, True])
 def test_exact_loss_scaling_on_one_host_adds_no_all_reduce(monkeypatch, run_eagerly):
     # On one host the global batch is the sum of the replicas' batches, known before they run: the
-    # correction costs no collective, and stays exact. 101 samples at batch 10 on 3 replicas: 4+3+3, last 1+0+0.
+    # correction costs no collective, and stays exact. 21 samples at batch 10 on 3 replicas: 4+3+3 twice, last
+    # 1+0+0 (two epochs: the second's steps start from the first's weights).
     calls = count_all_reduces(monkeypatch)
-    x, y = scenarios.data(101)
+    x, y = scenarios.data(21)
 
     def fit(devices, exact_loss_scaling=True):
         model = scenarios.build(keras)

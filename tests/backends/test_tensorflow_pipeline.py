@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.backends.harness import BACKEND, keras
+from tests.full import only_in_full
 
 import distkeras
 from distkeras.errors import OptionError
@@ -38,7 +39,11 @@ def one_device(name):
 
 @pytest.mark.parametrize("name, schedule, stages, eager", [
     ("mlp", "gpipe", 2, False), ("mlp-dropout", "1f1b", 2, False), ("mlp-dropout", "gpipe", 2, True),
-    ("convnet", "1f1b", 2, False), ("convnet", "gpipe", ["skip"], True), ("transformer", "1f1b", 2, False)])
+    ("convnet", "1f1b", 2, False), ("convnet", "gpipe", ["skip"], True),
+    pytest.param("transformer", "1f1b", 2, False, marks=only_in_full(
+        "the transformer stack trains traced at 4 stages and at 2 stages x 2 replicas (1F1B, each stage's outputs "
+        "read from its devices) in the default run (test_four_stages_on_four_devices_train_as_one_device), and "
+        "2-stage 1F1B traced steps on the MLP and the convnet here"))])
 def test_two_stages_train_as_one_device(name, schedule, stages, eager, tmp_path):
     """Traced steps (a tf.function per batch shape) and eager ones (run_eagerly=True), where each stage's output
     is read from the device it ran on."""
