@@ -245,5 +245,5 @@ PROGRAMS = {
     "lstm_character_level_text_generation": (K + "lstm_character_level_text_generation.py", 1e-5, ALL, "slow",
                                              "pass"),
     "pixelcnn": (K + "pixelcnn.py", 1e-5, ALL, "slow", "pass"),
-    "wgan_gp": (K + "wgan_gp.py", 1e-5, TF_ONLY, "fast", WGAN_GP),
+    "wgan_gp": (K + "wgan_gp.py", 1e-5, TF_ONLY, "slow", WGAN_GP),
 }
