@@ -18,9 +18,9 @@ The neutral part is here: the switch, the snapshot-and-compare, the message. Eac
 ``backends/<name>/verify.py`` supplies its primitives: how its step function receives a batch, how the global
 batch is put together from the replicas' parts, and how plain Keras' step runs on one device.
 
-Where it can't run, it says so once and trains on: ``steps_per_execution > 1``, and a first step that built
-variables (the next step is checked). Split state (``shard=``, ``strategy="model"``, pipeline stages) is
-gathered whole for the check.
+Where it can't run, it says so once and trains on: ``steps_per_execution > 1``, and steps that build variables
+three times in a row (a first step that builds them defers the check to the next). Split state (``shard=``,
+``strategy="model"``, pipeline stages) is gathered whole for the check.
 """
 
 import logging

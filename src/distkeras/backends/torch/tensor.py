@@ -347,14 +347,19 @@ def _set(variable, data):
     variable._shape = tuple(data.shape)
 
 
+def _whole(variable, axis, split):
+    """``variable``'s whole value from every model shard's part (one all-gather; collective)."""
+    local = variable._value.data.contiguous()
+    parts = [torch.empty_like(local) for _ in range(split.world)]
+    dist.all_gather(parts, local, group=split.group)
+    return torch.cat(parts, dim=axis)
+
+
 def gather_all(model, splits):
     """Put every split variable's (and its optimizer slots') whole value back (one all-gather each; collective)."""
     for split in splits:
         for variable, axis in _with_slots(model, split):
-            local = variable._value.data.contiguous()
-            parts = [torch.empty_like(local) for _ in range(split.world)]
-            dist.all_gather(parts, local, group=split.group)
-            _set(variable, torch.cat(parts, dim=axis))
+            _set(variable, _whole(variable, axis, split))
 
 
 @contextlib.contextmanager
@@ -370,10 +375,7 @@ def gathered(model, splits):
     for split in splits:
         for variable, axis in _with_slots(model, split):
             own = variable._value
-            local = own.data.contiguous()
-            parts = [torch.empty_like(local) for _ in range(split.world)]
-            dist.all_gather(parts, local, group=split.group)
-            whole = torch.cat(parts, dim=axis)
+            whole = _whole(variable, axis, split)
             # Keras' torch Variable: storage in _value, shape in _shape (privates, see the module doc).
             variable._value = torch.nn.Parameter(whole, requires_grad=own.requires_grad)
             variable._shape = tuple(whole.shape)
