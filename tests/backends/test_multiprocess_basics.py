@@ -49,17 +49,30 @@ else:
     LIVE = ("tensorflow", "jax", "torch")
     CORPUS = (CORPUS[LIVE.index(BACKEND)],) if BACKEND in LIVE else CORPUS[:1]
 #: Modes that share one job of 2 workers, run in turn in the same processes (the job's start costs more than they do).
-#: "alone" comes last: after it rank 0 has had two collective calls fail (rank 1 never joined them), and nothing
-#: runs after it but the job's end.
-SHARED = ("unseeded", "save", "verify", "verify-mixing") + tuple("corpus-" + name for name in CORPUS) + ("alone",)
+#: test_datacheck.py's cases come first ("datacheck", as in a fresh process: no global seed set yet, which would make
+#: the unseeded draws agree), "alone" last: after it rank 0 has had two collective calls fail (rank 1 never joined
+#: them), and nothing runs after it but the job's end.
+SHARED = ("datacheck", "unseeded", "save", "verify", "verify-mixing") + tuple("corpus-" + name for name in CORPUS) + (
+    "alone",)
+#: The bound on the data-check cases (test_datacheck.py) in the shared job.
+DATACHECK_TIMEOUT = 420
+_JOB = {}
+
+
+def shared(tmp_path_factory):
+    """``(folder, done)``: the shared job, launched once a pytest process (this module's tests and test_datacheck.py's
+    read it)."""
+    if "job" not in _JOB:
+        out = tmp_path_factory.mktemp("shared")
+        # a corpus program's bound: 60 s; "alone"'s: 60 s (two waits of JOIN_TIMEOUT, and rank 1's wait for it)
+        done, _ = launch(out, ",".join(SHARED), JOB_TIMEOUT + 60 * len(CORPUS) + 60 + DATACHECK_TIMEOUT)
+        _JOB["job"] = out, done
+    return _JOB["job"]
 
 
 @pytest.fixture(scope="module")
 def shared_job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shared")
-    # a corpus program's bound: 60 s; "alone"'s: 60 s (two waits of JOIN_TIMEOUT, and rank 1's wait for it)
-    done, _ = launch(out, ",".join(SHARED), JOB_TIMEOUT + 60 * len(CORPUS) + 60)
-    return out, done
+    return shared(tmp_path_factory)
 
 
 def part(shared_job, mode):
