@@ -17,6 +17,8 @@ MODE:
 - "corpus-NAME": the corpus program NAME (tests/backends/corpus) with its own input pipeline, distributed over the
   job's 2 workers with the one-device check raising and the data check on (the default in a job); rank 0 pickles
   its result to OUT_DIR/result.pkl; every rank prints how many times the data check compared the workers' batches.
+- "datacheck": every case of tests/backends/datacheck_job.py for this backend (test_datacheck.py reads its lines),
+  with DISTKERAS_JOIN_TIMEOUT at its default: the job's 4 s are for "alone", which waits them out.
 """
 
 import os
@@ -170,11 +172,23 @@ def corpus_program(out_dir, rank, name):
             pickle.dump(got, f)
 
 
+def datacheck(out_dir, rank):
+    from distkeras.backends import agreement
+    from tests.backends import datacheck_job
+
+    saved = os.environ.pop(agreement.JOIN_TIMEOUT_ENV, None)
+    try:
+        datacheck_job.main(out_dir, ",".join(datacheck_job.cases(keras.backend.backend())))
+    finally:
+        if saved is not None:
+            os.environ[agreement.JOIN_TIMEOUT_ENV] = saved
+
+
 if __name__ == "__main__":
     from tests.backends.multiworker_job import run_modes
 
     modes = {"unseeded": unseeded, "save": saves, "alone": alone, "verify": verified,
-             "verify-mixing": verified_mixing}
+             "verify-mixing": verified_mixing, "datacheck": datacheck}
 
     def run(folder, mode):
         rank = distkeras.cluster.from_env().rank

@@ -2,6 +2,9 @@
 
     python -m tests.backends.datacheck_job OUT_DIR CASE[,CASE...]
 
+The tests run it as the first mode ("datacheck") of test_multiprocess_basics.py's shared job (basics_job.py), in a
+fresh process as here: no mode before it has set a global seed.
+
 Each CASE builds its data the way a user's script would, on every worker alike except for what the case is about,
 trains a fresh tiny model on it (or evaluates, predicts), and prints one line ``case CASE: ok CHECKS`` (no error;
 CHECKS: how many comparisons ran) or ``case CASE: DataError MESSAGE``. Every worker runs every case, so a case that
@@ -35,6 +38,11 @@ DIFFER = ("unseeded-shuffle", "image-dir-unseeded", "list-files", "files-order",
           "pydataset-epoch2", "generator-unseeded", "predict-unseeded")
 #: An unseeded shuffle with check_data=False (trains on, no comparison) and "warn" (one warning, trains on).
 SWITCHED = ("unseeded-off", "unseeded-warn")
+
+
+def cases(backend):
+    """Every case the job runs on ``backend``, in order."""
+    return AGREE + DIFFER + SWITCHED + ((TORCH_AGREE + TORCH_DIFFER) if backend == "torch" else ())
 
 
 def rank():

@@ -9,22 +9,15 @@ PyDataset reshuffled apart at an epoch's end, a generator drawing apart, predict
 input types: tf.data, NumPy arrays, PyDataset, generators and (PyTorch) DataLoader.
 """
 
-import os
 import re
-import subprocess
-import sys
-import time
 
 import pytest
 
 from tests.backends.harness import BACKEND
 from tests.backends import datacheck_job as job
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TIMEOUT = 420
 
 TORCH = BACKEND == "torch"
-CASES = job.AGREE + job.DIFFER + job.SWITCHED + ((job.TORCH_AGREE + job.TORCH_DIFFER) if TORCH else ())
 
 #: What each differing case's message must say it found.
 FOUND = {
@@ -45,24 +38,23 @@ FOUND = {
 
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory):
-    out = tmp_path_factory.mktemp("datacheck")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTKERAS_") and k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), KERAS_BACKEND=BACKEND)
-    command = [sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "2", "--backend", BACKEND,
-               "--stop-timeout", "10", "-m", "tests.backends.datacheck_job", str(out), ",".join(CASES)]
-    started = time.time()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=TIMEOUT)
+    """The cases' lines, ``{(rank, case): rest}``, and the job's output: the cases run as the first mode
+    ("datacheck") of test_multiprocess_basics.py's shared job of 2 workers (one job start for both files)."""
+    from tests.backends import test_multiprocess_basics as basics
+    from tests.backends.test_multiworker import mode_output
+
+    _, done = basics.shared(tmp_path_factory)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     lines = {}
-    for line in done.stdout.splitlines():
+    for line in mode_output(done.stdout, "datacheck").splitlines():
         found = re.match(r"\[rank (\d)\] case (\S+): (.*)$", line)
         if found:
             lines[(int(found.group(1)), found.group(2))] = found.group(3)
-    return lines, done.stdout + done.stderr, time.time() - started
+    return lines, done.stdout + done.stderr
 
 
 def results(outcome, case):
-    lines, output, _ = outcome
+    lines, output = outcome
     got = [lines.get((rank, case)) for rank in (0, 1)]
     assert None not in got, "case {} did not finish on every worker:\n{}".format(case, output[-3000:])
     return got
@@ -87,7 +79,7 @@ def test_workers_drawing_the_same_batches_train_on_and_were_compared(outcome, ca
 def test_the_check_is_switched_off_or_warns_once_as_asked(outcome):
     assert results(outcome, "unseeded-off") == ["ok unwatched"] * 2
     assert results(outcome, "unseeded-warn") == ["ok 2"] * 2
-    _, output, _ = outcome
+    _, output = outcome
     assert output.count("Training goes on (check_data='warn')") == 1, output[-3000:]  # rank 0, once
 
 

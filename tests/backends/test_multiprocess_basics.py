@@ -49,14 +49,30 @@ else:
     LIVE = ("tensorflow", "jax", "torch")
     CORPUS = (CORPUS[LIVE.index(BACKEND)],) if BACKEND in LIVE else CORPUS[:1]
 #: Modes that share one job of 2 workers, run in turn in the same processes (the job's start costs more than they do).
-SHARED = ("unseeded", "save", "verify", "verify-mixing") + tuple("corpus-" + name for name in CORPUS)
+#: test_datacheck.py's cases come first ("datacheck", as in a fresh process: no global seed set yet, which would make
+#: the unseeded draws agree), "alone" last: after it rank 0 has had two collective calls fail (rank 1 never joined
+#: them), and nothing runs after it but the job's end.
+SHARED = ("datacheck", "unseeded", "save", "verify", "verify-mixing") + tuple("corpus-" + name for name in CORPUS) + (
+    "alone",)
+#: The bound on the data-check cases (test_datacheck.py) in the shared job.
+DATACHECK_TIMEOUT = 420
+_JOB = {}
+
+
+def shared(tmp_path_factory):
+    """``(folder, done)``: the shared job, launched once a pytest process (this module's tests and test_datacheck.py's
+    read it)."""
+    if "job" not in _JOB:
+        out = tmp_path_factory.mktemp("shared")
+        # a corpus program's bound: 60 s; "alone"'s: 60 s (two waits of JOIN_TIMEOUT, and rank 1's wait for it)
+        done, _ = launch(out, ",".join(SHARED), JOB_TIMEOUT + 60 * len(CORPUS) + 60 + DATACHECK_TIMEOUT)
+        _JOB["job"] = out, done
+    return _JOB["job"]
 
 
 @pytest.fixture(scope="module")
 def shared_job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shared")
-    done, _ = launch(out, ",".join(SHARED), JOB_TIMEOUT + 60 * len(CORPUS))  # a corpus program's bound: 60 s
-    return out, done
+    return shared(tmp_path_factory)
 
 
 def part(shared_job, mode):
@@ -102,12 +118,12 @@ def test_every_rank_loads_what_it_just_saved(shared_job):
     assert not [name for name in os.listdir(str(tmp_path)) if name.startswith(".tmp-")]
 
 
-def test_predict_and_evaluate_on_one_rank_only_end_within_seconds_saying_what_to_do(tmp_path):
+def test_predict_and_evaluate_on_one_rank_only_end_within_seconds_saying_what_to_do(shared_job):
     """Rank 0 alone saves, then calls predict(), then evaluate() (the Horovod habit); rank 1 stays alive elsewhere. The
     save returns at once; predict and evaluate each raise a CollectiveError after DISTKERAS_JOIN_TIMEOUT seconds,
-    never the engine's 30-minute wait."""
-    done, elapsed = launch(tmp_path, "alone")
-    out = done.stdout
+    never the engine's 30-minute wait. The last mode of the shared job (the job ends after it, rank 0's two failed
+    calls and all: the shared job's exit status 0 is asserted in ``part``)."""
+    tmp_path, done, out = part(shared_job, "alone")
     saved = re.search(r"\[rank 0\] saved alone in ([0-9.]+) s", out)  # a save on rank 0 alone waits for nobody
     assert saved and float(saved.group(1)) < JOIN_TIMEOUT, shown(done)
     assert os.path.exists(os.path.join(str(tmp_path), "alone.keras"))
@@ -119,7 +135,6 @@ def test_predict_and_evaluate_on_one_rank_only_end_within_seconds_saying_what_to
         assert "Rank 0 called {}(), rank 1 did not within {} s (DISTKERAS_JOIN_TIMEOUT)".format(
             call, JOIN_TIMEOUT) in message
         assert "Call {}() on every rank".format(call) in message
-    print("rank 0 alone: predict and evaluate raised; job ended {:.1f} s after start".format(elapsed))
 
 
 def test_the_one_device_check_runs_across_worker_processes(shared_job):
