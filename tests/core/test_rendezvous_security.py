@@ -200,7 +200,12 @@ GARBAGE = [b"5\n", b'"hello"\n', b'{"hello":5}\n', b"[" * 100000 + b"\n", b'{"a"
            b"\xff\xfe\x00garbage\n", b'{"hello": {"node_rank": 1}}\n', b"null\n", b"[]\n", b"{}\n",
            b'{"hello": {"node_rank": 1, "nnodes": 2}, "nonce": "x"}\n', b"x" * (2 * 1024 * 1024),
            b'{"hello": ' + json.dumps(me(1)).encode() + b', "nonce": "' + b"ab" * 16 + b'"}\n',  # no mac
-           b'{"m": {"failed": "you lose"}, "s": 0}\n', b'{"hello":', b"", b"\n\n\n"]
+           b'{"m": {"failed": "you lose"}, "s": 0}\n', b'{"hello":', b"", b"\n\n\n"] + [
+    json.dumps(line).encode() + b"\n" for line in (  # non-ASCII and wrong-type fields
+        {"hello": me(1, 3), "nonce": "ab" * 16, "mac": "\u00e9" * 64}, {"hello": me(1, 3), "nonce": "ab" * 16, "mac": 7},
+        {"hello": me(1, 3), "nonce": "\u00e9" * 32}, {"hello": dict(me(1, 3), node_rank=True), "nonce": "ab" * 16},
+        {"hello": dict(me(1, 3), address="\u00e9\u0000"), "nonce": "ab" * 16},
+        {"hello": dict(me(1, 3), hosts="127.0.0.1"), "nonce": "ab" * 16}, {"hello": me(1, 3), "nonce": None})]
 
 
 def throw(coordinator, payload, seed):
@@ -261,6 +266,20 @@ FAKE_ANSWERS = {
     "deep nesting": [b"[" * 100000 + b"\n"],
     "an endless line": [b"x" * (1024 * 1024)],
     "an old protocol": [b'{"challenge": "' + b"ab" * 16 + b'", "auth": true, "protocol": 1}\n'],
+    "a non-ASCII signature on the plan": [b'{"challenge": "' + b"ab" * 16 + b'", "auth": true, "protocol": 2}\n',
+                                          json.dumps({"m": {"plan": {"addresses": ["1.2.3.4", "5.6.7.8"]}}, "s": 0,
+                                                      "mac": "\u00e9" * 64}).encode() + b"\n"],
+    "a signature that is a number": [b'{"challenge": "' + b"ab" * 16 + b'", "auth": true, "protocol": 2}\n',
+                                     b'{"m": {"beat": 1}, "s": 0, "mac": 5}\n'],
+    "a non-ASCII challenge": [json.dumps({"challenge": "\u00e9" * 32, "auth": True, "protocol": 2}).encode() + b"\n"],
+    "a protocol as text, auth as text": [b'{"challenge": "' + b"ab" * 16 + b'", "auth": "yes", "protocol": "2"}\n'],
+    "a plan of non-ASCII addresses": [b'{"challenge": "' + b"ab" * 16 + b'", "auth": false, "protocol": 2}\n',
+                                      json.dumps({"m": {"plan": {"addresses": ["h\u00f4te", "1.2.3.4"]}},
+                                                  "s": 0}).encode() + b"\n"],
+    "an error with escape sequences": [b'{"challenge": "' + b"ab" * 16 + b'", "auth": false, "protocol": 2}\n',
+                                       json.dumps({"m": {"error": "\u001b[2J gone"}, "s": 0}).encode() + b"\n"],
+    "a number that is a float": [b'{"challenge": "' + b"ab" * 16 + b'", "auth": false, "protocol": 2}\n',
+                                 b'{"m": {"beat": 1}, "s": 0.0}\n', b'{"m": {"plan": {}}, "s": 1}\n'],
 }
 
 

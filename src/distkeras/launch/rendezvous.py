@@ -5,7 +5,9 @@ launcher of every other host connects there before it starts any worker and says
 (``--nnodes``, ``--nproc-per-node``, the backend, ``--hosts``) and which of its addresses reaches the
 coordinator. Node 0 checks that every host agrees and answers all of them at once with the job's plan
 (every host's address, which TensorFlow's TF_CONFIG needs); a disagreement, a host that doesn't come or a
-coordinator nobody listens on ends every launcher with a message saying which, before training starts.
+coordinator nobody listens on ends every launcher with a message saying which, before training starts. While
+node 0 waits, the hosts that joined beat and are read, so a late host is waited for, a host whose launcher dies
+frees its slot and a restarted one takes it again (:func:`gather`).
 The engines (torch.distributed, jax.distributed, TensorFlow's collectives) then form the job themselves,
 on the ports after PORT; nothing of the training goes through here.
 
@@ -42,11 +44,11 @@ trusted (docs/guide/security.md has the threat model):
 Messages are JSON lines over TCP. Standard library only; part of the Python 3.6-compatible core.
 """
 
-import binascii
 import hashlib
 import hmac
 import json
 import os
+import re
 import selectors
 import socket
 import sys
@@ -71,11 +73,17 @@ MAX_LINE = 256 * 1024
 MAX_PENDING = 32
 #: Seconds a new connection has to say a good hello.
 HELLO_TIMEOUT = 10.0
+#: Seconds a joined host may be silent (it beats every second) before a host saying it has that node rank takes its
+#: slot: the old link is a dead launcher's (a machine that restarted says nothing on its old connection).
+STALE = 3.0
 #: The longest text of a ``failed`` / ``abort`` / ``error`` message.
 MAX_TEXT = 4096
 _BEAT = 1.0
 _PROTOCOL = 2
 _NONCE_BYTES = 16
+_HEX = re.compile(r"[0-9a-f]+")
+_ADDRESS = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,255}")
+_BACKEND = re.compile(r"[a-z0-9_]{1,64}")
 
 
 def peer_timeout(environ: Optional[Dict[str, str]] = None) -> float:
@@ -171,8 +179,16 @@ def _mac(key, *parts):
     return hmac.new(key, b"\0".join(parts), hashlib.sha256).hexdigest()
 
 
+def _mac_matches(mac, expected):
+    """Whether ``mac`` (what arrived: any JSON value) is the 64 hex digits ``expected``. Compared as bytes, and only
+    once it is 64 hex digits: ``hmac.compare_digest`` raises on a ``str`` with non-ASCII characters."""
+    if not isinstance(mac, str) or len(mac) != 64 or not _HEX.fullmatch(mac):
+        return False
+    return hmac.compare_digest(mac.encode("ascii"), expected.encode("ascii"))
+
+
 def _nonce():
-    return binascii.hexlify(os.urandom(_NONCE_BYTES)).decode()
+    return os.urandom(_NONCE_BYTES).hex()
 
 
 def _is_int(value, low, high):
@@ -180,17 +196,17 @@ def _is_int(value, low, high):
 
 
 def _is_text(value, longest=255):
-    return isinstance(value, str) and 0 < len(value) <= longest
+    """A text a launcher may print: no control characters (a terminal's escape sequences among them)."""
+    return isinstance(value, str) and 0 < len(value) <= longest and value.isprintable()
+
+
+def _is_address(value):
+    """A host name or an IPv4 / IPv6 address (a zone such as ``%eth0`` included): ASCII only."""
+    return isinstance(value, str) and _ADDRESS.fullmatch(value) is not None
 
 
 def _is_nonce(value):
-    if not isinstance(value, str) or len(value) != 2 * _NONCE_BYTES:
-        return False
-    try:
-        binascii.unhexlify(value)
-    except (binascii.Error, ValueError):
-        return False
-    return True
+    return isinstance(value, str) and len(value) == 2 * _NONCE_BYTES and _HEX.fullmatch(value) is not None
 
 
 def check_hello(me: object) -> Optional[str]:
@@ -204,11 +220,11 @@ def check_hello(me: object) -> Optional[str]:
         return "its hello's nnodes / node_rank are not counts"
     if not _is_int(me["nproc_per_node"], 1, 100000) or not _is_int(me["protocol"], 0, 1000000):
         return "its hello's nproc_per_node / protocol are not counts"
-    if not _is_text(me["backend"], 64) or not _is_text(me["address"]):
-        return "its hello's backend / address are not short texts"
+    if not isinstance(me["backend"], str) or not _BACKEND.fullmatch(me["backend"]) or not _is_address(me["address"]):
+        return "its hello's backend / address are not a backend's name and an address"
     hosts = me["hosts"]
     if hosts is not None and (not isinstance(hosts, list) or len(hosts) > me["nnodes"]
-                              or not all(_is_text(h) for h in hosts)):
+                              or not all(_is_address(h) for h in hosts)):
         return "its hello's hosts are not a list of addresses"
     return None
 
@@ -218,7 +234,7 @@ def check_plan(plan: object, nnodes: int) -> Optional[str]:
     if not isinstance(plan, dict) or set(plan) != {"addresses"}:
         return "its plan is not an object with exactly the field 'addresses'"
     addresses = plan["addresses"]
-    if not isinstance(addresses, list) or len(addresses) != nnodes or not all(_is_text(a) for a in addresses):
+    if not isinstance(addresses, list) or len(addresses) != nnodes or not all(_is_address(a) for a in addresses):
         return "its plan's addresses are not a list of {} addresses".format(nnodes)
     return None
 
@@ -350,7 +366,7 @@ class Link(object):
     def _check(self, line):
         if not isinstance(line, dict) or not set(line) <= {"m", "s", "mac"} or "m" not in line or "s" not in line:
             return "a line that is not a numbered message"
-        if line["s"] != self.heard or isinstance(line["s"], bool):
+        if not _is_int(line["s"], 0, 1 << 62) or line["s"] != self.heard:
             return "message number {!r} where {} was next (replayed, lost or forged)".format(
                 str(line["s"])[:20], self.heard)
         problem = check_news(line["m"])
@@ -359,7 +375,7 @@ class Link(object):
         if self.key is not None:
             mac = line.get("mac")
             expected = _mac(self.key, self.session, self.incoming, str(self.heard).encode(), _canonical(line["m"]))
-            if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
+            if not _mac_matches(mac, expected):
                 return "a message without the job's signature (forged, or sent without the secret)"
         self.heard += 1
         return None
@@ -602,7 +618,12 @@ def join(coordinator: str,
             link.start_session(key, challenge, nonce, node0=False)
             link.send_raw(line)
             while time.monotonic() < deadline and not link.closed:
-                for message in link.receive(wait=min(1.0, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() - link.last_sent >= _BEAT:  # node 0 hears this host while it waits for the rest
+                    link.send({"beat": 1})
+                if time.monotonic() - link.last_heard > peer_timeout:
+                    link.fail("no word from node rank 0 for {:.0f} s".format(time.monotonic() - link.last_heard))
+                    break
+                for message in link.receive(wait=min(_BEAT, max(0.0, deadline - time.monotonic()))):
                     if "error" in message:
                         raise LaunchError(str(message["error"]))
                     if "plan" in message:
@@ -610,6 +631,10 @@ def join(coordinator: str,
                         if why is not None:
                             raise _not_node0(coordinator, why)
                         return Supervisor(me, [link], dict(message["plan"]), peer_timeout, coordinator)  # type: ignore
+            if link.why and link.why.startswith("no word from node rank 0"):
+                _log("{} at {}; joining again".format(link.why, coordinator))
+                link.close()
+                continue
             if link.why:
                 raise _not_node0(coordinator, "it sent {}".format(link.why))
         except BaseException:
@@ -640,7 +665,7 @@ def _hello_problem(line, key, challenge):
     if key is not None:
         mac = line.get("mac")
         expected = _mac(key, b"hello", challenge.encode(), line["nonce"].encode(), _canonical(line["hello"]))
-        if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
+        if not _mac_matches(mac, expected):
             return "secret"
     return None
 
@@ -652,7 +677,13 @@ def gather(listener: socket.socket,
            key: Optional[bytes] = None) -> Supervisor:
     """Node rank 0: wait on ``listener`` for every other host, check that they agree, send the plan.
 
-    With ``key`` (the job's :func:`secret`) only hosts that prove they know it count. A connection that
+    Hosts come as they really do: one at a time, minutes apart, some twice. While node 0 waits for the rest, every
+    host that joined keeps its link read and beating, so a host that joined early is not taken for lost once the
+    last one comes; a host that leaves (its launcher died: the link closed, or silent for ``peer_timeout``) frees
+    its slot, and the same host started again takes it. A hello for a node rank a live host holds is refused on its
+    own link, the job goes on (a restarted host whose old link has been silent for :data:`STALE` seconds takes the
+    slot over). With ``key`` (the job's :func:`secret`) only hosts that prove they know it count; without one,
+    anyone who reaches the port can take a free slot, or a stale one (docs/guide/security.md). A connection that
     breaks the protocol is closed with a log line and changes nothing else.
 
     Raises:
@@ -669,18 +700,29 @@ def gather(listener: socket.socket,
     listener.setblocking(False)
     selector.register(listener, selectors.EVENT_READ, None)
 
-    def drop(link, why=None):
-        if link in pending:
-            pending.remove(link)
+    def unregister(link):
         try:
             selector.unregister(link.sock)
         except (KeyError, ValueError, OSError):
             pass
+
+    def drop(link, why=None):
+        if link in pending:
+            pending.remove(link)
+        unregister(link)
         if why is not None:
             link.fail(why)
         link.close()
         if link.why:
             refused(link.name, link.why)
+
+    def leave(node, why):
+        """A joined host is gone before the job formed: free its slot for the host to come again."""
+        link = joined.pop(node)
+        unregister(link)
+        link.close()
+        _log("node rank {} ({}) left before the job formed ({}); its slot is open again".format(
+            node, addresses.pop(node), why))
 
     def refuse(message, also=()):
         for link in list(joined.values()) + list(also):
@@ -734,23 +776,47 @@ def gather(listener: socket.socket,
         if problem is not None:
             drop(link, problem)
             return
+        if len(lines) > 1:
+            drop(link, "it said more than its hello before the job formed")
+            return
         theirs = lines[0]["hello"]
         link.start_session(key, link.challenge, lines[0]["nonce"], node0=True)
-        pending.remove(link)
-        selector.unregister(link.sock)
         node = theirs["node_rank"]
         problem = _disagreement(me, theirs)
         if problem is None and not 0 < node < nnodes:
             problem = "a host ({}) says it is node rank {}, outside 1..{} (--nnodes {}).".format(
                 theirs["address"], node, nnodes - 1, nnodes)
-        if problem is None and node in joined:
-            problem = "two hosts say they are node rank {}: {} and {}. Give each host its own --node-rank.".format(
-                node, addresses[node], theirs["address"])
         if problem is not None:
+            pending.remove(link)
+            unregister(link)
             refuse(problem, also=[link])
+        if node in joined:
+            listen(joined[node])  # its news first: a restarted host's old link may have just closed
+        holder = joined.get(node)
+        if holder is not None:
+            silent = time.monotonic() - holder.last_heard
+            if silent <= STALE:
+                message = ("Node rank 0 at {} refused this host: node rank {} is taken by a live host ({}). Give each "
+                           "host its own --node-rank.".format(coordinator, node, addresses[node]))
+                link.send({"error": message})
+                drop(link, "it says it is node rank {}, which a live host ({}) holds".format(node, addresses[node]))
+                return
+            leave(node, "silent for {:.0f} s, and a host saying it is node rank {} came ({})".format(
+                silent, node, theirs["address"]))
+        pending.remove(link)
         link.node = node
+        link.last_heard = time.monotonic()
         joined[node] = link
         addresses[node] = theirs["address"]
+
+    def listen(link):
+        """A joined host's link while the others come: beats (anything else before the plan breaks the protocol)."""
+        for message in link.receive():
+            if "beat" not in message:
+                link.fail("a message of kind {!r} before the job formed".format(sorted(message)[0]))
+        if link.closed:
+            leave(link.node, "it broke the launchers' protocol: {}".format(link.why) if link.why
+                  else "its connection closed: its launcher died or was stopped")
 
     try:
         while len(joined) < nnodes - 1:
@@ -763,14 +829,21 @@ def gather(listener: socket.socket,
                        "--nnodes.".format(len(joined) + 1, nnodes, coordinator, join_timeout,
                                           ", ".join(map(str, missing)), coordinator, JOIN_TIMEOUT_ENV))
             events = selector.select(timeout=min(0.5, left))
-            for ready, _ in events:  # the hellos first, then new connections
-                if ready.data is not None and ready.data in pending:
+            for ready, _ in events:  # the joined hosts and the hellos first, then new connections
+                if ready.data is not None and ready.data.node is not None and joined.get(ready.data.node) is ready.data:
+                    listen(ready.data)
+                elif ready.data is not None and ready.data in pending:
                     greet(ready.data)
             if any(ready.data is None for ready, _ in events):
                 accept()
             now = time.monotonic()
             for link in [link for link in pending if now - link.opened > HELLO_TIMEOUT]:
                 drop(link, "no hello within {:.0f} s".format(HELLO_TIMEOUT))
+            for node, link in sorted(joined.items()):
+                if now - link.last_heard > peer_timeout:
+                    leave(node, "no word from its launcher for {:.0f} s".format(now - link.last_heard))
+                elif now - link.last_sent >= _BEAT:
+                    link.send({"beat": 1})
     finally:
         for link in list(pending):
             drop(link)
