@@ -10,8 +10,9 @@ import sys
 import textwrap
 import time
 
-from distkeras.launch import rendezvous
-from tests.core.test_launch import SRC
+from distkeras.launch import command as launch, rendezvous
+from tests.core.test_launch import SRC, distkeras_launch, finish
+from tests.core.test_rendezvous import WORKER
 from tests.core.test_rendezvous_security import KEY, Node0, connect, me, read_all, read_line, signed_hello
 
 HOST = textwrap.dedent("""
@@ -64,30 +65,36 @@ def stop(*processes):
     return outputs
 
 
-def test_a_host_20_s_late_and_one_restarted_before_the_plan_form_one_job_at_the_default_timeouts():
-    """Node 1 joins, dies (kill -9) and is started again; node 2 comes 20 s after node 1, longer than the peer
-    timeout (15 s): before, node 0 took the healthy node 1 for lost, and the restarted one for a second node 1."""
-    node0 = Node0(nnodes=3, timeout=rendezvous.DEFAULT_JOIN_TIMEOUT)  # and the default peer timeout, 15 s
-    node0.start()
-    first = host(node0.coordinator, 1, address="127.0.0.2")
-    time.sleep(3)  # joined, beating, waiting for the plan
-    assert first.poll() is None
-    first.send_signal(signal.SIGKILL)
-    first.wait(10)
-    restarted = host(node0.coordinator, 1, address="127.0.0.2", run=8.0)
-    time.sleep(20)
-    assert node0.is_alive() and restarted.poll() is None, "node 0 gave up, or the restarted host was refused"
-    late = host(node0.coordinator, 2, address="127.0.0.3", run=5.0)
-    supervisor = node0.outcome(timeout=60)
+def test_a_host_20_s_late_and_one_restarted_before_the_plan_form_one_job_at_the_default_timeouts(tmp_path):
+    """Three `distkeras launch` hosts: node 1 joins, is killed (-9) and started again; node 2 comes 20 s after node
+    1, longer than the peer timeout (15 s). Before, node 0 took the healthy node 1 for lost, and the restarted one
+    for a second node 1 that ended the job."""
+    port = launch.free_port()
+    common = ["--nproc-per-node", "1", "--nnodes", "3", "--coordinator", "127.0.0.1:{}".format(port),
+              "--backend", "torch"]
+    node0 = distkeras_launch(tmp_path, WORKER, *common, "--node-rank", "0")
+    first = distkeras_launch(tmp_path, WORKER, *common, "--node-rank", "1")
+    processes = [node0, first]
     try:
-        assert isinstance(supervisor, rendezvous.Supervisor), supervisor
-        assert supervisor.plan == {"addresses": ["127.0.0.1", "127.0.0.2", "127.0.0.3"]}
-        assert run_node0(supervisor, 4.0) is None  # nobody is taken for lost once the job runs
+        time.sleep(4)  # node 1 joined, beating, waiting for the plan
+        assert first.poll() is None
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        restarted = distkeras_launch(tmp_path, WORKER, *common, "--node-rank", "1")
+        processes.append(restarted)
+        time.sleep(20)
+        assert node0.poll() is None and restarted.poll() is None, "node 0 gave up, or the restarted host was refused"
+        late = distkeras_launch(tmp_path, WORKER, *common, "--node-rank", "2")
+        processes.append(late)
+        results = [finish(process, timeout=90) for process in (node0, restarted, late)]
     finally:
-        supervisor.close() if isinstance(supervisor, rendezvous.Supervisor) else None
-    (out1, err1), (out2, err2) = stop(restarted, late)
-    assert "plan 127.0.0.1,127.0.0.2,127.0.0.3" in out1 and "ran" in out1, err1
-    assert "plan 127.0.0.1,127.0.0.2,127.0.0.3" in out2, err2
+        for process in processes:
+            process.kill()
+    for code, _, err in results:
+        assert code == 0, err
+    (_, out0, err0), (_, out1, _), (_, out2, _) = results
+    assert "rank 0 of 3" in out0 and "rank 1 of 3" in out1 and "rank 2 of 3" in out2
+    assert "node rank 1 (127.0.0.1) left before the job formed (its connection closed" in err0
 
 
 def test_a_silent_host_frees_its_slot_for_its_restart_and_a_live_hosts_rank_is_refused_alone():
