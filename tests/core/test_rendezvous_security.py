@@ -376,6 +376,35 @@ def test_launchers_with_one_token_file_run_the_job_and_the_workers_never_see_it(
     assert code0 == 2 and "did not prove it knows the job's secret" in err0 and "[rank" not in out0
 
 
+def test_a_one_host_job_keeps_the_secret_from_its_workers_too(tmp_path):
+    token = tmp_path / "job.token"
+    token.write_text(os.urandom(32).hex())
+    token.chmod(0o600)
+    probe = WORKER.replace('print("rank"', 'print("token seen", "DISTKERAS_TOKEN" in str(os.environ)); print("rank"')
+    node = distkeras_launch(tmp_path, probe, "--nproc-per-node", "2", "--backend", "torch",
+                            env_extra={"DISTKERAS_TOKEN": "a secret of the job's, 32 bytes",
+                                       "DISTKERAS_TOKEN_FILE": str(token)})
+    code, out, err = finish(node, timeout=120)
+    assert code == 0, err
+    assert out.count("token seen False") == 2 and "token seen True" not in out
+
+
+def test_a_token_file_others_can_read_is_warned_about_once_naming_chmod_600(tmp_path, capsys):
+    token = tmp_path / "job.token"
+    token.write_text(os.urandom(32).hex())
+    token.chmod(0o644)
+    assert rendezvous.secret(str(token), {}) == token.read_bytes().strip()
+    rendezvous.secret(None, {"DISTKERAS_TOKEN_FILE": str(token)})
+    err = capsys.readouterr().err
+    assert err.count("can be read by other users of this host (mode 644)") == 1
+    assert "chmod 600 {}".format(token) in err
+    private = tmp_path / "private.token"
+    private.write_text(os.urandom(32).hex())
+    private.chmod(0o600)
+    rendezvous.secret(str(private), {})
+    assert "can be read" not in capsys.readouterr().err
+
+
 def test_a_short_or_missing_token_file_is_a_clear_error(tmp_path):
     short = tmp_path / "short"
     short.write_text("abc\n")

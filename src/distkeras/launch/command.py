@@ -495,6 +495,8 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
     adapter = backends.adapter_class(backend)
     stop_timeout = _seconds(stop_timeout, STOP_TIMEOUT_ENV, DEFAULT_STOP_TIMEOUT, "--stop-timeout", env)
     output = {"log_dir": log_dir, "show": parse_ranks(ranks, nnodes * nproc_per_node)}
+    secret_given = {variable: env.pop(variable) for variable in (rendezvous.TOKEN_ENV, rendezvous.TOKEN_FILE_ENV)
+                    if variable in env}  # the launchers' secret, never the workers', one host or many
     if nnodes == 1:
         if coordinator is not None:
             host, port = parse_address(coordinator)
@@ -503,9 +505,7 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
         engine = "{}:{}".format(envs[0]["MASTER_ADDR"], envs[0]["MASTER_PORT"])
         roles = adapter.launch_roles(LaunchJob(nproc_per_node, 1, 0, engine, None), env)
         return Launcher(commands, envs, ranks, stop_timeout=stop_timeout, roles=roles, **output).run()
-    key = rendezvous.secret(token_file, env)
-    for variable in (rendezvous.TOKEN_ENV, rendezvous.TOKEN_FILE_ENV):  # the launchers' secret, not the workers'
-        env.pop(variable, None)
+    key = rendezvous.secret(token_file, secret_given)
     join_timeout = _seconds(join_timeout, rendezvous.JOIN_TIMEOUT_ENV, rendezvous.DEFAULT_JOIN_TIMEOUT, "--join-timeout", env)
     peer_timeout = _seconds(peer_timeout, rendezvous.PEER_TIMEOUT_ENV, rendezvous.DEFAULT_PEER_TIMEOUT, "--peer-timeout", env)
     if coordinator is None:

@@ -114,11 +114,17 @@ def secret(token_file: Optional[str] = None, environ: Optional[Dict[str, str]] =
         try:
             with open(token_file, "rb") as f:
                 value = f.read(65536).strip()
+                mode = os.fstat(f.fileno()).st_mode
         except OSError as exc:
             raise LaunchError("Can't read the job's secret from {} {} ({}). Give every host the same file, e.g. made "
                               "once with `python -c \"import secrets; print(secrets.token_hex(32))\" > {}`.".format(
                                   where, token_file, exc.strerror or exc, token_file))
         source = "{} {}".format(where, token_file)
+        if mode & 0o077 and token_file not in _readable_warned:
+            _readable_warned.append(token_file)
+            _log("warning: the job's secret in {} can be read by other users of this host (mode {:03o}); anyone who "
+                 "reads it can join this job. `chmod 600 {}` on every host.".format(token_file, mode & 0o777,
+                                                                                  token_file))
     elif env.get(TOKEN_ENV):
         value, source = env[TOKEN_ENV].strip().encode(), TOKEN_ENV
     else:
@@ -131,6 +137,7 @@ def secret(token_file: Optional[str] = None, environ: Optional[Dict[str, str]] =
 
 
 _warned = []
+_readable_warned = []  # the token files said to be readable by others, once each
 
 
 def warn_unauthenticated(coordinator: str, host: str, say) -> None:
