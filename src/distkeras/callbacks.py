@@ -98,8 +98,15 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._signalled = False
+        if self._writer:
+            checkpoints.remove_temporaries(self.backup_dir)  # of a write that was killed
+        self._restore()
         if self.save_before_preemption:
-            self._listen()
+            # After the restore: a SIGTERM while the checkpoint is read ends the process as before fit() (nothing
+            # is lost: the checkpoint is what it reads).
+            self._listen(sys._getframe(1))
+
+    def _restore(self):
         manifest = self._manifest()
         if manifest is None:
             return
@@ -113,8 +120,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         random_states = None
         if manifest.get("step") and manifest.get("random"):
             path = os.path.join(self.backup_dir, manifest["random"])
-            with open(path) as f:
-                random_states = checkpoints.decode_random_states(f.read(), path)
+            text = checkpoints.read_bounded(path, checkpoints.MAX_RANDOM, "the random-state file")
+            random_states = checkpoints.decode_random_states(text, path)
         model = self.model
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # its slots are in the checkpoint too
@@ -192,8 +199,20 @@ class BackupAndRestore(keras.callbacks.Callback):
             previous = self._manifest()
         except CheckpointError:
             previous = None  # replaced below; what it names is not deleted
-        policies.write_atomically(os.path.join(self.backup_dir, name), self._save_weights,
-                                  policies.bytes_needed(self.model))
+        try:
+            policies.write_atomically(os.path.join(self.backup_dir, name), self._save_finite_weights,
+                                      policies.bytes_needed(self.model))
+        except _NotFinite as exc:
+            sys.stderr.write(
+                "distkeras: WARNING: not checkpointed: the weights of epoch {}{} hold NaN or infinite values ({}{}), "
+                "and a run resumed from them would train on NaN. {} Training goes on (keras.callbacks."
+                "TerminateOnNaN stops it; a lower learning rate or gradient clipping may keep it finite).\n".format(
+                    epoch + 1 if step else epoch, " step {}".format(step) if step else "", ", ".join(exc.names),
+                    ", ..." if len(exc.names) >= 5 else "",
+                    "The last checkpoint, {}, stays the one a restart resumes from.".format(previous["weights"])
+                    if previous else "No checkpoint is kept yet: a restart starts over."))
+            sys.stderr.flush()
+            return
         content = {"epoch": epoch, "weights": name, "sha256": checkpoints.digest(os.path.join(self.backup_dir, name))}
         if step:
             content.update(step=step, steps_per_execution=_steps_per_execution(self.model))
@@ -210,22 +229,25 @@ class BackupAndRestore(keras.callbacks.Callback):
                 if os.path.exists(old):
                     os.remove(old)
 
-    def _save_weights(self, path):
+    def _save_finite_weights(self, path):
         self.model.save_weights(path)
+        names = checkpoints.non_finite(path)
+        if names:
+            raise _NotFinite(names)
 
     def on_train_end(self, logs=None):
         self._ignore()
         if self.delete_checkpoint and self._writer and os.path.isdir(self.backup_dir):
             checkpoints.remove_own_files(self.backup_dir)  # the folder too, unless something else is in it
 
-    def _listen(self):
+    def _listen(self, fit):
         """Note a SIGTERM (Python runs the handler between bytecodes: the step under way finishes).
 
         Only while this fit() runs: on_train_end hands SIGTERM back, but a fit() that raised never calls it,
-        so a SIGTERM that finds no frame of this fit() on the stack gets what SIGTERM did before."""
+        so a SIGTERM that finds no frame of this fit() on the stack gets what SIGTERM did before. ``fit``: the
+        frame that called on_train_begin (CallbackList.on_train_begin, called by the trainer's fit())."""
         if threading.current_thread() is not threading.main_thread() or self._listening:
             return
-        fit = sys._getframe(1)  # CallbackList.on_train_begin, called by the trainer's fit()
         for _ in range(20):
             if fit is None or fit.f_code.co_name == "fit":
                 break
@@ -247,6 +269,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._listening = False
         self._previous_handler = self._fit_frame = None
+
+
+class _NotFinite(Exception):
+    """The weights about to be checkpointed hold NaN or infinite values (``names``: where)."""
+
+    def __init__(self, names):
+        super().__init__(", ".join(names))
+        self.names = names
 
 
 def _on_stack(target, frame):

@@ -128,3 +128,69 @@ def test_the_end_of_a_run_removes_only_distkeras_files(tmp_path):
     alone = tmp_path / "alone"
     _fit(alone, epochs=1, delete=True)
     assert not alone.exists()  # a folder of its own goes with its files
+
+
+def test_links_planted_at_the_temporary_names_are_never_written_through(tmp_path):
+    """Issue 46: a link at a fixed temporary name made the manifest or the weights land in the file it points to."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file")
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for name in (".tmp-checkpoint.json", ".tmp-epoch-00001.weights.h5", ".tmp-epoch-00002.weights.h5",
+                 ".tmp-.tmp-epoch-00001.weights.h5", ".tmp-.tmp-epoch-00002.weights.h5"):
+        os.symlink(str(victim), str(folder / name))
+    _fit(folder, epochs=2)
+    assert victim.read_text() == "the user's file"
+    assert sorted(os.listdir(str(folder))) == [MANIFEST, "epoch-00002.weights.h5"]  # the links are gone too
+    assert _manifest(folder)["epoch"] == 2
+
+
+class _Poison(keras.callbacks.Callback):
+    """Makes the first kernel NaN at the end of epoch ``at`` (1-based), before BackupAndRestore saves it."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == self.at:
+            kernel = self.model.trainable_variables[0]
+            kernel.assign(np.full(tuple(kernel.shape), np.nan, dtype="float32"))
+
+
+def test_nan_weights_are_not_checkpointed_and_the_last_finite_checkpoint_stays(tmp_path, capfd):
+    folder = tmp_path / "ckpt"
+    model = distkeras.distribute(scenarios.build(keras), devices=2)
+    x, y = scenarios.data(24)
+    model.fit(x, y, batch_size=12, epochs=3, shuffle=False, verbose=0,
+              callbacks=[_Poison(at=2), BackupAndRestore(str(folder), delete_checkpoint=False)])
+    err = capfd.readouterr().err
+    assert "not checkpointed: the weights of epoch 2 hold NaN or infinite values" in err, err[-2000:]
+    assert "The last checkpoint, epoch-00001.weights.h5, stays" in err
+    # Epoch 3 trained on NaN weights: NaN again, not saved either; a restart resumes from epoch 1's finite weights.
+    assert _manifest(folder)["epoch"] == 1 and sorted(os.listdir(str(folder))) == [MANIFEST, "epoch-00001.weights.h5"]
+    resumed = distkeras.distribute(scenarios.build(keras), devices=2)
+    callback = BackupAndRestore(str(folder), delete_checkpoint=False)
+    resumed.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    assert callback.restored_epoch == 1
+    assert all(np.isfinite(w).all() for w in resumed.get_weights())
+
+
+def test_sigterm_while_the_checkpoint_is_read_still_ends_the_process(checkpoint, monkeypatch):
+    """The preemption handler is installed after the restore: a resume stuck reading (a slow disk, before: a FIFO)
+    is ended by SIGTERM as any process is."""
+    import signal
+
+    from distkeras import checkpoints
+
+    seen = []
+    check = checkpoints.check_weights
+
+    def spy(folder, manifest):
+        seen.append(signal.getsignal(signal.SIGTERM))
+        return check(folder, manifest)
+
+    monkeypatch.setattr(checkpoints, "check_weights", spy)
+    before = signal.getsignal(signal.SIGTERM)
+    _fit(checkpoint)
+    assert seen == [before]

@@ -549,6 +549,26 @@ def test_log_dir_keeps_each_ranks_whole_output_and_ranks_picks_what_the_console_
         assert (logs / "rank{}.log".format(rank)).read_text() == "".join(line + "\n" for line in PROGRESS_LINES)
 
 
+def test_log_dir_writes_through_no_planted_link_and_a_folder_in_a_logs_place_is_refused_before_any_start(tmp_path):
+    """Issue 46: a link planted at rank0.log made the launcher write the log into the file it points to."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    os.symlink(str(victim), str(logs / "rank0.log"))
+    (logs / "rank1.log").write_text("the previous run's log\n")
+    code, out, err = finish(distkeras_launch(tmp_path, PROGRESS, "--nproc-per-node", "2", "--log-dir", str(logs)))
+    assert code == 0, err
+    assert victim.read_text() == "the user's file" and not (logs / "rank0.log").is_symlink()
+    for rank in range(2):
+        assert (logs / "rank{}.log".format(rank)).read_text() == "".join(line + "\n" for line in PROGRESS_LINES)
+    (logs / "rank0.log").unlink()
+    (logs / "rank0.log").mkdir()
+    code, out, err = finish(distkeras_launch(tmp_path, "print('started')", "--nproc-per-node", "2",
+                                             "--log-dir", str(logs)))
+    assert code == 2 and "started" not in out and "Can't replace the log file {}".format(logs / "rank0.log") in err
+
+
 def test_a_failing_rank_that_ranks_hides_has_its_last_lines_shown(tmp_path):
     code, out, err = finish(distkeras_launch(tmp_path, """
         import os, time

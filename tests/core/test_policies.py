@@ -91,7 +91,8 @@ def test_rank0_saves_atomically_and_a_failed_save_leaves_the_previous_file(tmp_p
     target = tmp_path / "model.keras"
     model.save(str(target))
     assert target.read_bytes() == b"new-start new-end"
-    assert os.path.dirname(model.paths[0]) == str(tmp_path) and model.paths[0] != str(target)  # a temporary file
+    # A temporary file of the same name in a private folder, reached through its descriptor (write_atomically).
+    assert model.paths[0].startswith("/proc/self/fd/") and os.path.basename(model.paths[0]) == "model.keras"
     model.fail = True
     with pytest.raises(RuntimeError, match="half-way"):
         model.save(target)  # a pathlib.Path too
@@ -165,12 +166,14 @@ def test_folders_shards_prompts_and_file_objects_are_written_as_keras_writes_the
     assert model.paths == [str(tmp_path / "w.weights.h5")]
 
 
-def test_a_second_distribute_replaces_the_save_hooks_instead_of_wrapping_them(tmp_path):
+def test_a_second_distribute_replaces_the_save_hooks_instead_of_wrapping_them(tmp_path, monkeypatch):
+    made, mkdtemp = [], policies.tempfile.mkdtemp
+    monkeypatch.setattr(policies.tempfile, "mkdtemp", lambda **kwargs: made.append(kwargs) or mkdtemp(**kwargs))
     model = Model()
     policies.rank0_writes(model, 0)
     policies.rank0_writes(model, 0)
     model.save(str(tmp_path / "m.keras"))
-    assert len(model.paths) == 1 and os.path.basename(model.paths[0]) == ".tmp-m.keras"
+    assert len(model.paths) == 1 and len(made) == 1  # one write_atomically, not one inside another
 
 
 def test_write_atomically_returns_what_the_writer_returns(tmp_path):
@@ -371,3 +374,28 @@ def test_arguments_reach_a_name_a_method_takes_in_its_kwargs():
         assert (called["verbose"], called["callbacks"], called["x"], called["y"]) == (0, ["ours", "mine"], 1, 2)
     bound = Arguments(inspect.signature(keras_fit), (), {"shuffle": False})
     assert bound.get("shuffle", True) is False
+
+
+def test_write_atomically_follows_no_link_planted_in_the_folder_or_in_place_of_its_private_folder(tmp_path):
+    """Someone who can write the folder plants links at the names writes used to take (``.tmp-<name>``), and, while
+    a write runs, moves its private folder away and puts a link to a folder of theirs in its place: the write still
+    lands in the target and nothing outside the folder is touched."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_text("the user's file")
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    os.symlink(str(victim), str(folder / ".tmp-checkpoint.json"))
+    os.symlink(str(victim), str(folder / "checkpoint.json"))  # even at the target's own name: replaced, not followed
+
+    def write(path):
+        private = [p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()][0]
+        os.rename(str(private), str(folder / "moved"))
+        os.symlink(str(outside), str(private))
+        with open(path, "w") as f:
+            f.write('{"epoch": 1}')
+
+    policies.write_atomically(str(folder / "checkpoint.json"), write)
+    assert victim.read_text() == "the user's file" and sorted(p.name for p in outside.iterdir()) == ["victim.txt"]
+    assert (folder / "checkpoint.json").read_text() == '{"epoch": 1}' and not (folder / "checkpoint.json").is_symlink()

@@ -105,33 +105,112 @@ def write_atomically(path, write, needs=None):
     """Call ``write(temporary_path)``, flush the file to disk, then rename it onto ``path`` (atomic on POSIX):
     a crash at any moment leaves the previous ``path`` intact, never a half-written one.
 
-    The temporary file is ``.tmp-<name>`` in ``path``'s folder (a rename within one file system), removed
-    when ``write`` fails. Used by every backend's ``save``/``save_weights`` (:func:`rank0_writes`) and by
-    :class:`distkeras.callbacks.BackupAndRestore`. Returns what ``write`` returned.
+    Nothing planted in ``path``'s folder is ever followed (someone else who can write that folder, a shared file
+    system): the temporary file is ``path``'s name inside a new private folder (``.tmp-`` and random letters,
+    mode 700, made with ``mkdtemp``, so no name of it is known beforehand and nobody else can add to it), which
+    ``write`` reaches through an open descriptor of that folder (``/proc/self/fd/N/name`` on Linux), not through
+    its name: a link put in its place, or in place of the file, is not followed. The rename goes from that
+    descriptor to one of ``path``'s folder; the private folder is removed whatever happens. Used by every backend's
+    ``save``/``save_weights`` (:func:`rank0_writes`) and by :class:`distkeras.callbacks.BackupAndRestore`. Returns
+    what ``write`` returned.
 
     Raises:
         CheckpointError: the disk (or the user's quota) is full: it names the folder, what was written and what
             is free, and says the previous file is intact.
     """
     folder, name = os.path.split(path)
-    temporary = os.path.join(folder, ".tmp-" + name)
+    folder = folder or os.curdir
     if needs and _free(folder) is not None and _free(folder) < needs:
         # Before the writer starts: HDF5, once a write of it failed for space, crashes the interpreter at exit.
         raise disk_full_error(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), 0, needs)
+    folder_fd = os.open(folder, os.O_RDONLY | _O_DIRECTORY)
+    try:
+        private = tempfile.mkdtemp(prefix=".tmp-", dir=folder)
+        try:
+            private_fd = os.open(private, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW)
+        except OSError:
+            raise CheckpointError("The temporary folder {} distkeras had just made for writing {} was replaced by "
+                                  "something else: someone else writes into {}. Nothing was written; keep the folder "
+                                  "writable by this user only.".format(private, name, folder)) from None
+        try:
+            return _write_in(private_fd, folder_fd, name, path, write)
+        finally:
+            _empty(private_fd)
+            os.close(private_fd)
+            try:
+                os.rmdir(os.path.basename(private), dir_fd=folder_fd)
+            except OSError:
+                pass
+    finally:
+        os.close(folder_fd)
+
+
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _through(folder_fd, name):
+    """A path to ``name`` in the folder open as ``folder_fd`` that goes through the descriptor, not a name."""
+    if os.path.isdir("/proc/self/fd"):
+        return "/proc/self/fd/{}/{}".format(folder_fd, name)
+    return None
+
+
+def _write_in(private_fd, folder_fd, name, path, write):
+    temporary = _through(private_fd, name)
+    if temporary is None:  # no /proc (not Linux): the private folder's own name, mode 700, random
+        temporary = os.path.join(os.path.dirname(path) or os.curdir,
+                                 _name_of(private_fd, folder_fd), name)
     try:
         result = write(temporary)
-        with open(temporary, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
+        fd = os.open(name, os.O_RDONLY | _O_NOFOLLOW, dir_fd=private_fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(name, name, src_dir_fd=private_fd, dst_dir_fd=folder_fd)
+        try:
+            os.fsync(folder_fd)  # the rename itself, on disk
+        except OSError:
+            pass
         return result
     except OSError as exc:
         if not disk_full(exc):
             raise
-        written = os.path.getsize(temporary) if os.path.exists(temporary) else 0
+        try:
+            written = os.stat(name, dir_fd=private_fd, follow_symlinks=False).st_size
+        except OSError:
+            written = 0
         raise disk_full_error(path, exc, written) from exc
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+
+
+def _name_of(private_fd, folder_fd):
+    stat = os.fstat(private_fd)
+    for entry in os.listdir(folder_fd):
+        try:
+            if os.stat(entry, dir_fd=folder_fd, follow_symlinks=False).st_ino == stat.st_ino:
+                return entry
+        except OSError:
+            continue
+    raise CheckpointError("The temporary folder distkeras writes into was moved away while it wrote; nothing was "
+                          "written.")
+
+
+def _empty(folder_fd):
+    """Remove what a failed or nested write left in the private folder open as ``folder_fd``."""
+    for entry in os.listdir(folder_fd):
+        try:
+            if os.stat(entry, dir_fd=folder_fd, follow_symlinks=False).st_mode & 0o170000 == 0o040000:
+                inner = os.open(entry, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW, dir_fd=folder_fd)
+                try:
+                    _empty(inner)
+                finally:
+                    os.close(inner)
+                os.rmdir(entry, dir_fd=folder_fd)
+            else:
+                os.unlink(entry, dir_fd=folder_fd)
+        except OSError:
+            pass
 
 
 #: The errnos of a full disk: no space left, the user's quota exceeded.
@@ -171,7 +250,9 @@ def bytes_needed(model, name="save_weights"):
 
 def disk_full_error(path, exc, written=0, needs=None):
     """The CheckpointError of a write of ``path`` that found the disk full (``written`` bytes were written)."""
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))  # a /proc/self/fd path: the folder it is
+    while os.path.basename(folder).startswith(".tmp-"):  # a nested write's private folder: the one it writes into
+        folder = os.path.dirname(folder)
     try:
         free = "{} free".format(_size(shutil.disk_usage(folder).free))
     except OSError:

@@ -162,11 +162,12 @@ class Launcher(object):
     def start(self):
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
-        for command, env, rank, label in zip(self.commands, self.envs, self.ranks, self.labels):
-            log = None
-            if self.log_dir is not None:
-                name = "rank{}.log".format(rank) if rank is not None else "{}.log".format(label.replace(" ", ""))
-                log = open(os.path.join(self.log_dir, name), "w", encoding="utf-8", errors="replace")
+        logs = [None] * len(self.commands)
+        if self.log_dir is not None:  # every log made before any worker starts: a bad one loses nothing
+            logs = [open_log(os.path.join(self.log_dir, "rank{}.log".format(rank) if rank is not None else
+                                          "{}.log".format(label.replace(" ", ""))))
+                    for rank, label in zip(self.ranks, self.labels)]
+        for command, env, rank, label, log in zip(self.commands, self.envs, self.ranks, self.labels, logs):
             # One pipe for the worker's stdout and stderr: it keeps their order as the worker wrote them (with
             # two pipes, two readers race, and a traceback lands before the lines printed ahead of it). Not a pty:
             # the worker sees a pipe, as it always has (libraries don't switch to terminal output, no line
@@ -557,6 +558,30 @@ def run_job(script_args: List[str], nproc_per_node: int, nnodes: int = 1, node_r
                         **output).run()
     finally:
         supervisor.close()
+
+
+def open_log(path):
+    """A new log file at ``path`` for writing text: what a previous run left there (a file, or a link someone
+    planted, pointing anywhere) is removed first, never followed or written through; the file is then made with
+    O_CREAT | O_EXCL | O_NOFOLLOW, so nothing put there in between is followed either.
+
+    Raises:
+        LaunchError: the file can't be made (a folder of that name, no permission, a file put there in between).
+    """
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise LaunchError("Can't replace the log file {} ({}): --log-dir must be a folder this user can write, with "
+                          "no folder named like a log in it.".format(path, exc.strerror or exc))
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as exc:
+        raise LaunchError("Can't make the log file {} ({}): something else made it at the same moment, or the "
+                          "folder isn't writable. Give --log-dir a folder this user alone writes.".format(
+                              path, exc.strerror or exc))
+    return os.fdopen(fd, "w", encoding="utf-8", errors="replace")
 
 
 def _seconds(value, variable, default, option, env):
