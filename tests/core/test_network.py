@@ -52,3 +52,18 @@ def test_this_hosts_interfaces_include_loopback():
     found = network.interfaces()
     assert "127.0.0.1" in found.get("lo", [])
     assert network.interface_of("127.0.0.1") == "lo" and network.interface_of("192.0.2.99", KNOWN) is None
+
+
+def test_free_port_gives_a_block_of_free_ports_below_the_ephemeral_range():
+    """A coordinator PORT from bind(0) is an ephemeral port: another process' outgoing connection took PORT+1 before
+    the engine bound it (seen in CI: "Port 60790 ... PORT+1 after --coordinator's PORT 60789 ... in use")."""
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    for _ in range(20):
+        port = network.free_port()
+        assert 20000 <= port and port + 4 <= ephemeral
+        for taken in range(port, port + 4):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", taken))

@@ -235,11 +235,47 @@ def parse_address(text: str, option: str = "--coordinator") -> Tuple[str, int]:
     return host, int(port)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now, on ``host``."""
+def free_port(host: str = "127.0.0.1", count: int = 4) -> int:
+    """A TCP port nobody listens on right now, on ``host``, with the ``count - 1`` ports after it free too (a job
+    given ``--coordinator HOST:PORT`` runs its engines on the ports after PORT).
+
+    Drawn from 20000 up to the kernel's ephemeral range (``ip_local_port_range``) where that is known: a port ``bind(0)``
+    hands out is one the kernel also gives to outgoing connections, so between this call and the server's own
+    bind another process' connection may take it, or the port after it. Elsewhere, and when no block is free
+    there after a few tries, the kernel's choice.
+    """
+    import random
+
+    low = _ephemeral_low()
+    chooser = random.SystemRandom()
+    for _ in range(64 if low is not None and low - count > _LOWEST + 1000 else 0):
+        first = chooser.randrange(_LOWEST, low - count)
+        if all(_bindable(host, port) for port in range(first, first + count)):
+            return first
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+#: The lowest port :func:`free_port` draws: above the ports services take by default (Ray's workers: 10002-19999).
+_LOWEST = 20000
+
+
+def _ephemeral_low() -> Optional[int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 def bracket(host: str) -> str:
