@@ -17,6 +17,8 @@ MODE:
 - "corpus-NAME": the corpus program NAME (tests/backends/corpus) with its own input pipeline, distributed over the
   job's 2 workers with the one-device check raising and the data check on (the default in a job); rank 0 pickles
   its result to OUT_DIR/result.pkl; every rank prints how many times the data check compared the workers' batches.
+- "uneven": a metric tracker made on rank 0 only after distribute(), then predict() on every rank; each prints
+  what predict returned or raised.
 - "datacheck": every case of tests/backends/datacheck_job.py for this backend (test_datacheck.py reads its lines),
   with DISTKERAS_JOIN_TIMEOUT at its default: the job's 4 s are for "alone", which waits them out.
 """
@@ -108,6 +110,22 @@ def alone(out_dir, rank):
     open(done, "w").close()
 
 
+def uneven(out_dir, rank):
+    """A metric tracker made on rank 0 only, after distribute() (a Horovod habit: state kept by rank 0), then
+    predict() on every rank: prints what it returned or raised, and how long it took."""
+    model = distkeras.distribute(scenarios.build(keras))
+    if rank == 0:
+        model.rank0_tracker = keras.metrics.Mean(name="rank0_tracker")
+    x, _ = scenarios.data(24)
+    started = time.time()
+    try:
+        result = model.predict(x, verbose=0)
+        print("uneven predict returned {} in {:.1f} s".format(np.asarray(result).shape, time.time() - started))
+    except distkeras.DistKerasError as exc:
+        print("uneven predict raised {}: {} after {:.1f} s".format(type(exc).__name__, exc, time.time() - started))
+    sys.stdout.flush()
+
+
 def verified(out_dir, rank):
     """Trains with the check and without: prints what the check did, and whether it left any trace (every weight
     and History value bit-equal)."""
@@ -188,7 +206,7 @@ if __name__ == "__main__":
     from tests.backends.multiworker_job import run_modes
 
     modes = {"unseeded": unseeded, "save": saves, "alone": alone, "verify": verified,
-             "verify-mixing": verified_mixing, "datacheck": datacheck}
+             "verify-mixing": verified_mixing, "datacheck": datacheck, "uneven": uneven}
 
     def run(folder, mode):
         rank = distkeras.cluster.from_env().rank

@@ -53,7 +53,7 @@ else:
 #: the unseeded draws agree), "alone" last: after it rank 0 has had two collective calls fail (rank 1 never joined
 #: them), and nothing runs after it but the job's end.
 SHARED = ("datacheck", "unseeded", "save", "verify", "verify-mixing") + tuple("corpus-" + name for name in CORPUS) + (
-    "alone",)
+    "uneven", "alone")
 #: The bound on the data-check cases (test_datacheck.py) in the shared job.
 DATACHECK_TIMEOUT = 420
 _JOB = {}
@@ -135,6 +135,23 @@ def test_predict_and_evaluate_on_one_rank_only_end_within_seconds_saying_what_to
         assert "Rank 0 called {}(), rank 1 did not within {} s (DISTKERAS_JOIN_TIMEOUT)".format(
             call, JOIN_TIMEOUT) in message
         assert "Call {}() on every rank".format(call) in message
+
+
+def test_variables_made_on_one_rank_only_are_a_collective_error_naming_them_never_a_wait(shared_job):
+    """Issue 52: a metric tracker made on rank 0 only made predict() wait forever on PyTorch (rank 0 broadcast its
+    new variables, rank 1 had none to broadcast). Every rank now raises the same CollectiveError at once, naming the
+    variables (JAX's Gloo aborted both processes: "Received data size doesn't match expected size"). TensorFlow
+    keeps a metric's variables out of predict() and returns."""
+    _, done, out = part(shared_job, "uneven")
+    for rank in (0, 1):
+        if BACKEND in ("torch", "jax"):
+            found = re.search(r"\[rank {}\] uneven predict raised CollectiveError: (.*) after ([0-9.]+) s".format(rank),
+                              out)
+            assert found, shown(done)
+            assert "rank 0 has 2 the others lack (rank0_tracker/count" in found.group(1), found.group(1)
+            assert "make it on every rank" in found.group(1) and float(found.group(2)) < JOIN_TIMEOUT
+        else:
+            assert "[rank {}] uneven predict returned (24, 3)".format(rank) in out, shown(done)
 
 
 def test_the_one_device_check_runs_across_worker_processes(shared_job):

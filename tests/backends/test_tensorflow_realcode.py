@@ -211,7 +211,8 @@ class TokenAndPosition(keras.layers.Layer):
         return self.token_emb(x) + self.pos_emb(ops.arange(0, ops.shape(x)[-1], 1))
 
 
-def test_adam_on_a_position_embedding(devices):
+@pytest.mark.parametrize("samples", [SAMPLES, 48], ids=["a short last batch", "whole batches"])
+def test_adam_on_a_position_embedding(devices, samples):
     """A gather whose indices are no sample's (``arange(maxlen)``, the same on every replica) gives one
     device one slice per position with the whole batch's sum: the replicas' values are summed under those
     indices (concatenated, Adam would square each replica's part apart), the token ids' slices still
@@ -224,8 +225,97 @@ def test_adam_on_a_position_embedding(devices):
         model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
         return model
 
-    x = np.random.default_rng(2).integers(0, 6, size=(SAMPLES, 4)).astype("int32")
-    assert_exact(build, x, data()[1], devices)
+    x = np.random.default_rng(2).integers(0, 6, size=(samples, 4)).astype("int32")
+    # Whole batches of 12 on 3 replicas: each replica's batch has 4 rows, as many as arange(4) has positions (a
+    # static shape: the position indices are no sample's, and still not mistaken for a row per sample).
+    assert_exact(build, x, data(samples=samples)[1], devices)
+
+
+class PerSamplePositions(keras.layers.Layer):
+    """Positions looked up once per sample, the usual ways a GPT or an encoder writes them (issue 52): with NumPy
+    input the batch's shape is static, so in the traced step these indices are constants, the same on every replica,
+    and still one lookup per sample."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.token_emb = keras.layers.Embedding(6, 3)
+        self.pos_emb = keras.layers.Embedding(4, 3)
+
+    def call(self, x):
+        tokens = self.token_emb(x)
+        if self.how == "keras_hub":  # a slice of its table, broadcast: a dense gradient
+            return tokens + self.hub(tokens)
+        if self.how == "cumsum":
+            positions = ops.cumsum(ops.ones_like(x), axis=-1) - 1
+        else:
+            positions = ops.broadcast_to(ops.arange(0, ops.shape(x)[-1], 1), ops.shape(x))
+        return tokens + self.pos_emb(positions)
+
+    def build(self, shape):
+        if self.how == "keras_hub":
+            import keras_hub
+
+            self.hub = keras_hub.layers.PositionEmbedding(sequence_length=4)
+
+
+@pytest.mark.parametrize("how, rate", [("cumsum", "constant"), ("cumsum", "warm-up"), ("broadcast arange", "constant"),
+                                       ("keras_hub", "constant")])
+def test_adam_on_positions_looked_up_per_sample_from_numpy_input(devices, how, rate):
+    """``cumsum(ones_like(inputs)) - 1`` trained to other weights than one device on NumPy input: the indices don't
+    depend on the batch in the traced step (ones_like of a static shape is a constant), so they were summed under
+    replica 0's as a position embedding's ``arange`` is. They have a row per sample: concatenated now. Behind a
+    warm-up from 0 too, and KerasHub's PositionEmbedding."""
+    def build():
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((4,), dtype="int32")
+        hidden = keras.layers.Flatten()(PerSamplePositions(how)(ids))
+        model = keras.Model(ids, keras.layers.Dense(1)(hidden))
+        schedule = 0.05 if rate == "constant" else keras.optimizers.schedules.CosineDecay(
+            0.0, decay_steps=8, warmup_target=0.05, warmup_steps=3)
+        model.compile(optimizer=keras.optimizers.Adam(schedule), loss="mse")
+        return model
+
+    x = np.random.default_rng(2).integers(0, 6, size=(48, 4)).astype("int32")  # whole batches: a static shape
+    assert_exact(build, x, data(samples=48)[1], devices)
+
+
+@pytest.mark.parametrize("how", ["ignore_class", "mask"])
+def test_a_mean_over_kept_entries_weighs_each_replica_by_its_kept_entries(devices, how):
+    """``SparseCategoricalCrossentropy(ignore_class=0)`` and a loss masked by the Embedding's ``mask_zero`` average
+    over each replica's kept entries: weighed by rows, the replicas trained ~4e-3 away from one device (issue 52)."""
+    from tests.backends import torch_cases
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return torch_cases.masked(keras, how)
+
+    x, y = torch_cases.tokens(SAMPLES)
+    assert_exact(build, x, y, devices)
+
+
+def test_a_batch_size_fixed_in_call_is_told_to_take_it_from_the_input():
+    """Issue 52: a draw of the global batch's size in call() (a diffusion model's noise) failed with Keras' raw
+    "Dimensions must be equal, but are 4 and 8"."""
+    class Diffusion(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.seed = keras.random.SeedGenerator(1)
+            self.first, self.last = keras.layers.Dense(4), keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.last(self.first(x) + keras.random.normal((8, 4), seed=self.seed))
+
+    keras.utils.set_random_seed(0)
+    model = Diffusion()
+    model.compile(optimizer="sgd", loss="mse")
+    model = distkeras.distribute(model, devices=2)
+    x, y = data(features=4, samples=16)
+    with pytest.raises(ValueError) as caught:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert "Dimensions must be equal" in str(caught.value)
+    assert "each replica runs its share of the global batch: 4 of its 8 rows here" in str(caught.value)
+    assert "keras.ops.shape(x)[0]" in str(caught.value)
 
 
 # D. Losses written by hand in a custom step, a custom test_step ---------------------------------------
@@ -457,6 +547,11 @@ def test_the_keras_privates_the_loss_and_random_rules_rely_on():
     assert loss_module.reduce_values._distkeras_gated
     weighted = inspect.getsource(loss_module.reduce_weighted_values)
     assert "loss = reduce_values(values, sample_weight, reduction)" in weighted
+    # The masked-mean rule: apply_mask, looked up as a module global by reduce_weighted_values; its weight for the
+    # kept entries is entries / kept, and the masked losses reach it through Loss.__call__.
+    assert loss_module.apply_mask._distkeras_gated and "sample_weight = apply_mask(" in weighted
+    assert "mask_weight = ops.divide_no_nan(total, valid)" in inspect.getsource(loss_module.apply_mask.__wrapped__)
+    assert "reduce_weighted_values(" in inspect.getsource(loss_module.Loss.__call__)
     for source in (inspect.getsource(trainer), inspect.getsource(compile_utils)):
         assert "loss_module.unscale_loss_for_distribution(" in source
     assert "loss_module.scale_loss_for_distribution(" in inspect.getsource(trainer)

@@ -677,6 +677,14 @@ def test_a_custom_step_that_changes_weights_without_an_optimizer_is_told_what_to
         assert "optimizer.apply(gradients, variables)" in outcome.result
 
 
+def test_a_batch_size_fixed_in_call_is_told_to_take_it_from_the_input():
+    """Issue 52: a draw of the global batch's size in call() failed with torch's raw shape error (and, self-launched,
+    "worker rank 1 exited", the cause only in rank 1's lines)."""
+    for outcome in job(2).run(torch_cases.split_batch, 2, timeout=TIMEOUT):
+        assert "each replica runs its share of the global batch: 4 of its 8 rows here" in outcome.result
+        assert "keras.ops.shape(x)[0]" in outcome.result
+
+
 def test_a_custom_step_with_an_optimizer_of_its_own_trains_as_on_one_device():
     expected = torch_cases.own_optimizer_trains(1)
     assert max_difference(expected, job(2).run(torch_cases.own_optimizer_trains, 2, timeout=TIMEOUT)[0].result) < 1e-5
@@ -1056,3 +1064,24 @@ def test_keras_reduce_values_is_the_one_loss_reduction_looked_up_at_call_time():
     finally:
         loss_module.reduce_values = original
     assert seen == ["sum"]
+
+
+def test_keras_apply_mask_is_where_a_masked_mean_gets_its_weight_looked_up_at_call_time():
+    """Pins the Keras private the masked-mean rule replaces (torch_trainer._gate_masked_mean): a Loss given a mask
+    (``ignore_class``) weighs the kept entries through the module attribute ``keras.src.losses.loss.apply_mask``."""
+    from keras.src.losses import loss as loss_module
+
+    original = loss_module.apply_mask
+    seen = []
+
+    def spy(sample_weight, mask, dtype, reduction):
+        seen.append(reduction)
+        return original(sample_weight, mask, dtype, reduction)
+
+    loss_module.apply_mask = spy
+    try:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
+        loss(np.array([[0, 1, 2]]), keras.ops.ones((1, 3, 3)))
+    finally:
+        loss_module.apply_mask = original
+    assert seen == ["sum_over_batch_size"]

@@ -18,6 +18,29 @@ def _data(samples, shape=(5,), seed=1):
     return x, y
 
 
+def tokens(samples, seed=1):
+    """Token ids (0: padding, at the end of half the rows) and a class per position (0: ignored, about a third):
+    every row keeps another number of entries, so the ranks' shares of the kept entries are not their row shares."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, 6, size=(samples, 4)).astype("int32")
+    x[:, -1] = np.where(rng.random(samples) < 0.5, 0, x[:, -1])
+    y = rng.integers(1, 4, size=(samples, 4)).astype("int32")
+    y[rng.random((samples, 4)) < 0.3] = 0
+    return x, y
+
+
+def masked(keras, how):
+    """A per-position classifier whose loss averages over kept entries only: ``ignore_class=0`` or the Embedding's
+    ``mask_zero`` mask carried to the predictions (issue 52). Also used by test_tensorflow_realcode.py."""
+    inputs = keras.Input((4,), dtype="int32")
+    hidden = keras.layers.Embedding(6, 4, mask_zero=how == "mask")(inputs)
+    outputs = keras.layers.Dense(4)(keras.layers.Dense(8, activation="tanh")(hidden))
+    model = keras.Model(inputs, outputs)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0 if how == "ignore_class" else None)
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss=loss)
+    return model
+
+
 def _mlp(keras, optimizer, **dense):
     model = keras.Sequential(
         [keras.Input((5,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3, **dense)]
@@ -148,6 +171,9 @@ CASES = {
     "guide_step_tail": (lambda k: _guide(k, True), 49, (5,), _TWELVE),
     # A layer never called: its variables have no gradient on any rank, and keep None.
     "unused_variable": (_unused, 40, (5,), _TEN),
+    # A mean over each rank's kept entries: the ranks weighed by their shares of the kept entries, not of the rows.
+    "masked_ignore_class": (lambda k: masked(k, "ignore_class"), 40, "tokens", _TEN),
+    "masked_mask_zero": (lambda k: masked(k, "mask"), 40, "tokens", _TEN),
 }
 #: Custom steps whose gradients are not the backward pass' .grad tensors as they were (see TransformedStep):
 #: the overlapped all-reduce falls back. Not in CASES: one run each is enough.
@@ -163,7 +189,8 @@ def build(case):
 
     make, samples, shape, fit = CASES[case] if case in CASES else TRANSFORMED[case]
     keras.utils.set_random_seed(0)
-    return make(keras), _data(samples, shape), dict(fit, shuffle=False, verbose=0)
+    data = tokens(samples) if shape == "tokens" else _data(samples, shape)
+    return make(keras), data, dict(fit, shuffle=False, verbose=0)
 
 
 def _weights(model):
@@ -397,6 +424,34 @@ def by_hand(devices):
         model.fit(x, y, batch_size=10, epochs=1, verbose=0)
     except distkeras.DistKerasError as exc:
         return str(exc)
+    return None
+
+
+def split_batch(devices):
+    """A model whose call() draws noise of a batch size fixed to the global batch (a diffusion model's, issue 52):
+    the error on every rank, with the notes Python prints after it."""
+    import keras
+
+    import distkeras
+
+    class Diffusion(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.seed = keras.random.SeedGenerator(1)
+            self.first, self.last = keras.layers.Dense(4), keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.last(self.first(x) + keras.random.normal((8, 4), seed=self.seed))
+
+    keras.utils.set_random_seed(0)
+    model = Diffusion()
+    model.compile(optimizer="sgd", loss="mse")
+    distkeras.distribute(model, devices=devices)
+    x, y = _data(16)
+    try:
+        model.fit(x[:, :4], y[:, :1], batch_size=8, epochs=1, verbose=0)
+    except Exception as exc:  # noqa: BLE001 - what the user sees
+        return "\n".join([str(exc)] + list(getattr(exc, "__notes__", [])))
     return None
 
 

@@ -95,6 +95,69 @@ def even_share(parts):
     return batch_share(1, parts)
 
 
+# ---- every rank holds the same variables
+
+
+def variable_lines(variables):
+    """``(lines, fingerprint)``: one line per variable (path, shape, dtype), and two integers (their count, a CRC of
+    their shapes and dtypes) that every rank compares before rank 0's values are given to all: a rank with a
+    variable the others lack (a tracker made under ``if rank == 0:``) would otherwise make collectives of other
+    sizes, which wait forever or abort the engine."""
+    import zlib
+
+    lines = ["{} {} {}".format(getattr(v, "path", None) or getattr(v, "name", "?"),
+                               tuple(int(d) for d in v.shape), getattr(v.dtype, "name", v.dtype)) for v in variables]
+    shapes = "\n".join(line.split(" ", 1)[1] for line in lines).encode()
+    return lines, (len(lines), zlib.crc32(shapes))
+
+
+def variables_differ(held, ranks, what="variables"):
+    """The :class:`~distkeras.errors.CollectiveError` of ranks whose variables differ: ``held[i]``, the lines
+    (:func:`variable_lines`) of the process of rank ``ranks[i]``."""
+    from ..errors import CollectiveError
+
+    held = [set(lines) for lines in held]
+    common = set.intersection(*held) if held else set()
+    differences = []
+    for lines, rank in zip(held, ranks):
+        extra = sorted(lines - common)
+        if extra:
+            differences.append("rank {} has {} the others lack ({}{})".format(
+                rank, len(extra), ", ".join(extra[:4]), ", ..." if len(extra) > 4 else ""))
+    return CollectiveError(
+        "Expected every process to hold the same {} (rank 0's values are given to all). Received: {}. A variable "
+        "made on some ranks only (a metric, a tracker or a layer under `if rank == 0:`) makes them differ: make it on "
+        "every rank, or after training on rank 0 alone, once the model is no longer distributed.".format(
+            what, "; ".join(differences) or "as many on every rank, of other shapes or dtypes"))
+
+
+def first_line(exc):
+    """``exc`` in one line: its type and the first line of its message with text, terminal colour codes removed."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = next((line for line in lines if not line.startswith("Exception encountered")), lines[0] if lines else "")
+    return "{}: {}".format(type(exc).__name__, first[:500])
+
+
+def split_batch_note(exc, rows, total):
+    """``exc``'s message with what it likely means added, where it names a shape that is the global batch's row
+    count (``total``, or one of the counts it may be) while the replica holds its share (a batch size fixed in ``call()``: ``keras.random.normal((8, ...))``
+    with 8 the global batch); None where it doesn't look like that. Used by the TensorFlow and PyTorch adapters."""
+    import re
+
+    totals = {total} if isinstance(total, int) else set(total or ())
+    text = str(exc)
+    numbers = {int(n) for n in re.findall(r"(?<![\w.])\d+(?![\w.])", text)}
+    found = sorted(t for t in totals & numbers if rows and t > rows)
+    if not rows or rows not in numbers or not found:
+        return None
+    total = found[-1]
+    return ("{}\n\ndistkeras: each replica runs its share of the global batch: {} of its {} rows here. A shape "
+            "fixed to the global batch size in the model (a draw or a reshape of {} rows, e.g. keras.random.normal(({}, "
+            "...))) doesn't fit that share: take the batch size from the input, `keras.ops.shape(x)[0]`, and the "
+            "model trains on any number of devices.".format(text, rows, total, total, total))
+
+
 # ---- rank 0 writes, atomically
 
 #: The suffixes of the single files Keras writes (``.keras``, ``.h5``, ``.weights.h5``): written atomically.

@@ -421,6 +421,31 @@ def _same_random_state_every_epoch(model):
     keras_model.hook(model, "fit", same_shuffle_fit)
 
 
+def _check_same_variables(variables):
+    """Raise the same CollectiveError on every process where the processes' ``variables`` differ in number, shape
+    or dtype (:func:`~distkeras.backends.policies.variables_differ`): laid out on the mesh, a variable only some
+    processes hold makes collectives of other sizes, and Gloo aborts the process ("Received data size doesn't match
+    expected size"). One ``process_allgather`` of two integers where they agree; the names cross where they don't."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    lines, fingerprint = policies.variable_lines(variables)
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(fingerprint, np.int64)))
+    if (every == every[0]).all():
+        return
+    text = "\n".join(lines).encode()
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([len(text)], np.int64))).reshape(-1)
+    padded = np.zeros(max(1, int(lengths.max())), np.uint8)
+    padded[:len(text)] = np.frombuffer(text, np.uint8)
+    texts = np.asarray(multihost_utils.process_allgather(padded))
+    held = [[line for line in bytes(row[:n]).decode().split("\n") if line] for row, n in zip(texts, lengths)]
+    raise policies.variables_differ(held, list(range(len(held))))
+
+
 def _take_rank0_values(model):
     """Every variable of ``model`` (weights, seed-generator states, optimizer and metric state) takes process 0's
     value, in one ``broadcast_one_to_all``: a process that built its model from another seed (or none) would
@@ -430,6 +455,7 @@ def _take_rank0_values(model):
     from jax.experimental import multihost_utils
 
     variables = keras_model.state_variables(model)
+    _check_same_variables(variables)
     values = multihost_utils.broadcast_one_to_all([np.asarray(v.value) for v in variables])
     for variable, value in zip(variables, values):
         variable.assign(value)
@@ -613,6 +639,7 @@ def _lay_out(model, distribution, warn=False):
     Keras' jitted step refuses to mix them with the mesh's."""
     import keras
 
+    _check_same_variables(keras_model.state_variables(model))
     if getattr(distribution, "shard", None) is not None:
         from . import shard as jax_shard
 

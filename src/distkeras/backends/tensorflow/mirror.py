@@ -14,7 +14,7 @@ replicas (:func:`_decided_across_replicas`).
 
 import functools
 
-from .. import keras_model
+from .. import keras_model, policies
 from . import loops as tensorflow_loops
 from . import steps as tensorflow_steps
 
@@ -219,7 +219,7 @@ def _apply_global(optimizer, tf, compression):
                 # A lookup that is no sample's (a position embedding's arange(maxlen)): the same indices on
                 # every replica, and one device has one slice per index with the whole batch's sum, not the
                 # replicas' slices side by side. Its values are summed as a dense tensor.
-                common = [isinstance(g, tf.IndexedSlices) and not tensorflow_steps.depends_on_batch(tf, g.indices)
+                common = [isinstance(g, tf.IndexedSlices) and not tensorflow_steps.looked_up_per_sample(tf, g.indices)
                           for g in sent]
                 sent = [g.values if shared else g for g, shared in zip(sent, common)]
                 summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
@@ -360,7 +360,17 @@ def build_from_one_replica(model, tf, strategy):
         for optimizer in _every_optimizer(model):
             _rekey(optimizer)  # one built by hand from those variables (``optimizer.build(...)``) too
         with strategy.scope():
-            model._symbolic_build(data_batch=data_batch)
+            try:
+                model._symbolic_build(data_batch=data_batch)
+            except (ValueError, TypeError) as exc:
+                # Built from one replica's share of a batch: the global batch had about N times its rows.
+                rows = tensorflow_steps.static_rows(tf.nest.flatten(data_batch)[0] if data_batch is not None else None)
+                replicas = strategy.num_replicas_in_sync
+                said = policies.split_batch_note(exc, rows, range(rows * replicas - replicas + 1,
+                                                                          rows * replicas + 1)) if rows else None
+                if said is None:
+                    raise
+                raise type(exc)(said) from exc
         # Keras builds metrics in a stateless scope and creates their variables only when it exits, under
         # tf.init_scope(), which leaves the strategy scope behind: plain variables every replica would
         # update (a compiled metric a custom step updates read half the rows). Mirrored like the rest.

@@ -136,12 +136,31 @@ def tell_replicas_their_rows(tf, strategy, exact_losses):
                               batch)
             try:
                 return fn(*replica_args, **replica_kwargs)
+            except (ValueError, TypeError) as exc:
+                said = policies.split_batch_note(exc, static_rows(first_batch((replica_args, replica_kwargs))),
+                                        static_total(first_batch((args, kwargs))))
+                if said is None:
+                    raise
+                raise type(exc)(said) from exc
             finally:
                 _held.rows = outer
 
         return run(replica_fn, args=args, kwargs=kwargs, options=options)
 
     strategy.run = run_telling_rows
+
+
+def static_rows(tensor):
+    """A tensor's leading dimension where the traced step knows it, else None."""
+    shape = getattr(tensor, "shape", None)
+    return int(shape[0]) if shape is not None and shape.rank and shape[0] is not None else None
+
+
+def static_total(leaf):
+    """The global batch's row count (every replica's rows) where the traced step knows it, else None."""
+    values = getattr(leaf, "values", None)
+    rows = [static_rows(v) for v in values or ()]
+    return sum(rows) if rows and all(r is not None for r in rows) else None
 
 
 def scalar_share(tf, replicas):
@@ -186,6 +205,31 @@ def depends_on_batch(tf, tensor):
         if op.type == "Placeholder":  # a value a nested graph (a loop's, a cond's body) captured: its source
             stack.extend(outer for outer, inner in getattr(op.graph, "captures", ()) if inner is value)
     return False
+
+
+def looked_up_per_sample(tf, indices):
+    """Whether the indices of a gather's gradient (``IndexedSlices.indices``, in the replica step running in this
+    thread) are lookups per sample, one set per row of the replica's batch, rather than one set for the whole
+    batch (a position embedding's ``arange(maxlen)``, added to every row by broadcasting).
+
+    Per sample where they are computed from the batch (:func:`depends_on_batch`), and also where they are shaped
+    like it: the gather's indices (before the gradient flattens them) have a row per row of the replica's batch.
+    The second catches what the data flow hides: ``cumsum(ones_like(inputs))``, ``broadcast_to(arange(n),
+    shape(inputs))`` over a batch whose shape is static (NumPy input) are constants in the traced step, the same on
+    every replica, and still one lookup per sample, as on one device.
+    """
+    if depends_on_batch(tf, indices):
+        return True
+    rows = current()
+    sizes = {int(t.shape[0]) for t in rows.batch if getattr(t, "shape", None) is not None and t.shape.rank
+             and t.shape[0] is not None}
+    source = indices
+    while getattr(source, "op", None) is not None and source.op.type in ("Reshape", "Cast", "Identity") \
+            and source.op.inputs:
+        source = source.op.inputs[0]
+    shape = getattr(source, "shape", None)
+    return bool(sizes) and shape is not None and shape.rank is not None and shape.rank >= 2 and \
+        shape[0] is not None and int(shape[0]) in sizes
 
 
 def batch_share(tf, dtype):
@@ -247,6 +291,40 @@ def gate_keras_loss_scaling():
     reduce_values._distkeras_gated = True
     reduce_values.__wrapped__ = keras_reduce
     loss_module.reduce_values = reduce_values
+    gate_keras_masked_mean(tf, loss_module)
+
+
+def gate_keras_masked_mean(tf, loss_module):
+    """A masked mean (a Keras mask on the predictions, ``ignore_class``) averages over the kept entries: one device
+    divides the global batch's sum by its kept entries, each replica by its own. So while a replica step runs with
+    the loss rule on, the mask weight Keras' ``apply_mask`` gives kept entries, ``entries / kept`` over the replica,
+    is that ratio over the global batch (two counts summed across the replicas in the step): weighed by ``n_r / N``
+    and summed, the replicas' losses are one device's. ``apply_mask`` is a private module function of
+    ``keras.src.losses.loss`` that ``reduce_weighted_values`` looks up at call time; pinned by a test. Idempotent.
+    """
+    keras_apply = loss_module.apply_mask
+    if getattr(keras_apply, "_distkeras_gated", False):
+        return
+
+    def apply_mask(sample_weight, mask, dtype, reduction):
+        rows = current()
+        context = tf.distribute.get_replica_context()
+        if mask is None or rows is None or not rows.exact_losses or reduction not in ("mean", "sum_over_batch_size") \
+                or context is None or context.num_replicas_in_sync < 2:
+            return keras_apply(sample_weight, mask, dtype, reduction)
+        kept = tf.cast(tf.cast(mask, "bool"), dtype)
+        counts = tf.stop_gradient(tf.stack([tf.cast(tf.size(kept), dtype), tf.reduce_sum(kept)]))
+        entries, valid = tf.unstack(context.all_reduce(tf.distribute.ReduceOp.SUM, counts))
+        weight = tf.where(tf.cast(mask, "bool"), tf.math.divide_no_nan(entries, valid), tf.zeros_like(kept))
+        if sample_weight is None:
+            return weight
+        sample_weight = tf.cast(sample_weight, dtype)
+        weight, sample_weight = loss_module.squeeze_or_expand_to_same_rank(weight, sample_weight)
+        return sample_weight * weight
+
+    apply_mask._distkeras_gated = True
+    apply_mask.__wrapped__ = keras_apply
+    loss_module.apply_mask = apply_mask
 
 
 def _plan(tf, rows, shape):

@@ -47,6 +47,45 @@ def broadcast_variables(variables):
         _scatter(flat, group)
 
 
+def check_same_variables(variables, what="variables"):
+    """Raise the same :class:`~distkeras.errors.CollectiveError` on every rank of the data group where the ranks'
+    ``variables`` (about to be broadcast from rank 0) differ in number, shape or dtype, naming what each rank has
+    that another lacks (:func:`~distkeras.backends.policies.variables_differ`); return quietly where they agree.
+    One all-gather of two integers where they agree (a broadcast of buffers of other sizes would wait forever);
+    the names cross only when they don't."""
+    if not dist.is_initialized():
+        return
+    group = _DATA["group"]
+    world = dist.get_world_size(group)
+    if world < 2:
+        return
+    lines, fingerprint = policies.variable_lines(variables)
+    mine = torch.tensor(list(fingerprint), dtype=torch.int64, device=_device())
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    if all(torch.equal(theirs, every[0]) for theirs in every):
+        return
+    names = gather_bytes("\n".join(lines).encode(), group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    raise policies.variables_differ([[line for line in text.decode().split("\n") if line] for text in names], ranks,
+                                    what)
+
+
+def gather_bytes(data, group=None):
+    """Every rank's ``data`` (bytes), in rank order within ``group`` (collective: two all-gathers)."""
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=_device())
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(max(1, longest), dtype=torch.uint8, device=_device())
+    if data:
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    every = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(every, padded, group=group)
+    return [bytes(t[:int(n.item())].cpu().numpy().tobytes()) for t, n in zip(every, lengths)]
+
+
 def _numel(variable):
     return int(math.prod(variable.shape))
 
@@ -222,6 +261,11 @@ def gather_rows(value, count, rank, world, total):
     for r, (part, share) in enumerate(zip(parts, shares)):
         gathered[r::world] = part[:share]
     return gathered
+
+
+def device():
+    """Where this job's collectives take their tensors: the current CUDA device under NCCL, else the CPU."""
+    return _device()
 
 
 def _device():

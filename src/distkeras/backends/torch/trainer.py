@@ -225,6 +225,8 @@ def broadcast_new_variables(model, replica):
     known = replica.known
     # Weak references: a variable that is gone must not hide a new one that got its id.
     new = [v for v in keras_model.state_variables(model) if id(v) not in known or known[id(v)]() is not v]
+    # Every rank first agrees on what is new (a rank with none would skip the broadcast the others wait in).
+    collectives.check_same_variables(new, "new variables")
     if new:
         collectives.broadcast_variables(new)
         known.update((id(v), weakref.ref(v)) for v in new)
@@ -272,6 +274,42 @@ def _gate_sum_reduction():
     reduce_values._distkeras_torch_gated = True
     reduce_values.__wrapped__ = keras_reduce
     loss_module.reduce_values = reduce_values
+    _gate_masked_mean(loss_module)
+
+
+def _gate_masked_mean(loss_module):
+    """A masked mean (a Keras mask on the predictions, ``ignore_class``) averages over the kept entries: one device
+    over the global batch's, each rank over its own. While a step runs, the weight Keras' ``apply_mask`` gives the
+    kept entries (``entries / kept`` of the rank's batch) is that ratio over the global batch (two counts summed
+    over the ranks with one all-reduce): weighed by ``n_r / N`` and summed, the ranks' losses are one device's. A
+    private module function of ``keras.src.losses.loss``, looked up at call time by ``reduce_weighted_values``;
+    pinned by a test (the TensorFlow adapter's :func:`~distkeras.backends.tensorflow.steps.gate_keras_masked_mean`
+    is the same rule). Idempotent.
+    """
+    keras_apply = loss_module.apply_mask
+    if getattr(keras_apply, "_distkeras_torch_gated", False):
+        return
+
+    def apply_mask(sample_weight, mask, dtype, reduction):
+        replica = getattr(_stepping, "replica", None)
+        if mask is None or replica is None or replica.world < 2 or reduction not in ("mean", "sum_over_batch_size"):
+            return keras_apply(sample_weight, mask, dtype, reduction)
+        kept = keras.ops.cast(keras.ops.cast(mask, "bool"), dtype)
+        counts = torch.stack([torch.tensor(float(kept.numel()), dtype=torch.float64, device=kept.device),
+                              kept.detach().sum().to(torch.float64)]).to(collectives.device())
+        torch.distributed.all_reduce(counts, group=collectives.data_group())
+        ratio = torch.where(counts[1] > 0, counts[0] / counts[1].clamp_min(1.0), torch.zeros_like(counts[0]))
+        ratio = keras.ops.cast(ratio.to(kept.device), dtype)  # no .item(): no wait for the device
+        weight = keras.ops.where(keras.ops.cast(mask, "bool"), ratio, keras.ops.zeros_like(kept))
+        if sample_weight is None:
+            return weight
+        sample_weight = keras.ops.cast(sample_weight, dtype)
+        weight, sample_weight = loss_module.squeeze_or_expand_to_same_rank(weight, sample_weight)
+        return sample_weight * weight
+
+    apply_mask._distkeras_torch_gated = True
+    apply_mask.__wrapped__ = keras_apply
+    loss_module.apply_mask = apply_mask
 
 
 def _in_step(replica):
@@ -621,6 +659,33 @@ class _SyncRandomState(keras.callbacks.Callback):
         collectives.sync_random_state()
 
 
+def _split_batch_note(exc, bound, world):
+    """What ``exc`` (raised by fit/evaluate/predict) likely means where it names the global batch size while each
+    rank holds its share (:func:`~distkeras.backends.policies.split_batch_note`), else None. The rank's share is
+    about ``batch_size / world``; Keras' default batch size is 32."""
+    total = bound.get("batch_size") or 32
+    if not isinstance(total, int) or world < 2 or total < world:
+        return None
+    text = "\n".join(str(e) for e in _chain(exc))
+    for rows in sorted({-(-total // world), total // world}):
+        said = policies.split_batch_note(_Text(text), rows, total)
+        if said is not None:
+            return str(exc) + said[len(text):]
+    return None
+
+
+class _Text(Exception):
+    """A message to read, as an exception (:func:`~distkeras.backends.policies.split_batch_note` takes one)."""
+
+
+def _chain(exc):
+    seen = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
 def _entry(method, replica, sync_random=False, sharded=False, logs=None):
     """fit/evaluate/predict: quiet off rank 0; a dead self-launched worker reported by rank and exit code;
     with ``sharded``, each rank reads only its rows of array data (:func:`sharded_batches`); with ``logs``
@@ -648,11 +713,17 @@ def _entry(method, replica, sync_random=False, sharded=False, logs=None):
             with sharded_batches(replica):
                 return method(*bound.args, **bound.kwargs)
         except Exception as exc:
+            note = _split_batch_note(exc, bound, replica.world)
             # A collective with a dead rank fails (RuntimeError) about when the watcher sees the exit.
             wait = 2.0 if isinstance(exc, RuntimeError) else 0.0
             failure = replica.launch_failure(wait) if replica.launch_failure else None
             if failure:
-                raise LaunchError(failure) from exc
+                # The other rank most likely met what this one did: say both, this one's own error last.
+                own = policies.first_line(_chain(exc)[-1])  # the root cause
+                raise LaunchError("{} Rank {} raised: {}{}".format(
+                    failure, replica.process, own, note[len(str(exc)):] if note else "")) from exc
+            if note is not None and hasattr(exc, "add_note"):
+                exc.add_note(note[len(str(exc)):].strip())
             raise
         finally:
             replica.batch_logs = outer
