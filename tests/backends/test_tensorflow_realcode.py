@@ -297,19 +297,9 @@ def test_a_mean_over_kept_entries_weighs_each_replica_by_its_kept_entries(device
 def test_a_batch_size_fixed_in_call_is_told_to_take_it_from_the_input():
     """Issue 52: a draw of the global batch's size in call() (a diffusion model's noise) failed with Keras' raw
     "Dimensions must be equal, but are 4 and 8"."""
-    class Diffusion(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.seed = keras.random.SeedGenerator(1)
-            self.first, self.last = keras.layers.Dense(4), keras.layers.Dense(1)
+    from tests.backends import torch_cases
 
-        def call(self, x):
-            return self.last(self.first(x) + keras.random.normal((8, 4), seed=self.seed))
-
-    keras.utils.set_random_seed(0)
-    model = Diffusion()
-    model.compile(optimizer="sgd", loss="mse")
-    model = distkeras.distribute(model, devices=2)
+    model = distkeras.distribute(torch_cases.diffusion(keras), devices=2)
     x, y = data(features=4, samples=16)
     with pytest.raises(ValueError) as caught:
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)

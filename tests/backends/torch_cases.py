@@ -427,13 +427,9 @@ def by_hand(devices):
     return None
 
 
-def split_batch(devices):
-    """A model whose call() draws noise of a batch size fixed to the global batch (a diffusion model's, issue 52):
-    the error on every rank, with the notes Python prints after it."""
-    import keras
-
-    import distkeras
-
+def diffusion(keras):
+    """A compiled model whose call() adds noise of 8 rows, the global batch it is trained at (a diffusion model's,
+    issue 52); also used by test_tensorflow_realcode.py."""
     class Diffusion(keras.Model):
         def __init__(self):
             super().__init__()
@@ -446,6 +442,17 @@ def split_batch(devices):
     keras.utils.set_random_seed(0)
     model = Diffusion()
     model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def split_batch(devices):
+    """A model whose call() draws noise of a batch size fixed to the global batch (a diffusion model's, issue 52):
+    the error on every rank, with the notes Python prints after it."""
+    import keras
+
+    import distkeras
+
+    model = diffusion(keras)
     distkeras.distribute(model, devices=devices)
     x, y = _data(16)
     try:
