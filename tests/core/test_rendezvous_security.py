@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from distkeras.launch import command as launch, rendezvous
+from distkeras.launch import command as launch, rendezvous, wire
 from distkeras.errors import LaunchError
 from tests.core.test_rendezvous import WORKER, two_hosts
 from tests.core.test_launch import SRC, distkeras_launch, finish
@@ -103,7 +103,7 @@ def read_all(sock, timeout=3.0):
 
 def signed_hello(challenge, hello, key=KEY, nonce="ab" * 16):
     return {"hello": hello, "nonce": nonce,
-            "mac": rendezvous._mac(key, b"hello", challenge.encode(), nonce.encode(), rendezvous._canonical(hello))}
+            "mac": wire._mac(key, b"hello", challenge.encode(), nonce.encode(), wire._canonical(hello))}
 
 
 def finish_job(node0, *joiners):
@@ -181,7 +181,7 @@ def test_forged_replayed_and_reflected_messages_on_a_session_close_it_without_ef
     assert node0.receive(wait=2) == [{"failed": "rank 1 died"}]
     # Replayed: the same line again.
     line = {"m": {"failed": "rank 1 died"}, "s": 0,
-            "mac": rendezvous._mac(KEY, host.session, b"n>0", b"0", rendezvous._canonical({"failed": "rank 1 died"}))}
+            "mac": wire._mac(KEY, host.session, b"n>0", b"0", wire._canonical({"failed": "rank 1 died"}))}
     host.send_raw(line)
     assert node0.receive(wait=2) == [] and node0.closed and "replayed" in node0.why
     # Forged: the right number, no key.

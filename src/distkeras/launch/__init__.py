@@ -5,6 +5,8 @@ of it a backend's engine uses to start.
   workers with the variables their engine reads (:func:`~distkeras.launch.command.worker_env`), watch them, stop
   them all when one fails.
 - :mod:`~distkeras.launch.rendezvous`: the launchers of a job of several hosts meet at node 0 and agree on the plan.
+- :mod:`~distkeras.launch.wire`: what the launchers say to each other: bounded JSON lines, numbered and signed, every
+  field of every message checked by type and charset.
 - :mod:`~distkeras.launch.relay`: every worker's output on the launcher's stdout, prefixed with its rank.
 - :mod:`~distkeras.launch.processes`: what the launcher and a backend's own launch share: exit 75 for a
   preempted worker, workers that die with their parent, how a process ended.
