@@ -99,6 +99,7 @@ def _launch(args):
         if not script:
             raise launch.LaunchError("-m needs a module to run: distkeras launch --nproc-per-node N -m pkg.module [args]")
         script = ["-m"] + script
+    launch.check_script(script)
     own = backends.adapter_class(backend).launch_command(script, args.nproc_per_node, args.nnodes, dict(os.environ))
     if own is not None:  # the backend's engine starts its workers itself (CNTK: mpiexec)
         commands, envs, ranks = own
@@ -169,6 +170,33 @@ def _info(args):
     found = report()
     print(json.dumps(found, indent=2) if args.json else info.format_report(found))
     return 0
+
+
+#: torchrun's names for options of `distkeras launch` that it spells otherwise.
+TORCHRUN_NAMES = {"--rdzv-endpoint": "--coordinator"}
+
+
+def torchrun_spellings(parser, words):
+    """``words`` (a command's arguments) with torchrun's spellings of its options in this parser's: ``--two_words``
+    for ``--two-words`` (``--nproc_per_node``), ``--rdzv_endpoint`` for ``--coordinator``. Only the launcher's own
+    options, before the script: the script's own arguments are never touched."""
+    takes_value = {o: a.nargs is None and a.const is None for a in parser._actions for o in a.option_strings}
+    words, out, i = list(words), [], 0
+    while i < len(words):
+        word = words[i]
+        if word == "--" or not word.startswith("-"):
+            return out + words[i:]
+        flag, equals, value = word.partition("=")
+        dashed = flag[:2] + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+        dashed = TORCHRUN_NAMES.get(dashed, dashed)
+        if dashed in takes_value:
+            flag = dashed
+        out.append(flag + equals + value)
+        if takes_value.get(flag) and not equals and i + 1 < len(words):
+            out.append(words[i + 1])
+            i += 1
+        i += 1
+    return out
 
 
 def build_parser():
@@ -246,6 +274,9 @@ def build_parser():
 
 def main(argv=None):
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        argv = ["launch"] + torchrun_spellings(parser.commands.choices["launch"], argv[1:])
     args, extras = parser.parse_known_args(argv)
     if extras:
         (parser.commands.choices.get(args.command) or parser).error("unrecognized arguments: " + " ".join(extras))
@@ -255,7 +286,9 @@ def main(argv=None):
     try:
         return args.func(args)
     except DistKerasError as exc:
-        print("distkeras: error: {}".format(exc), file=sys.stderr)
+        # The command's usage line first, as argparse's own errors have it.
+        command = parser.commands.choices.get(args.command) if getattr(parser, "commands", None) else None
+        print("{}distkeras: error: {}".format((command or parser).format_usage(), exc), file=sys.stderr, end="\n")
         return 2
 
 

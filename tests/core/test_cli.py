@@ -200,3 +200,36 @@ def test_the_cluster_section_shows_what_was_found_and_ignored():
 
 def test_this_process_imported_no_framework():
     assert [m for m in FRAMEWORKS if m in sys.modules] == []
+
+
+def test_torchruns_spellings_are_taken_for_the_launchers_options_only():
+    """Issue 48: `--nproc_per_node 2` got a did-you-mean; torchrun takes both spellings."""
+    parser = cli.build_parser().commands.choices["launch"]
+    words = ["--nproc_per_node", "2", "--node_rank=1", "--rdzv_endpoint", "h:1", "train.py", "--log_dir", "x"]
+    assert cli.torchrun_spellings(parser, words) == [
+        "--nproc-per-node", "2", "--node-rank=1", "--coordinator", "h:1", "train.py", "--log_dir", "x"]
+    # -m's module and its arguments are the module's, even where they look like the launcher's options
+    assert cli.torchrun_spellings(parser, ["-m", "pkg.mod", "--nproc_per_node", "5"])[2:] == ["--nproc_per_node", "5"]
+
+
+def test_a_launch_in_torchruns_spelling_runs(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])")
+    done = distkeras_command(tmp_path, "launch", "--nproc_per_node", "2", "--stop_timeout", "5", str(script))
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 of 2" in done.stdout and "rank 1 of 2" in done.stdout
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--nproc-per-node", "2", "missing.py"], "Can't find the script 'missing.py' in"),
+    (["--nproc-per-node", "0", "{script}"], "--nproc-per-node"),
+])
+def test_a_launch_error_has_the_usage_line_and_starts_no_worker(tmp_path, args, said):
+    """Issue 48: a missing train.py started both workers, each failing with Python's "can't open file"; an option's bad
+    value printed "distkeras: error:" with no usage line."""
+    script = tmp_path / "train.py"
+    script.write_text("print('worker started')")
+    done = distkeras_command(tmp_path, "launch", *[a.format(script=script) for a in args])
+    assert done.returncode == 2 and "worker started" not in done.stdout, done.stdout
+    assert done.stderr.startswith("usage: distkeras launch") and said in done.stderr, done.stderr
+    assert "distkeras: error: " in done.stderr

@@ -284,7 +284,10 @@ def test_a_command_that_is_nowhere_is_refused_before_any_worker_starts(tmp_path,
         launch.check_counts(["prog"], 1, 1, 0)
     launch.check_counts(["./prog"], 1, 1, 0)
     launch.check_counts(["true"], 1, 1, 0)
-    launch.check_counts(["absent.py"], 1, 1, 0)  # Python says which file it can't open, in the worker's own words
+    launch.check_counts(["absent.py"], 1, 1, 0)  # plan() reads nothing but PATH; the command checks the script:
+    with pytest.raises(LaunchError, match="Can't find the script 'absent.py' in .*, so no worker was started"):
+        launch.check_script(["absent.py"])
+    launch.check_script(["-m", "absent"])
     # From the command line: a clear error, exit status 2, and no worker started.
     env = dict(os.environ, PYTHONPATH=SRC, KERAS_HOME=str(tmp_path))
     done = subprocess.run([sys.executable, "-m", "distkeras", "launch", "--nproc-per-node", "2", "nosuchcommand"],

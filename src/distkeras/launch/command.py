@@ -418,6 +418,18 @@ def check_counts(script_args: List[str], nproc_per_node: int, nnodes: int, node_
             "full path, or add its folder to PATH.".format(command, os.getcwd()))
 
 
+def check_script(script_args: List[str]) -> None:
+    """Raise LaunchError where the script to run (``train.py``) is no file here: refused before any worker starts,
+    rather than every worker failing with Python's "can't open file" and the job ending on the first.
+
+    Not part of :func:`plan`, which reads nothing of this host but PATH."""
+    command = script_args[0] if script_args else ""
+    if command.endswith(".py") and not os.path.isfile(command):
+        raise LaunchError(
+            "Can't find the script {!r} in {}, so no worker was started. Give its path (relative to the folder "
+            "distkeras launch runs in), or -m for a module.".format(command, os.getcwd()))
+
+
 def parse_ranks(text: Optional[str], world_size: int) -> Optional[List[int]]:
     """``--ranks``: the comma-separated ranks whose output the console shows; None (every rank) for None.
 
