@@ -31,7 +31,7 @@ from .errors import (
     VerifyError,
 )
 from .loops import attach, distribute_dataset, distribute_step
-from .ranks import is_main_process, print0
+from .ranks import is_main_process, local_rank, local_size, print0, rank, size
 from .sharding import shard, shard_bounds
 
 __version__ = "0.1.0"
@@ -63,10 +63,14 @@ __all__ = [
     "distribute_step",
     "global_batch_size",
     "is_main_process",
+    "local_rank",
+    "local_size",
     "print0",
+    "rank",
     "shard",
     "shard_bounds",
     "shutdown",
+    "size",
     "use_cpu_devices",
 ]
 

@@ -53,3 +53,23 @@ def test_the_helpers_import_no_framework():
                           capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items() if k not in SCHEDULERS})
     assert done.stdout.splitlines() == ["x", "[]"], done.stderr
+
+
+def test_rank_size_local_rank_local_size_are_the_launchers_and_the_schedulers(alone):
+    """Issue 48: the names Horovod and torch users call (hvd.rank(), hvd.size(), hvd.local_rank()...)."""
+    assert (distkeras.rank(), distkeras.size(), distkeras.local_rank(), distkeras.local_size()) == (0, 1, 0, 1)
+    for name, value in dict(LAUNCHED, RANK="1", LOCAL_RANK="1").items():  # distkeras launch / torchrun
+        alone.setenv(name, value)
+    assert (distkeras.rank(), distkeras.size(), distkeras.local_rank(), distkeras.local_size()) == (1, 2, 1, 2)
+    for name in LAUNCHED:
+        alone.delenv(name, raising=False)
+    alone.delenv("RANK")
+    alone.delenv("LOCAL_RANK")
+    # Slurm: 4 tasks on 2 nodes, this one the third
+    for name, value in {"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7",
+                        "SLURM_STEP_ID": "0", "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2", "SLURM_NNODES": "2",
+                        "SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NODELIST": "n[1-2]",
+                        "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+                        "SLURM_TASKS_PER_NODE": "2(x2)"}.items():
+        alone.setenv(name, value)
+    assert (distkeras.rank(), distkeras.size(), distkeras.local_rank(), distkeras.local_size()) == (2, 4, 0, 2)
