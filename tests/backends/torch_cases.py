@@ -174,6 +174,8 @@ CASES = {
     # A mean over each rank's kept entries: the ranks weighed by their shares of the kept entries, not of the rows.
     "masked_ignore_class": (lambda k: masked(k, "ignore_class"), 40, "tokens", _TEN),
     "masked_mask_zero": (lambda k: masked(k, "mask"), 40, "tokens", _TEN),
+    # A last batch of 1: the ranks without a row run the step on a stand-in, whose entries must not count.
+    "masked_tail": (lambda k: masked(k, "ignore_class"), 41, "tokens", _TEN),
 }
 #: Custom steps whose gradients are not the backward pass' .grad tensors as they were (see TransformedStep):
 #: the overlapped all-reduce falls back. Not in CASES: one run each is enough.

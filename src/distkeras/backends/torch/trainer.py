@@ -297,6 +297,8 @@ def _gate_masked_mean(loss_module):
         kept = keras.ops.cast(keras.ops.cast(mask, "bool"), dtype)
         counts = torch.stack([torch.tensor(float(kept.numel()), dtype=torch.float64, device=kept.device),
                               kept.detach().sum().to(torch.float64)]).to(collectives.device())
+        if not replica.count:  # a rank without rows of this step runs it on a stand-in: none of its entries count
+            counts = torch.zeros_like(counts)
         torch.distributed.all_reduce(counts, group=collectives.data_group())
         ratio = torch.where(counts[1] > 0, counts[0] / counts[1].clamp_min(1.0), torch.zeros_like(counts[0]))
         ratio = keras.ops.cast(ratio.to(kept.device), dtype)  # no .item(): no wait for the device
