@@ -229,8 +229,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                 if os.path.exists(old):
                     os.remove(old)
 
-    def _save_finite_weights(self, path):
+    def _save_weights(self, path):
         self.model.save_weights(path)
+
+    def _save_finite_weights(self, path):
+        self._save_weights(path)
         names = checkpoints.non_finite(path)
         if names:
             raise _NotFinite(names)
